@@ -1,0 +1,195 @@
+"""The cost model: how long each op takes and how much activation memory it holds.
+
+Times are in arbitrary units (the unit model has F = B = W = 1); memory is in
+activation units (the unit model holds one per micro-batch in flight).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schedcomp.errors import CostModelError
+from schedcomp.topology import Worker
+
+FORMAT_VERSION = 1
+
+
+def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
+    values = (value,) * pp if isinstance(value, (int, float)) else tuple(value)
+    if len(values) != pp:
+        raise CostModelError(f"{name} has {len(values)} entries but the model has {pp} stages: give one per stage")
+    for v in values:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise CostModelError(f"{name} must hold finite non-negative numbers, got {v!r}")
+    return tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage costs of one micro-batch, communication, optimizer and memory.
+
+    - `forward`, `backward_input` (B), `backward_weight` (W): compute time per stage.
+      A fused backward (BW) costs B + W.
+    - `p2p`: latency of one activation or gradient transfer between neighbouring stages.
+    - `allreduce`, `optimizer`: per-stage gradient all-reduce and optimizer-step time.
+    - `activation`: memory one micro-batch's forward allocates at each stage;
+      B frees the fraction `b_frees` of it, W the rest (BW frees all).
+    - `memory_limit`: the most activation memory a worker may hold (None: unlimited).
+    - `speed`: per-worker speed factors (1.0 = nominal, 0.5 = a straggler at half speed);
+      a worker's compute time is the stage time divided by its factor.
+    """
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    p2p: float = 0.0
+    allreduce: tuple[float, ...] = ()
+    optimizer: tuple[float, ...] = ()
+    activation: tuple[float, ...] = ()
+    b_frees: float = 0.5
+    memory_limit: float | None = None
+    speed: Mapping[Worker, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        pp = len(self.forward)
+        if pp < 1:
+            raise CostModelError("a cost model needs at least one stage")
+        set_ = object.__setattr__
+        set_(self, "forward", _per_stage("forward", self.forward, pp))
+        set_(self, "backward_input", _per_stage("backward_input", self.backward_input, pp))
+        set_(self, "backward_weight", _per_stage("backward_weight", self.backward_weight, pp))
+        set_(self, "allreduce", _per_stage("allreduce", self.allreduce or 0.0, pp))
+        set_(self, "optimizer", _per_stage("optimizer", self.optimizer or 0.0, pp))
+        set_(self, "activation", _per_stage("activation", self.activation or 1.0, pp))
+        set_(self, "p2p", _per_stage("p2p", [self.p2p], 1)[0])
+        if not 0.0 <= self.b_frees <= 1.0:
+            raise CostModelError(f"b_frees must be a fraction in [0, 1], got {self.b_frees!r}")
+        if self.memory_limit is not None and not (self.memory_limit > 0):
+            raise CostModelError(f"memory_limit must be positive, got {self.memory_limit!r}")
+        speed = dict(self.speed)
+        for w, v in speed.items():
+            if not isinstance(w, Worker) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise CostModelError(f"speed factor for {w} must be a positive number, got {v!r}")
+        set_(self, "speed", speed)
+
+    @classmethod
+    def uniform(
+        cls,
+        pp: int,
+        forward: float = 1.0,
+        backward_input: float = 1.0,
+        backward_weight: float = 1.0,
+        p2p: float = 0.0,
+        allreduce: float = 0.0,
+        optimizer: float = 0.0,
+        activation: float = 1.0,
+        b_frees: float = 0.5,
+        memory_limit: float | None = None,
+    ) -> CostModel:
+        """The same costs at every stage; `CostModel.uniform(pp)` is the unit model."""
+        return cls(
+            forward=(forward,) * pp,
+            backward_input=(backward_input,) * pp,
+            backward_weight=(backward_weight,) * pp,
+            p2p=p2p,
+            allreduce=(allreduce,) * pp,
+            optimizer=(optimizer,) * pp,
+            activation=(activation,) * pp,
+            b_frees=b_frees,
+            memory_limit=memory_limit,
+        )
+
+    @property
+    def pp(self) -> int:
+        return len(self.forward)
+
+    def compute_time(self, kind: str, worker: Worker) -> float:
+        """Time `worker` needs for one op of `kind` ("F", "B", "W" or "BW") at its stage."""
+        s = worker.stage
+        base = {
+            "F": self.forward[s],
+            "B": self.backward_input[s],
+            "W": self.backward_weight[s],
+            "BW": self.backward_input[s] + self.backward_weight[s],
+        }[kind]
+        return base / self.speed.get(worker, 1.0)
+
+    def memory_delta(self, kind: str, stage: int) -> float:
+        """Change in held activation memory when an op of `kind` completes at `stage`."""
+        a = self.activation[stage]
+        return {"F": a, "B": -a * self.b_frees, "W": -a * (1.0 - self.b_frees), "BW": -a}[kind]
+
+    def with_memory_limit(self, limit: float | None) -> CostModel:
+        return CostModel(**{**self.__dict__, "memory_limit": limit})
+
+    # ---- JSON -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "forward": list(self.forward),
+            "backward_input": list(self.backward_input),
+            "backward_weight": list(self.backward_weight),
+            "p2p": self.p2p,
+            "allreduce": list(self.allreduce),
+            "optimizer": list(self.optimizer),
+            "activation": list(self.activation),
+            "b_frees": self.b_frees,
+            "memory_limit": self.memory_limit,
+            "speed": {str(w): v for w, v in sorted(self.speed.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostModel:
+        if not isinstance(data, dict):
+            raise CostModelError("a cost model must be a JSON object with per-stage lists such as 'forward'")
+        version = data.get("version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise CostModelError(f"cost model version {version!r} is not supported: this schedcomp reads version {FORMAT_VERSION}")
+        known = {"version", "forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer",
+                 "activation", "b_frees", "memory_limit", "speed"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CostModelError(f"unknown cost model key(s) {', '.join(unknown)}: allowed keys are {', '.join(sorted(known))}")
+        missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in data]
+        if missing:
+            raise CostModelError(f"cost model is missing {', '.join(missing)}: give one time per stage for each")
+        try:
+            speed = {Worker.parse(k): float(v) for k, v in (data.get("speed") or {}).items()}
+            pp = len(data["forward"])
+            return cls(
+                forward=data["forward"],
+                backward_input=data["backward_input"],
+                backward_weight=data["backward_weight"],
+                p2p=data.get("p2p", 0.0),
+                allreduce=data.get("allreduce") or (0.0,) * pp,
+                optimizer=data.get("optimizer") or (0.0,) * pp,
+                activation=data.get("activation") or (1.0,) * pp,
+                b_frees=data.get("b_frees", 0.5),
+                memory_limit=data.get("memory_limit"),
+                speed=speed,
+            )
+        except CostModelError:
+            raise
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CostModelError(f"malformed cost model: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CostModelError(f"cannot read cost model {path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CostModelError(f"cost model {path} is not valid JSON (line {exc.lineno}): {exc.msg}") from None
+        return cls.from_dict(data)

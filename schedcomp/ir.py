@@ -1,0 +1,223 @@
+"""The schedule IR: compute ops, instructions, compute orders and plans.
+
+Text forms (they round-trip through `parse`):
+- an op: `F3.1` = forward of micro-batch 3 of (home) pipeline 1; also `B`, `W`, `BW`.
+  The stage is the stage of the worker whose stream holds it.
+- an instruction: a compute op as above; `LOAD[F3.1]` (load inputs/targets for F3.1);
+  `SEND_ACT[F3.1>0:2]` (send F3.1's output to worker 0:2); `RECV_ACT[F3.1<1:0]`
+  (receive the input of F3.1 from worker 1:0); `SEND_GRAD[B3.1>0:0]`,
+  `RECV_GRAD[BW3.1<0:2]` likewise for input gradients; `ALLREDUCE`; `STEP`.
+  A transfer names the op *on this worker* that produces (send) or consumes (recv) it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from schedcomp.errors import PlanFormatError
+from schedcomp.topology import Topology, Worker
+
+if TYPE_CHECKING:
+    from schedcomp.costs import CostModel
+
+
+class OpKind(str, Enum):
+    """Compute kinds: forward, input-gradient backward, weight-gradient backward, fused backward."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One unit of compute, named by the micro-batch's home pipeline, whoever runs it."""
+
+    kind: OpKind
+    pipeline: int
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch}.{self.pipeline}"
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(pipeline, microbatch, stage): the slot this op fills, whatever its kind."""
+        return (self.pipeline, self.microbatch, self.stage)
+
+    def with_kind(self, kind: OpKind) -> Op:
+        return Op(kind, self.pipeline, self.microbatch, self.stage)
+
+    def at_stage(self, stage: int) -> Op:
+        return Op(self.kind, self.pipeline, self.microbatch, stage)
+
+    @classmethod
+    def parse(cls, text: str, stage: int) -> Op:
+        m = _OP_RE.fullmatch(text.strip())
+        if not m:
+            raise PlanFormatError(f"bad op {text!r}: write KIND MICROBATCH.PIPELINE, e.g. F3.1 or BW0.0")
+        return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage)
+
+
+_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d+)\.(?P<pipeline>\d+)")
+
+
+class InstrKind(str, Enum):
+    """Every kind of step in a worker's instruction stream."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    LOAD = "LOAD"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+    ALLREDUCE = "ALLREDUCE"
+    STEP = "STEP"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_KINDS = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
+SEND_KINDS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD})
+RECV_KINDS = frozenset({InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a worker's stream.
+
+    - compute (F/B/W/BW): `op` is the op to run.
+    - LOAD: `op` is the forward that needs the micro-batch (inputs at stage 0, targets at the last stage).
+    - SEND_*/RECV_*: `op` is the op on this worker that produces / consumes the tensor; `peer` the other end.
+    - ALLREDUCE / STEP: gradient reduction over the stage's live workers, then the optimizer step.
+    """
+
+    kind: InstrKind
+    op: Op | None = None
+    peer: Worker | None = None
+
+    def __post_init__(self) -> None:
+        needs_op = self.kind not in (InstrKind.ALLREDUCE, InstrKind.STEP)
+        needs_peer = self.kind in SEND_KINDS or self.kind in RECV_KINDS
+        if needs_op != (self.op is not None) or needs_peer != (self.peer is not None):
+            raise PlanFormatError(f"instruction {self.kind} has the wrong fields: op={self.op}, peer={self.peer}")
+        if self.kind in COMPUTE_KINDS and self.op is not None and self.op.kind.value != self.kind.value:
+            raise PlanFormatError(f"compute instruction {self.kind} carries op {self.op} of another kind")
+
+    @classmethod
+    def compute(cls, op: Op) -> Instruction:
+        return cls(InstrKind(op.kind.value), op)
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    def __str__(self) -> str:
+        if self.kind in COMPUTE_KINDS:
+            return str(self.op)
+        if self.kind is InstrKind.LOAD:
+            return f"LOAD[{self.op}]"
+        if self.kind in SEND_KINDS:
+            return f"{self.kind.value}[{self.op}>{self.peer}]"
+        if self.kind in RECV_KINDS:
+            return f"{self.kind.value}[{self.op}<{self.peer}]"
+        return self.kind.value
+
+    @classmethod
+    def parse(cls, text: str, stage: int) -> Instruction:
+        """Parse the text form of an instruction in the stream of a worker at `stage`."""
+        text = text.strip()
+        if text in ("ALLREDUCE", "STEP"):
+            return cls(InstrKind(text))
+        m = _INSTR_RE.fullmatch(text)
+        if m:
+            try:
+                kind = InstrKind(m["kind"])
+            except ValueError:
+                raise PlanFormatError(f"unknown instruction kind {m['kind']!r} in {text!r}") from None
+            op = Op.parse(m["op"], stage)
+            peer = Worker.parse(m["peer"]) if m["peer"] else None
+            if (m["dir"] == ">") != (kind in SEND_KINDS) or (m["dir"] == "<") != (kind in RECV_KINDS):
+                raise PlanFormatError(f"bad instruction {text!r}: sends use '>PEER', receives '<PEER', LOAD no peer")
+            return cls(kind, op, peer)
+        return cls.compute(Op.parse(text, stage))
+
+
+_INSTR_RE = re.compile(r"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+\d+\.\d+)(?:(?P<dir>[<>])(?P<peer>\d+:\d+))?\]")
+
+
+@dataclass(frozen=True)
+class Order:
+    """A compute-only schedule: for each live worker, the ops it runs, in order.
+
+    Produced by a schedule family or a solver; `lower` turns it into a `Plan`.
+    """
+
+    topology: Topology
+    microbatches: int
+    ops: Mapping[Worker, tuple[Op, ...]]
+    family: str = ""
+
+    def runner(self) -> dict[tuple[int, int, int], Worker]:
+        """Who runs the F (and so the B and W) of each (pipeline, microbatch, stage)."""
+        return {op.key: w for w, ops in self.ops.items() for op in ops if op.kind is OpKind.F}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled job: topology, costs, one instruction stream per live worker, and provenance.
+
+    `family` names the schedule family or solver that made it; `lower_bound` is a proven
+    lower bound on the period when the solver has one (so the plan carries its gap).
+    """
+
+    topology: Topology
+    costs: CostModel
+    microbatches: int
+    streams: Mapping[Worker, tuple[Instruction, ...]]
+    family: str = ""
+    solver: str = ""
+    lower_bound: float | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return tuple(sorted(self.streams))
+
+    def compute_ops(self, worker: Worker) -> tuple[Op, ...]:
+        return tuple(i.op for i in self.streams[worker] if i.is_compute and i.op is not None)
+
+    def to_json(self) -> str:
+        from schedcomp.serialize import plan_to_json
+
+        return plan_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        from schedcomp.serialize import plan_from_json
+
+        return plan_from_json(text)
+
+    def to_text(self) -> str:
+        from schedcomp.serialize import plan_to_text
+
+        return plan_to_text(self)
+
+    @classmethod
+    def from_text(cls, text: str) -> Plan:
+        from schedcomp.serialize import plan_from_text
+
+        return plan_from_text(text)
