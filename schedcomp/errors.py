@@ -46,3 +46,7 @@ class MemoryLimitError(SchedcompError):
 
 class RecoveryError(SchedcompError):
     """Training cannot continue by re-routing (e.g. every replica of a stage is gone)."""
+
+
+class RuntimeSetupError(SchedcompError):
+    """The runtime cannot run a plan with the given model, data or processes."""

@@ -1,1 +1,20 @@
-"""(being written)"""
+"""Drawing timelines: in the terminal, as a Gantt chart (PNG/SVG), and as Chrome/Perfetto traces.
+
+Every drawing takes `Span`s, simulated (`schedcomp.simulate`) or measured (the runtime), so a
+plan and a run of it are drawn alike. matplotlib is imported only when a chart is drawn.
+"""
+
+from schedcomp.draw.gantt import Panel, draw_gantt
+from schedcomp.draw.terminal import render_legend, render_summary, render_timeline
+from schedcomp.draw.trace import read_chrome_trace, to_chrome_trace, write_chrome_trace
+
+__all__ = [
+    "Panel",
+    "draw_gantt",
+    "read_chrome_trace",
+    "render_legend",
+    "render_summary",
+    "render_timeline",
+    "to_chrome_trace",
+    "write_chrome_trace",
+]

@@ -1,0 +1,44 @@
+"""Micro-batches, addressed by (home pipeline, index), and the tensor-or-tuple values stages pass.
+
+Micro-batch m of home pipeline p is chunk `p * microbatches + m` of the global batch, cut along
+dimension 0 into `dp * microbatches` equal chunks. Whoever runs the first or last stage of that
+micro-batch (its home pipeline or a peer it was re-routed to) loads the same samples and targets.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from schedcomp.errors import RuntimeSetupError
+
+Tensors = Tensor | tuple[Tensor, ...]
+
+
+def as_tuple(value: Tensors) -> tuple[Tensor, ...]:
+    """A stage's inputs or outputs as a tuple (a single tensor becomes a 1-tuple)."""
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(t, Tensor) for t in value):
+        return tuple(value)
+    raise RuntimeSetupError(
+        f"stage values must be a tensor or a tuple of tensors, got {type(value).__name__}: return tensors from forward"
+    )
+
+
+def chunk_index(pipeline: int, microbatch: int, microbatches: int) -> int:
+    """Position of micro-batch (home `pipeline`, `microbatch`) among the global batch's chunks."""
+    return pipeline * microbatches + microbatch
+
+
+def micro_batch(value: Tensors, index: int, count: int) -> Tensors:
+    """Chunk `index` of `count` equal chunks of `value` (a tensor or a tuple of them) along dim 0."""
+    if isinstance(value, Tensor):
+        size = value.shape[0] if value.dim() else 0
+        if size == 0 or size % count:
+            raise RuntimeSetupError(
+                f"a batch of {size} rows cannot be cut into {count} equal micro-batches (dp x microbatches): "
+                f"use a batch size that is a multiple of {count}"
+            )
+        rows = size // count
+        return value[index * rows : (index + 1) * rows]
+    return tuple(micro_batch(v, index, count) for v in as_tuple(value))

@@ -1,0 +1,235 @@
+"""Execute one worker's instruction stream for one iteration: a dispatch table, one handler per kind.
+
+Semantics (design.md): receives are posted in stream order and never block; a compute op waits
+only for the receives of its own inputs; a send is posted right after its producer and never
+blocks; sends are waited on when the stream ends (their buffers live until then). ALLREDUCE sums
+the stage's gradients over its live workers (each micro-batch's loss was already scaled by
+1 / (dp * microbatches)); STEP runs the optimizer. Nothing waits on other stages after that: the
+next iteration starts at once (staggered optimizer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from schedcomp.errors import RuntimeSetupError
+from schedcomp.ir import InstrKind, Instruction, Op, Plan
+from schedcomp.runtime.comm import Comm
+from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
+from schedcomp.runtime.stage import Stage, TensorMeta
+from schedcomp.topology import Worker
+
+Key = tuple[int, int]  # (home pipeline, microbatch)
+_ACT, _GRAD = 0, 1
+MAX_PARTS = 64  # tensors a stage may pass on (keeps gloo tags unique)
+
+
+@dataclass
+class Iteration:
+    """Everything one iteration of one worker's stream touches; thrown away when it ends."""
+
+    plan: Plan
+    worker: Worker
+    stage: Stage
+    comm: Comm
+    inputs: Tensors
+    targets: Tensors
+    input_meta: tuple[TensorMeta, ...]  # what this stage receives (empty at stage 0)
+    output_meta: tuple[TensorMeta, ...]  # what it sends on (empty at the last stage)
+    split: frozenset[Key] = frozenset()  # micro-batches whose backward is split (B, W) in this stream
+    number: int = 0  # of the iteration, for message tags
+    record: bool = False  # profiling: note when each receive was seen complete
+    # state, filled and emptied as the stream runs
+    loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
+    recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
+    outgoing: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)
+    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+    losses: list[Tensor] = field(default_factory=list)
+    arrivals: dict[int, float] = field(default_factory=dict)  # RECV index -> when its consumer saw it complete
+    index: int = 0  # of the instruction being run
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    @property
+    def chunks(self) -> int:
+        return self.plan.topology.dp * self.plan.microbatches
+
+    def tag(self, op: Op, direction: int, part: int) -> int:
+        # Unique per message of an iteration, and differs between consecutive iterations (a sender
+        # is never more than one iteration ahead of its receiver: it waits for the receiver's
+        # gradients). Gloo matches on (peer, tag); NCCL ignores tags and relies on the plan's
+        # per-channel FIFO order.
+        chunk = chunk_index(op.pipeline, op.microbatch, self.plan.microbatches)
+        return (((chunk * 2 + direction) * 2 + self.number % 2) * MAX_PARTS) + part
+
+    def wait_inputs(self, ins: Instruction) -> None:
+        """Block until the receives feeding this compute op have arrived."""
+        direction = _ACT if ins.kind is InstrKind.F else _GRAD
+        pending = self.recvs.get((direction, _key(ins.op)))
+        if pending is not None:
+            for work in pending[1]:
+                work.wait()
+            if self.record:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                self.arrivals[pending[0]] = time.perf_counter()
+
+    def take_received(self, direction: int, op: Op) -> tuple[Tensor, ...]:
+        try:
+            return self.recvs.pop((direction, _key(op)))[2]
+        except KeyError:
+            what = "RECV_ACT" if direction == _ACT else "RECV_GRAD"
+            raise RuntimeSetupError(f"{op} on worker {self.worker} has no earlier {what}: the plan is malformed, "
+                                    "run `schedcomp check` on it") from None
+
+    def post_sends(self, direction: int, ins: Instruction) -> None:
+        assert ins.op is not None and ins.peer is not None
+        tensors = self.outgoing.pop((direction, _key(ins.op)))
+        for part, t in enumerate(tensors):
+            t = t.contiguous()
+            self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins.op, direction, part)), t))
+
+    def post_recvs(self, direction: int, ins: Instruction, metas: tuple[TensorMeta, ...]) -> None:
+        assert ins.op is not None and ins.peer is not None
+        buffers = tuple(m.empty(self.device) for m in metas)
+        works = [self.comm.irecv(b, ins.peer, self.tag(ins.op, direction, part)) for part, b in enumerate(buffers)]
+        self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
+
+    def finish(self) -> None:
+        """Wait for this iteration's sends, then check the stream left nothing behind."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+        leftovers = len(self.recvs) + len(self.outgoing) + self.stage.in_flight() + len(self.stage.store.pending())
+        if leftovers:
+            raise RuntimeSetupError(f"worker {self.worker}'s stream ended with {leftovers} unconsumed tensors: "
+                                    "the plan is malformed, run `schedcomp check` on it")
+
+
+def _key(op: Op | None) -> Key:
+    assert op is not None
+    return (op.pipeline, op.microbatch)
+
+
+def _load(it: Iteration, ins: Instruction) -> None:
+    op = ins.op
+    assert op is not None
+    index = chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)
+    inputs = micro_batch(it.inputs, index, it.chunks) if it.stage.is_first else None
+    targets = micro_batch(it.targets, index, it.chunks) if it.stage.is_last else None
+    it.loaded[_key(op)] = (inputs, targets)
+
+
+def _recv_act(it: Iteration, ins: Instruction) -> None:
+    it.post_recvs(_ACT, ins, it.input_meta)
+
+
+def _recv_grad(it: Iteration, ins: Instruction) -> None:
+    it.post_recvs(_GRAD, ins, tuple(m for m in it.output_meta if m.has_grad))
+
+
+def _send_act(it: Iteration, ins: Instruction) -> None:
+    it.post_sends(_ACT, ins)
+
+
+def _send_grad(it: Iteration, ins: Instruction) -> None:
+    it.post_sends(_GRAD, ins)
+
+
+def _forward(it: Iteration, ins: Instruction) -> None:
+    op, stage = ins.op, it.stage
+    assert op is not None
+    loaded_inputs, targets = it.loaded.pop(_key(op), (None, None)) if stage.is_first or stage.is_last else (None, None)
+    if stage.is_first:
+        if loaded_inputs is None:
+            raise RuntimeSetupError(f"{op} on worker {it.worker} runs before its LOAD: the plan is malformed")
+        inputs = as_tuple(loaded_inputs)
+    else:
+        inputs = it.take_received(_ACT, op)
+    outputs = stage.forward(_key(op), inputs, targets, scale=1.0 / it.chunks, split=_key(op) in it.split)
+    if stage.is_last:
+        it.losses.append(outputs[0])
+    else:
+        it.outgoing[(_ACT, _key(op))] = outputs
+
+
+def _backward(it: Iteration, ins: Instruction, split: bool) -> None:
+    op, stage = ins.op, it.stage
+    assert op is not None
+    grads = () if stage.is_last else it.take_received(_GRAD, op)
+    input_grads = stage.backward(_key(op), grads, split=split)
+    if not stage.is_first:
+        it.outgoing[(_GRAD, _key(op))] = input_grads
+
+
+def _backward_input(it: Iteration, ins: Instruction) -> None:
+    _backward(it, ins, split=True)
+
+
+def _backward_fused(it: Iteration, ins: Instruction) -> None:
+    _backward(it, ins, split=False)
+
+
+def _backward_weight(it: Iteration, ins: Instruction) -> None:
+    it.stage.backward_weight(_key(ins.op))
+
+
+def _allreduce(it: Iteration, ins: Instruction) -> None:
+    group = it.comm.stage_group(it.plan.topology.stage_group(it.worker.stage))
+    if group is None or not it.stage.params:
+        return  # the only live worker of its stage: its gradients are already the sum
+    flat = it.stage.flat_grads()
+    dist.all_reduce(flat, group=group)
+    it.stage.set_flat_grads(flat)
+
+
+def _step(it: Iteration, ins: Instruction) -> None:
+    it.stage.step()
+
+
+HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
+    InstrKind.LOAD: _load,
+    InstrKind.RECV_ACT: _recv_act,
+    InstrKind.RECV_GRAD: _recv_grad,
+    InstrKind.SEND_ACT: _send_act,
+    InstrKind.SEND_GRAD: _send_grad,
+    InstrKind.F: _forward,
+    InstrKind.B: _backward_input,
+    InstrKind.W: _backward_weight,
+    InstrKind.BW: _backward_fused,
+    InstrKind.ALLREDUCE: _allreduce,
+    InstrKind.STEP: _step,
+}
+
+_WAITS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})
+
+Timing = list[tuple[int, float, float]]  # (instruction index, start, end) in perf_counter seconds
+
+
+def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | None = None) -> None:
+    """Run one iteration of `stream`; with `timing`, append each instruction's (index, start, end).
+
+    A compute op's start is taken after its inputs arrived, so waiting shows as a gap before it,
+    as in the planned timeline. On a GPU the device is synchronised around each instruction, only
+    when timing (profiling) is on.
+    """
+    sync = torch.cuda.synchronize if timing is not None and it.device.type == "cuda" else None
+    for index, ins in enumerate(stream):
+        it.index = index
+        if ins.kind in _WAITS:
+            it.wait_inputs(ins)
+        start = time.perf_counter()
+        HANDLERS[ins.kind](it, ins)
+        if timing is not None:
+            if sync is not None:
+                sync()
+            timing.append((index, start, time.perf_counter()))
+    it.finish()

@@ -1,0 +1,215 @@
+"""Agreeing on one view per generation: every survivor ends with the same generation and failed set.
+
+The protocol, per generation G, in the store (nothing but `compare_set`, `add`, `check`, `get`):
+1. Propose: `compare_set(gen/G/view, "", my proposal)`; the first writer wins and everyone adopts
+   the winner's view (a worker never argues with it; it only moves on, step 3).
+2. Acknowledge: a member that knows of no failure the view misses bumps `gen/G/ack`.
+3. Decide, with `compare_set(gen/G/outcome, "", ...)`, first writer wins again:
+   - `sealed` once every member acknowledged: G is the job's generation, everyone returns it;
+   - `superseded` by a member that knows of a failure the view misses (its detector saw a member
+     die, before or after acknowledging). It first proposes G+1 with everything it knows, then
+     marks G superseded, so everyone moving on adopts a view with its news. If G was sealed
+     first, everyone returns G, and the G+1 proposal left in the store trips every detector:
+     the next round starts at once and adopts it.
+   A generation is superseded only by news, and the next view holds that news, so failed sets
+   grow from one generation to the next and a round ends; every worker obeys the same
+   first-writer-wins keys, so all of them return the same view.
+A member that finds itself in the adopted view's failed set was declared dead while alive (a
+false suspicion): it raises `Evicted`; its process should exit so that the launcher starts a
+replacement, which rejoins like any other.
+
+Joining: a replacement announces itself (`announce_join`); at an iteration boundary the
+survivors see it (`pending_joins`), fix the iteration at which it enters (`propose_switch`,
+first writer wins, see `policy.switch_iteration`) and, at that boundary, call `agree` with
+`joiners`; the replacement calls `agree` with `propose=False` and waits for a view that has it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from schedcomp.errors import RecoveryError
+from schedcomp.runtime.fault.membership import FailureDetector, View
+from schedcomp.runtime.fault.store import Keys, get_int
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+SEALED, SUPERSEDED, NEWS = "sealed", "superseded", "news"
+
+
+class Evicted(RecoveryError):
+    """This worker was declared failed by the others: exit, and let the launcher start a replacement."""
+
+
+class AgreementTimeout(RecoveryError):
+    """The survivors did not agree on a generation in time."""
+
+
+def agree(store: Store, view: View, me: Worker, detector: FailureDetector, *, joiners: Iterable[Worker] = (),
+          propose: bool = True, timeout: float = 60.0, poll: float = 0.005) -> View:
+    """Agree with the other survivors on the generation after `view`; return it (sealed).
+
+    `view` is the last generation this worker ran (or, for a replacement, any generation it
+    knows of: it waits for a later one that admits it, with `propose=False`). `joiners` are
+    replacements admitted by this change (workers failed in `view`). On return the detector
+    watches the new view's members.
+    """
+    deadline = time.monotonic() + timeout
+    dead = set(detector.failed())
+    generation = view.generation + 1
+    failed = (set(view.failed) - set(joiners)) | dead
+    while True:
+        proposal = View(generation, Topology.of(view.topology.pp, view.topology.dp, failed)) if propose else None
+        winner = _adopt(store, proposal, generation, deadline, poll)
+        if me in winner.failed:
+            if propose:
+                raise Evicted(f"worker {me} was declared failed in generation {winner.generation}: "
+                              "exit and let the launcher start a replacement")
+            generation += 1  # a replacement waits for a view that admits it
+            continue
+        detector.watch(winner)
+        dead |= detector.failed()
+        if not dead - winner.failed:
+            store.add(Keys.ack(winner.generation), 1)
+            outcome = _wait_for_outcome(store, winner, detector, deadline, poll)
+            if outcome == SEALED:
+                log.info("worker %s: generation %d sealed, failed: %s", me, winner.generation,
+                         ", ".join(map(str, sorted(winner.failed))) or "none")
+                return winner
+            dead |= detector.failed()
+        failed = set(winner.failed) | dead
+        if dead - winner.failed and _supersede(store, winner, failed) == SEALED:
+            return winner  # too late: our news breaks the sealed generation at once (see _supersede)
+        log.info("worker %s: generation %d superseded (also failed: %s)", me, winner.generation,
+                 ", ".join(map(str, sorted(dead - winner.failed))) or "-")
+        generation, view = winner.generation + 1, winner
+
+
+def join_job(store: Store, pp: int, dp: int, me: Worker, detector: FailureDetector, *,
+             timeout: float = 120.0) -> View:
+    """Agree on the first generation: every worker of the job, minus those that never showed up."""
+    return agree(store, View(-1, View.initial(pp, dp).topology), me, detector, timeout=timeout)
+
+
+def latest_view(store: Store) -> View | None:
+    """The newest generation proposed so far (sealed or not), or None before the job started."""
+    generation = -1
+    while store.check([Keys.view(generation + 1)]):
+        generation += 1
+    return View.from_json(store.get(Keys.view(generation))) if generation >= 0 else None
+
+
+def _adopt(store: Store, proposal: View | None, generation: int, deadline: float, poll: float) -> View:
+    key = Keys.view(generation)
+    if proposal is not None:
+        text = store.compare_set(key, "", proposal.to_json())
+    else:
+        while not store.check([key]):
+            _tick(deadline, poll, f"no generation {generation} was proposed")
+        text = store.get(key)
+    store.add(Keys.events(), 1)  # wake every detector: a generation change is under way
+    return View.from_json(text)
+
+
+def _wait_for_outcome(store: Store, view: View, detector: FailureDetector, deadline: float, poll: float) -> str:
+    """SEALED or SUPERSEDED once decided, or NEWS when our detector finds a member failed first."""
+    g = view.generation
+    while True:
+        if store.check([Keys.outcome(g)]):
+            return store.get(Keys.outcome(g)).decode()
+        if store.add(Keys.ack(g), 0) >= len(view.members):
+            return _decide(store, g, SEALED)
+        if detector.failed() - view.failed:
+            return NEWS
+        _tick(deadline, poll, f"generation {g} was not sealed ({store.add(Keys.ack(g), 0)} of "
+                              f"{len(view.members)} members acknowledged)")
+
+
+def _supersede(store: Store, view: View, failed: set[Worker]) -> str:
+    """Propose the next generation with what we know, then try to retire `view`; returns `view`'s outcome.
+
+    The proposal goes first, so whoever sees `view` superseded finds our news in the next view. If
+    `view` was sealed meanwhile, the proposal stays: every detector sees it and breaks `view`.
+    """
+    store.compare_set(Keys.view(view.generation + 1), "", view.next(failed).to_json())
+    return _decide(store, view.generation, SUPERSEDED)
+
+
+def _decide(store: Store, generation: int, outcome: str) -> str:
+    return store.compare_set(Keys.outcome(generation), "", outcome).decode()
+
+
+def _tick(deadline: float, poll: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise AgreementTimeout(f"{what}: raise the agreement timeout or check that the workers can reach the store")
+    time.sleep(poll)
+
+
+# ---- joins ---------------------------------------------------------------------------------------
+
+
+def announce_join(store: Store, me: Worker, incarnation: int) -> None:
+    """A replacement process for `me` asks to be admitted at the survivors' next iteration boundary."""
+    store.set(Keys.join(me), str(incarnation))
+    store.add(Keys.events(), 1)
+
+
+def pending_joins(store: Store, view: View) -> frozenset[Worker]:
+    """Failed workers of `view` whose replacement is up and waiting (costs nothing when none failed)."""
+    return frozenset(w for w in view.failed if get_int(store, Keys.join(w)) > get_int(store, Keys.dead(w)))
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Replacements enter the job at the start of iteration `iteration` (after generation `generation`)."""
+
+    generation: int
+    iteration: int
+    joiners: frozenset[Worker]
+
+
+def propose_switch(store: Store, view: View, iteration: int, joiners: Iterable[Worker]) -> Switch:
+    """Fix when `joiners` enter; the first survivor to propose wins and every survivor gets its choice."""
+    key = f"gen/{view.generation}/switch"
+    mine = json.dumps({"iteration": iteration, "joiners": sorted(str(w) for w in joiners)})
+    d = json.loads(store.compare_set(key, "", mine))
+    return Switch(view.generation, int(d["iteration"]), frozenset(Worker.parse(w) for w in d["joiners"]))
+
+
+def agreed_switch(store: Store, view: View) -> Switch | None:
+    """The switch fixed for this generation, if any (checked by every survivor at each boundary)."""
+    key = f"gen/{view.generation}/switch"
+    if not store.check([key]):
+        return None
+    d = json.loads(store.get(key))
+    return Switch(view.generation, int(d["iteration"]), frozenset(Worker.parse(w) for w in d["joiners"]))
+
+
+# ---- commit records --------------------------------------------------------------------------------
+
+
+class CommitLog:
+    """Per-worker commit records: the last iteration whose optimizer step each worker applied.
+
+    A worker records right after its STEP, before it waits on anything again, so the survivors'
+    records are final by the time they agree on the next generation; `policy.rollback_decision`
+    reads them. (A stage's record is its replicas' records: they step together after their
+    all-reduce, but a replica may abort just before stepping, so each keeps its own.)
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def record(self, worker: Worker, iteration: int) -> None:
+        self.store.set(Keys.commit(worker), str(iteration))
+
+    def read(self, workers: Iterable[Worker]) -> dict[Worker, int]:
+        """Each worker's last stepped iteration (-1: none yet)."""
+        return {w: get_int(self.store, Keys.commit(w)) for w in workers}

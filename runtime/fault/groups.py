@@ -1,0 +1,213 @@
+"""Process groups for one generation, built without the dead: `regroup(store, view, me) -> Groups`.
+
+Each generation gets a fresh key space, `PrefixStore(f"gen{G}", store)`, and its groups are
+backend objects (`ProcessGroupGloo`, `ProcessGroupNCCL`) constructed directly on it by their
+members only: nothing waits for a rank that is gone, and no `init_process_group` /
+`new_group` over the old world is needed (there may be no default group at all).
+
+The groups are registered with `torch.distributed` under this generation's ranks (a member's
+rank is its index in `view.members`), so the usual calls work on them: `dist.all_reduce(t,
+group=g)`, `dist.isend(t, dst=rank, group=g)`, `dist.broadcast(t, src=rank, group=g)`,
+`dist.batch_isend_irecv`, `dist.get_backend(g)`, `dist.destroy_process_group(g)`.
+
+Leaving a broken generation: its groups may still run operations that wait on a hung peer, and
+gloo cannot cancel them (`abort()` and `shutdown()` do not wake them); destroying such a group
+blocks, with the GIL held, until the operation times out. So `Generation.close(graveyard)` buries
+the groups instead, and `Graveyard.sweep()` destroys them once their operations' timeout has
+passed. (When the launcher fences a failed worker, i.e. kills it, its sockets close and the
+pending operations fail at once; the graveyard is for hosts that vanish without a word.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroup, Store
+
+from schedcomp.errors import RecoveryError
+from schedcomp.runtime.fault.membership import View
+from schedcomp.runtime.fault.store import LOOPBACK
+from schedcomp.topology import Worker
+
+log = logging.getLogger(__name__)
+
+NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
+
+
+class Generation:
+    """Builds this worker's process groups for one generation; a drop-in for `dist.new_group`.
+
+    `new_group(ranks)` has `dist.new_group`'s contract (every rank of the generation calls it, in
+    the same order, non-members get `NON_MEMBER`) but only members touch the store, so it never
+    waits on a worker that is not in `ranks`. This matches the runtime's `GroupFactory`.
+    """
+
+    def __init__(self, store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
+                 timeout: float = 60.0, device: torch.device | None = None) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise RecoveryError(f"backend {backend!r} cannot be rebuilt per generation: use gloo or nccl")
+        self.view, self.me, self.backend, self.host = view, me, backend, host
+        self.rank, self.size = view.rank(me), len(view.members)
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                 else torch.device("cpu"))
+        self._store = PrefixStore(f"gen{view.generation}", store)
+        self._calls = 0
+        self._groups: list[ProcessGroup] = []
+
+    @property
+    def generation(self) -> int:
+        return self.view.generation
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup:
+        """A group over these generation ranks (collective in call order, like `dist.new_group`)."""
+        members = sorted(set(ranks))
+        call, self._calls = self._calls, self._calls + 1
+        if not members or members[0] < 0 or members[-1] >= self.size:
+            raise RecoveryError(f"group ranks {members} are outside generation {self.generation}'s "
+                                f"0..{self.size - 1}")
+        if self.rank not in members:
+            return NON_MEMBER
+        name = f"schedcomp.gen{self.generation}.{call}"
+        # The prefix names the call *and* its members: workers of different stages make their own
+        # stage's group at the same call index, and must not share keys.
+        store = PrefixStore(f"{call}:{'-'.join(map(str, members))}", self._store)
+        pg = _make_group(store, members.index(self.rank), len(members), self.backend, self.host, self.timeout,
+                         self.device, name)
+        _register(pg, name, self.backend, store, {r: i for i, r in enumerate(members)})
+        self._groups.append(pg)
+        return pg
+
+    def group_of(self, workers: Iterable[Worker]) -> ProcessGroup:
+        """`new_group` over these members of the view."""
+        return self.new_group([self.view.rank(w) for w in workers])
+
+    def close(self, graveyard: Graveyard | None = None) -> None:
+        """Leave this generation: destroy its groups now, or bury them in `graveyard` (after a failure)."""
+        groups, self._groups = self._groups, []
+        if graveyard is not None:
+            graveyard.bury(groups, self.timeout.total_seconds())
+        else:
+            _destroy(groups)
+
+
+class Graveyard:
+    """Groups of broken generations, kept alive until every operation they may still run has timed out."""
+
+    def __init__(self) -> None:
+        self._graves: list[tuple[float, list[ProcessGroup]]] = []
+
+    def bury(self, groups: list[ProcessGroup], timeout: float) -> None:
+        self._graves.append((time.monotonic() + timeout, groups))
+
+    def sweep(self, now: float | None = None) -> int:
+        """Destroy the groups whose operations have all timed out by now; return how many remain buried."""
+        now = time.monotonic() if now is None else now
+        keep = []
+        for deadline, groups in self._graves:
+            if deadline <= now:
+                _destroy(groups)
+            else:
+                keep.append((deadline, groups))
+        self._graves = keep
+        return sum(len(groups) for _, groups in keep)
+
+
+def _destroy(groups: list[ProcessGroup]) -> None:
+    for pg in reversed(groups):
+        try:
+            dist.destroy_process_group(pg)
+        except Exception as e:  # a broken group may fail to shut down cleanly; it is gone either way
+            log.debug("destroying a broken group: %s", e)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """One generation's groups for this worker: the world of survivors and its stage's group."""
+
+    generation: Generation
+    world: ProcessGroup
+    stage: ProcessGroup | None  # None when this worker is its stage's only live worker
+
+    @property
+    def view(self) -> View:
+        return self.generation.view
+
+    @property
+    def rank(self) -> int:
+        return self.generation.rank
+
+    def rank_of(self, worker: Worker) -> int:
+        """A member's rank in this generation (in `world` and in `dist.*` calls on these groups)."""
+        return self.view.rank(worker)
+
+    def close(self, graveyard: Graveyard | None = None) -> None:
+        """See `Generation.close`: pass a graveyard when leaving a broken generation."""
+        self.generation.close(graveyard)
+
+
+def regroup(store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
+            timeout: float = 60.0, device: torch.device | None = None) -> Groups:
+    """Build this worker's groups for the (sealed) `view`: the world over its members, and its stage.
+
+    Every member of the view calls it; it returns once the groups this worker belongs to are
+    connected (the stage groups of other stages are built by their own members only).
+    """
+    gen = Generation(store, view, me, backend=backend, host=host, timeout=timeout, device=device)
+    world = gen.new_group(range(gen.size))
+    stage = None
+    for s in range(view.topology.pp):
+        members = view.topology.stage_group(s)
+        if len(members) > 1:
+            group = gen.group_of(members)
+            if s == me.stage:
+                stage = group
+    return Groups(gen, world, stage)
+
+
+def _make_group(store: Store, rank: int, size: int, backend: str, host: str, timeout: datetime.timedelta,
+                device: torch.device, name: str) -> ProcessGroup:
+    """A `ProcessGroup` with one backend object built directly on `store` (what `new_group` does inside)."""
+    pg = ProcessGroup(store, rank, size)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # listen where the user said
+        impl = dist.ProcessGroupGloo(store, rank, size, options)
+        kind = ProcessGroup.BackendType.GLOO
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        options.group_name = name
+        impl = dist.ProcessGroupNCCL(store, rank, size, options)
+        kind = ProcessGroup.BackendType.NCCL
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, impl)
+    pg._set_group_name(name)
+    return pg
+
+
+def _register(pg: ProcessGroup, name: str, backend: str, store: Store, ranks: dict[int, int]) -> None:
+    """Tell `torch.distributed` about the group, as `new_group` would (and `destroy_process_group` undoes).
+
+    Without it `dist.isend(dst=...)`, `dist.broadcast(src=...)` and `batch_isend_irecv` cannot map
+    ranks, and `dist.get_backend(group)` fails. These are torch's private tables (torch 2.4 - 2.13).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    world.pg_map[pg] = (backend, store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = backend
+    world.pg_group_ranks[pg] = ranks
+    tag = f"ptd:{name}"
+    world.pg_to_tag[pg] = tag
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.tags_to_pg.setdefault("", []).append(pg)
+    c10d._register_process_group(name, pg)

@@ -1,0 +1,292 @@
+"""Who is in the job: views (generation + failed set), heartbeats, and the failure detector.
+
+A `View` is what the survivors agree on (see `agreement`): a generation number and the topology
+with its failed workers; its members are the live workers, and a member's rank in that
+generation is its index among them (the rank order of `Plan.workers`, so `RankMap` agrees).
+
+Detection, each worker in its own background threads, each with its own store client:
+- `Heartbeat` bumps `hb/W` every `interval` seconds.
+- `FailureDetector` polls the store every `poll` seconds and declares a member failed when
+  (a) the launcher that reaped its process left a death notice (`dead/W` >= `inc/W`): a crash on
+      a live host is seen within one poll;
+  (b) its heartbeat counter has not moved for `detection_time` seconds by *this* host's clock
+      (a hung process, a dead host or a cut network: no clocks are compared across hosts);
+  (c) the executor declared it failed (`declare_failed`, e.g. after an operation timed out).
+  It trips its `signal` when the current generation is broken: a member failed, another worker
+  proposed a newer generation, or the executor reported a communication error (`report`). An
+  error alone names no one: "connection closed by peer" is also what a live peer causes when it
+  drops a broken generation's groups, so the peer is only declared failed by (a), (b) or (c).
+- `wait_work(work, signal)` waits for a `torch.distributed` work item but gives up as soon as the
+  signal trips: gloo offers no way to interrupt a blocked `wait()` (neither `abort()` nor
+  `shutdown()` wakes it), so the executor polls with a short exponential back-off instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from schedcomp.errors import RecoveryError
+from schedcomp.runtime.fault.store import Keys, StoreAddress, get_int
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+VIEW_FORMAT = 1
+
+
+class GenerationAborted(RecoveryError):
+    """The current generation broke while this worker waited on it: agree on the next one and re-run."""
+
+
+@dataclass(frozen=True)
+class View:
+    """One generation of the job: its number and the topology (pp, dp, failed workers)."""
+
+    generation: int
+    topology: Topology
+
+    @classmethod
+    def initial(cls, pp: int, dp: int) -> View:
+        return cls(0, Topology.of(pp, dp))
+
+    @property
+    def failed(self) -> frozenset[Worker]:
+        return self.topology.failed
+
+    @property
+    def members(self) -> tuple[Worker, ...]:
+        """The live workers, in rank order (the same order as `Plan.workers`)."""
+        return self.topology.live_workers
+
+    def rank(self, worker: Worker) -> int:
+        """This generation's rank of a member (its index among the live workers)."""
+        try:
+            return self.members.index(worker)
+        except ValueError:
+            raise RecoveryError(f"worker {worker} is not a member of generation {self.generation}: "
+                                "it was declared failed; restart it so it rejoins") from None
+
+    def next(self, failed: Iterable[Worker]) -> View:
+        """The following generation with this failed set."""
+        return View(self.generation + 1, Topology.of(self.topology.pp, self.topology.dp, failed))
+
+    def to_json(self) -> str:
+        t = self.topology
+        return json.dumps({"format": VIEW_FORMAT, "generation": self.generation, "pp": t.pp, "dp": t.dp,
+                           "failed": sorted(str(w) for w in t.failed)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> View:
+        try:
+            d = json.loads(text)
+            if d.get("format") != VIEW_FORMAT:
+                raise ValueError(f"format {d.get('format')!r}")
+            return cls(int(d["generation"]), Topology.of(int(d["pp"]), int(d["dp"]),
+                                                         [Worker.parse(w) for w in d["failed"]]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise RecoveryError(f"unreadable view in the store ({e}): "
+                                "every worker must run the same schedcomp") from None
+
+
+class Heartbeat:
+    """A background thread that bumps this worker's heartbeat counter every `interval` seconds."""
+
+    def __init__(self, address: StoreAddress, worker: Worker, incarnation: int = 0, interval: float = 0.5) -> None:
+        self.address, self.worker, self.incarnation, self.interval = address, worker, incarnation, interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> Heartbeat:
+        """Start beating; returns after the first beat is in the store."""
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=f"heartbeat-{self.worker}",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # a daemon thread inside a store call when the interpreter exits aborts it
+        if not started.wait(timeout):
+            raise RecoveryError(f"worker {self.worker} cannot reach the store at {self.address}: "
+                                "check the address and that the launcher is running")
+        return self
+
+    def _run(self, started: threading.Event) -> None:
+        # The client is made and used in this thread only (a client handed over from another thread
+        # makes the interpreter abort at exit while this daemon thread still uses it).
+        store = self.address.connect()
+        key = Keys.heartbeat(self.worker)
+        store.set(Keys.incarnation(self.worker), str(self.incarnation))
+        store.add(key, 1)  # present before anyone can count this worker a member
+        started.set()
+        while not self._stop.wait(self.interval):
+            try:
+                store.add(key, 1)
+            except Exception as e:  # the store is gone: the job is over, nothing to report to
+                log.warning("heartbeat of %s stopped: %s", self.worker, e)
+                return
+
+    def stop(self) -> None:
+        """Stop beating (a test can stop a worker's heartbeat to make it look hung)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class _Watch:
+    count: int = -1  # last heartbeat counter seen (-1: none yet)
+    since: float = 0.0  # local monotonic time of the last change (or of the start of watching)
+    failed: bool = False
+
+
+@dataclass
+class FailureDetector:
+    """Watches the members of the current view; see the module docstring for the rules."""
+
+    address: StoreAddress
+    me: Worker
+    detection_time: float = 3.0
+    poll: float = 0.05
+    signal: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watch: dict[Worker, _Watch] = {}
+        self._declared: set[Worker] = set()
+        self._generation = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reason = ""
+
+    # ---- what the worker calls ------------------------------------------------------------------
+
+    def start(self, view: View | None = None) -> FailureDetector:
+        if view is not None:
+            self.watch(view)
+        self._thread = threading.Thread(target=self._run, name=f"detector-{self.me}", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # see Heartbeat.start
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        atexit.unregister(self.stop)
+
+    def watch(self, view: View, extra: Iterable[Worker] = ()) -> None:
+        """Watch the members of `view` (plus `extra`) from now on; clears the signal.
+
+        A worker watched before keeps its heartbeat clock, so agreeing on a view never makes a
+        hung worker look fresh again.
+        """
+        now = time.monotonic()
+        members = {*view.members, *extra} - {self.me}
+        with self._lock:
+            # A declaration stands until the worker comes back as a new member (a replacement).
+            self._declared -= members - set(self._watch)
+            self._watch = {w: self._watch.get(w) or _Watch(since=now) for w in members}
+            self._generation = view.generation
+            self.signal.clear()
+            self.reason = ""
+
+    def failed(self) -> frozenset[Worker]:
+        """Watched workers found failed so far (a snapshot)."""
+        with self._lock:
+            return frozenset(w for w, s in self._watch.items() if s.failed) | frozenset(self._declared)
+
+    def report(self, peer: Worker | None, error: BaseException | str) -> None:
+        """The executor's operation with `peer` failed: the generation is broken (the peer may be fine)."""
+        self._trip(f"error with {peer}: {error}")
+
+    def declare_failed(self, peer: Worker, why: str) -> None:
+        """The executor is sure `peer` failed (e.g. an operation with it timed out)."""
+        with self._lock:
+            self._declared.add(peer)
+        self._trip(f"{peer} declared failed: {why}")
+
+    # ---- the thread ------------------------------------------------------------------------------
+
+    def _trip(self, reason: str) -> None:
+        if not self.signal.is_set():
+            self.reason = reason
+            log.info("worker %s: generation broken: %s", self.me, reason)
+        self.signal.set()
+
+    def _run(self) -> None:
+        store = self.address.connect()
+        events, ensured, next_beat_check = -1, frozenset[Worker](), 0.0
+        while not self._stop.wait(self.poll):
+            try:
+                with self._lock:
+                    watched = tuple(self._watch)
+                    generation = self._generation
+                latest = store.add(Keys.events(), 0)
+                if latest != events:  # something happened: look for death notices and newer generations
+                    events = latest
+                    self._check_notices(store, watched, generation)
+                now = time.monotonic()
+                if now >= next_beat_check:  # heartbeats are read a few times per detection_time, not every poll
+                    next_beat_check = now + self.detection_time / 5
+                    if ensured != frozenset(watched):  # multi_get blocks on missing keys: create them (as 0)
+                        for w in watched:
+                            store.add(Keys.heartbeat(w), 0)
+                        ensured = frozenset(watched)
+                    counts = store.multi_get([Keys.heartbeat(w) for w in watched]) if watched else []
+                    self._check_beats(watched, [int(c) for c in counts], now)
+            except Exception as e:  # the store is gone: nobody can agree on anything any more
+                self._trip(f"store unreachable: {e}")
+                return
+
+    def _check_notices(self, store: dist.Store, watched: tuple[Worker, ...], generation: int) -> None:
+        dead = [w for w in watched if get_int(store, Keys.dead(w)) >= get_int(store, Keys.incarnation(w), 0)]
+        with self._lock:
+            newly = [w for w in dead if w in self._watch and not self._watch[w].failed]
+            for w in newly:
+                self._watch[w].failed = True
+        for w in newly:
+            self._trip(f"{w} failed (death notice)")
+        if generation >= 0 and store.check([Keys.view(generation + 1)]):
+            self._trip(f"generation {generation + 1} was proposed")
+
+    def _check_beats(self, watched: tuple[Worker, ...], counts: list[int], now: float) -> None:
+        newly = []
+        with self._lock:
+            for w, count in zip(watched, counts, strict=True):
+                s = self._watch.get(w)
+                if s is None or s.failed:
+                    continue
+                if count != s.count:
+                    s.count, s.since = count, now
+                elif now - s.since > self.detection_time:
+                    s.failed = True
+                    newly.append((w, now - s.since))
+        for w, silent in newly:
+            self._trip(f"{w} failed (no heartbeat for {silent:.1f}s)")
+
+
+def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5, max_poll: float = 1e-3) -> None:
+    """`work.wait()`, except that it raises `GenerationAborted` as soon as `signal` is set.
+
+    Polls `is_completed()` with a back-off from `first_poll` to `max_poll` seconds: a transfer that
+    is already there costs one call; one that arrives later is noticed within `max_poll`.
+    """
+    delay = first_poll
+    while not work.is_completed():
+        if signal.wait(delay):
+            raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
+        delay = min(2 * delay, max_poll)
+    work.wait()  # raises the transfer's own error, if it failed

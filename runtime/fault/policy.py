@@ -1,0 +1,135 @@
+"""What to do after a failure, as pure functions: undo, re-run, skip, and when replacements enter.
+
+## Rollback (the default): undo half-applied steps, re-run the iteration on the new plan
+
+With the staggered optimizer each stage steps as soon as its own gradients are reduced, so when
+a worker dies during iteration i some stages may have stepped i and others not. Every survivor
+records the last iteration it stepped (`CommitLog` in `agreement`, written right after STEP and
+before the worker touches the network again, so it is final once the survivors are agreeing).
+`rollback_decision` then picks the iteration every stage can re-run: the lowest committed one
+plus one. Survivors that stepped beyond it undo that step by restoring the snapshot they took
+just before it (`transfer.StepSnapshot`), and every stage re-runs the iteration on the new plan.
+
+Why undo rather than keep the half-applied steps (roll forward): the stages that have not
+stepped still need iteration i's gradients, and those depend on the *pre-step* parameters of the
+stages that have; recomputing them needs those parameters back whatever we do. Restoring a
+snapshot is bit-exact and works for any optimizer (SWIFT's algebraic inverse of the update is
+neither: it rounds, and needs an invertible update rule), so the model trained is exactly the
+fault-free one. Why not a commit vote before every step (TorchFT): it is a barrier across all
+stages on every iteration, which is the very stall the staggered optimizer removes; a snapshot
+costs one device-local copy of the stage's parameters and optimizer state per iteration and no
+waiting. Only one snapshot is ever needed: no stage can step twice while another has not
+stepped once (its next backward needs that stage's next forward, which comes after its step).
+
+Edge cases (tested): failure before any stage stepped i -> nothing to undo, re-run i; after some
+stepped -> they undo, re-run i; after every stage stepped i -> nothing to undo, go on with i+1.
+
+## Lossy forward (option, Nicolae et al., CCGrid 2022)
+
+Finish the iteration on the survivors without the micro-batches that ran through a failed
+worker, and rescale each stage's gradient to the mean over the micro-batches it does hold
+(`lossy_decision`). Weight gradients a survivor already accumulated for a lost micro-batch cannot
+be taken out, so they stay and count at that stage. The samples skipped are reported.
+
+## Replacements
+
+`switch_iteration`: the first iteration a replacement can join at, proposed at an iteration
+boundary so that no survivor has started it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from schedcomp.errors import RecoveryError
+from schedcomp.ir import OpKind, Plan
+from schedcomp.topology import Worker
+
+Slot = tuple[int, int, int]  # (home pipeline, microbatch, stage)
+MicroBatch = tuple[int, int]  # (home pipeline, microbatch)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Re-run iteration `rerun` on every stage; the workers in `undo` first restore their pre-step snapshot."""
+
+    rerun: int
+    undo: frozenset[Worker]
+
+    @property
+    def stages_undone(self) -> frozenset[int]:
+        return frozenset(w.stage for w in self.undo)
+
+
+def rollback_decision(commits: Mapping[Worker, int]) -> Rollback:
+    """Decide from the survivors' commit records (last iteration each stepped; -1 for none)."""
+    if not commits:
+        raise RecoveryError("no survivor reported a commit record: restart from the latest checkpoint")
+    low, high = min(commits.values()), max(commits.values())
+    if high - low > 1:
+        ahead = sorted(str(w) for w, c in commits.items() if c == high)
+        raise RecoveryError(f"workers {', '.join(ahead)} stepped iteration {high} while others are at {low}: "
+                            "only one step can be undone; restart from the latest checkpoint")
+    return Rollback(low + 1, frozenset(w for w, c in commits.items() if c > low))
+
+
+@dataclass(frozen=True)
+class Lossy:
+    """Finish the iteration without `skipped`; multiply stage s's reduced gradient by `scale[s]`."""
+
+    skipped: frozenset[MicroBatch]
+    contributors: Mapping[int, int]  # stage -> micro-batches whose gradients that stage holds
+    scale: Mapping[int, float]
+    skipped_samples: int
+
+
+def runners(plan: Plan) -> dict[Slot, Worker]:
+    """Who runs each (home pipeline, microbatch, stage) in `plan` (its F, and so its B and W)."""
+    return {op.key: w for w in plan.workers for op in plan.compute_ops(w) if op.kind is OpKind.F}
+
+
+def lossy_decision(runner: Mapping[Slot, Worker], failed: Iterable[Worker], accumulated: Iterable[Slot] = (),
+                   microbatch_size: int = 1) -> Lossy:
+    """Which micro-batches the iteration in flight loses, and how to rescale each stage's gradient.
+
+    - `runner`: who runs each slot in the plan of the iteration in flight (`runners(plan)`).
+    - `failed`: the workers lost in it.
+    - `accumulated`: slots whose weight gradient (W or BW) a survivor had already accumulated.
+    A micro-batch is lost when any of its slots ran on a failed worker (its activations, input
+    gradients or weight gradients died there). Gradients are assumed scaled by 1 / (all
+    micro-batches) before the all-reduce, so `scale[s] = all / contributors[s]` makes stage s's
+    gradient the mean over the micro-batches it holds.
+    """
+    failed = frozenset(failed)
+    done = frozenset(accumulated)
+    batches = {(p, m) for p, m, _ in runner}
+    stages = sorted({s for _, _, s in runner})
+    lost = frozenset((p, m) for (p, m, _s), w in runner.items() if w in failed)
+    contributors, scale = {}, {}
+    for s in stages:
+        held = [(p, m) for p, m in batches
+                if (p, m) not in lost or ((p, m, s) in done and runner.get((p, m, s)) not in failed)]
+        if not held:
+            raise RecoveryError(f"stage {s} holds no gradient after losing {len(lost)} micro-batches: "
+                                "use the rollback policy for this failure")
+        contributors[s] = len(held)
+        scale[s] = len(batches) / len(held)
+    return Lossy(lost, contributors, scale, len(lost) * microbatch_size)
+
+
+def switch_iteration(completed: int, lead: int = 2) -> int:
+    """The first iteration replacements can join at, proposed by a worker that just completed `completed`.
+
+    `lead` bounds how far ahead of this worker another may be: with per-stage steps and no global
+    barrier, a worker finishing iteration j+1 needs every other to have finished j (its backward
+    of j+1 needs its neighbours' iteration j+1, which their streams start only after their step
+    of j). While this worker sits at the end of `completed`, another may have finished
+    `completed + 1` and started `completed + 2`, but not finished it, so nobody has started
+    `completed + 3`: lead = 2. Use lead = 1 with a synchronous optimizer (a barrier after every
+    step). This assumes every member runs a stream tied to the others by transfers and its
+    stage's all-reduce (true of our plans).
+    """
+    if lead < 1:
+        raise RecoveryError(f"lead must be at least 1, got {lead}")
+    return completed + lead + 1

@@ -1,0 +1,161 @@
+"""The job's store: where it listens, how workers reach it, and the names of the keys we keep in it.
+
+The store is a `torch.distributed.TCPStore`. Its server binds to 127.0.0.1 unless the user names
+another address: torch's own server listens on every interface, so `serve_store` binds the
+listening socket itself and hands it over (`master_listen_fd`).
+
+Every thread that talks to the store opens its own client (`StoreAddress.connect`): a heartbeat
+thread must not queue behind a main thread blocked in a long `wait`.
+
+Keys (one flat namespace, all written through `Keys`, so the layout is in one place):
+- `hb/W`        heartbeat counter of worker W (`add`: no clocks are compared across hosts)
+- `inc/W`       the incarnation of W that is running now (the launcher numbers them 0, 1, ...)
+- `dead/W`      the highest incarnation of W known dead (written by the launcher that reaped it)
+- `events`      bumped on every death notice and generation proposal, so watchers poll one key
+- `gen/G/view`  the view proposed for generation G (first writer wins, by `compare_set`)
+- `gen/G/ack`   how many members of view G acknowledged it; `gen/G/outcome`: sealed or superseded
+- `join/W`      a replacement for W asks to be admitted (its incarnation)
+- `commit/W`    the last iteration whose optimizer step W applied
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+from torch.distributed import TCPStore
+
+from schedcomp.errors import RecoveryError
+from schedcomp.topology import Worker
+
+LOOPBACK = "127.0.0.1"
+ENV_STORE = "SCHEDCOMP_STORE"  # host:port of the job's store
+ENV_WORKER = "SCHEDCOMP_WORKER"  # d:s
+ENV_SHAPE = "SCHEDCOMP_SHAPE"  # pp,dp
+ENV_INCARNATION = "SCHEDCOMP_INCARNATION"  # 0 for the first process of a worker, then 1, 2, ...
+ENV_BIND = "SCHEDCOMP_BIND"  # the address this worker's process groups listen on
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the job's store listens."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, text: str) -> StoreAddress:
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise RecoveryError(f"bad store address {text!r}: write it as HOST:PORT, e.g. 127.0.0.1:29400")
+        return cls(host, int(port))
+
+    def connect(self, timeout: float = 30.0) -> TCPStore:
+        """A new client of the store (one per thread that uses it)."""
+        return TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def serve_store(host: str = LOOPBACK, port: int = 0, timeout: float = 30.0) -> tuple[TCPStore, StoreAddress]:
+    """Start the store's server on `host:port` (port 0: any free port); return it and its address.
+
+    The server lives as long as the returned object; keep it referenced for the whole job.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise RecoveryError(f"cannot listen on {host}:{port} for the job's store ({e}): pick a free port") from None
+    bound = sock.getsockname()[1]
+    # detach: the store's server owns the descriptor from now on and closes it.
+    server = TCPStore(host, bound, None, True, timeout=datetime.timedelta(seconds=timeout),
+                      wait_for_workers=False, master_listen_fd=sock.detach())
+    server.add(Keys.events(), 0)
+    return server, StoreAddress(host, bound)
+
+
+class Keys:
+    """Names of the keys the fault-tolerance layer keeps in the store (see the module docstring)."""
+
+    @staticmethod
+    def heartbeat(w: Worker) -> str:
+        return f"hb/{w}"
+
+    @staticmethod
+    def incarnation(w: Worker) -> str:
+        return f"inc/{w}"
+
+    @staticmethod
+    def dead(w: Worker) -> str:
+        return f"dead/{w}"
+
+    @staticmethod
+    def events() -> str:
+        return "events"
+
+    @staticmethod
+    def view(generation: int) -> str:
+        return f"gen/{generation}/view"
+
+    @staticmethod
+    def ack(generation: int) -> str:
+        return f"gen/{generation}/ack"
+
+    @staticmethod
+    def outcome(generation: int) -> str:
+        return f"gen/{generation}/outcome"
+
+    @staticmethod
+    def join(w: Worker) -> str:
+        return f"join/{w}"
+
+    @staticmethod
+    def commit(w: Worker) -> str:
+        return f"commit/{w}"
+
+
+def get_int(store: TCPStore, key: str, default: int = -1) -> int:
+    """An integer key's value, or `default` when it is not set (never blocks)."""
+    if not store.check([key]):
+        return default
+    return int(store.get(key))
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the launcher tells a worker process (see `schedcomp.runtime.fault.launch`)."""
+
+    store: StoreAddress
+    worker: Worker
+    pp: int
+    dp: int
+    incarnation: int
+    bind: str = LOOPBACK
+
+    @property
+    def rejoining(self) -> bool:
+        """A replacement for a worker that died: it must be admitted and receive its stage's state."""
+        return self.incarnation > 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerEnv:
+        env = dict(os.environ if env is None else env)
+        missing = [k for k in (ENV_STORE, ENV_WORKER, ENV_SHAPE) if k not in env]
+        if missing:
+            raise RecoveryError(f"{', '.join(missing)} not set: start workers with "
+                                "`python -m schedcomp.runtime.fault.launch`")
+        pp, _, dp = env[ENV_SHAPE].partition(",")
+        return cls(StoreAddress.parse(env[ENV_STORE]), Worker.parse(env[ENV_WORKER]), int(pp), int(dp),
+                   int(env.get(ENV_INCARNATION, "0")), env.get(ENV_BIND, LOOPBACK))
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_STORE: str(self.store), ENV_WORKER: str(self.worker), ENV_SHAPE: f"{self.pp},{self.dp}",
+                ENV_INCARNATION: str(self.incarnation), ENV_BIND: self.bind}

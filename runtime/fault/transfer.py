@@ -1,0 +1,236 @@
+"""A stage's state (parameters, buffers, optimizer state) as plain data: moved, snapshotted, restored.
+
+`flatten` splits any nest of dicts, lists, tuples, tensors and plain scalars (what
+`module.state_dict()` and `optimizer.state_dict()` hold) into a JSON skeleton and a list of
+tensors; `unflatten` puts it back. Nothing is pickled, so nothing received or read back can run
+code. The state moves as one byte buffer, so it arrives bit-exact whatever the dtypes.
+
+- `send_stage_state` / `recv_stage_state`: replica recovery (SWIFT-style). A live replica of the
+  stage sends its state over the new generation's groups to a replacement.
+- `StepSnapshot`: the stage's state just before STEP, kept to undo a half-applied step exactly
+  (see `policy`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from schedcomp.errors import RecoveryError
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to rebuild one tensor from bytes."""
+
+    dtype: str  # e.g. "float32", a `torch` attribute
+    shape: tuple[int, ...]
+    device: str  # "cpu" or "cuda": where the owner keeps it (e.g. Adam's `step` stays on the CPU)
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorSpec:
+        return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.device.type)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise RecoveryError(f"unknown dtype {self.dtype!r} in a stage state: "
+                                "sender and receiver must run the same torch")
+        return dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---- flatten / unflatten ---------------------------------------------------------------------------
+
+
+def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
+    """A JSON-able skeleton of `obj` and its tensors, in order (tensors are not copied)."""
+    tensors: list[Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            tensors.append(x.detach())
+            return {"t": len(tensors) - 1}
+        if isinstance(x, dict):
+            for k in x:
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise RecoveryError(f"state key {k!r} is neither a string nor an integer: cannot move it")
+            return {"d": [[k, walk(v)] for k, v in x.items()]}
+        if isinstance(x, list):
+            return {"l": [walk(v) for v in x]}
+        if isinstance(x, tuple):
+            return {"u": [walk(v) for v in x]}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return {"v": x}
+        raise RecoveryError(f"a {type(x).__name__} in the stage state cannot be moved without pickling: "
+                            "keep only tensors, numbers, strings, lists and dicts in state dicts")
+
+    return walk(obj), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[Tensor]) -> Any:
+    """Inverse of `flatten`."""
+    def walk(x: Any) -> Any:
+        if not isinstance(x, dict) or len(x) != 1:
+            raise RecoveryError("malformed stage state skeleton: sender and receiver must run the same schedcomp")
+        (tag, v), = x.items()
+        if tag == "t":
+            return tensors[v]
+        if tag == "d":
+            return {k: walk(item) for k, item in v}
+        if tag == "l":
+            return [walk(item) for item in v]
+        if tag == "u":
+            return tuple(walk(item) for item in v)
+        if tag == "v":
+            return v
+        raise RecoveryError(f"unknown tag {tag!r} in a stage state skeleton: "
+                            "sender and receiver must run the same schedcomp")
+
+    return walk(skeleton)
+
+
+def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Everything a replica of the stage holds that training changes."""
+    return {"module": module.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None}
+
+
+def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Copy `state` into the module's own tensors and the optimizer (values are copied, never aliased)."""
+    with torch.no_grad():
+        module.load_state_dict(state["module"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def to_bytes(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """All tensors' bytes, back to back, as one uint8 tensor on `device`."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors])
+
+
+def from_bytes(buffer: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
+    """Inverse of `to_bytes` (each tensor is a fresh copy on its recorded device type)."""
+    out, pos = [], 0
+    for spec in specs:
+        n = spec.nbytes
+        chunk = buffer[pos: pos + n]
+        pos += n
+        device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
+        out.append(chunk.to(device).clone().view(spec.torch_dtype).reshape(spec.shape))
+    if pos != buffer.numel():
+        raise RecoveryError(f"stage state holds {buffer.numel()} bytes but its header describes {pos}: "
+                            "sender and receiver must build the same stage")
+    return out
+
+
+def encode_header(skeleton: Any, tensors: list[Tensor]) -> bytes:
+    specs = [TensorSpec.of(t).__dict__ for t in tensors]
+    return json.dumps({"format": STATE_FORMAT, "skeleton": skeleton, "tensors": specs}).encode()
+
+
+def decode_header(data: bytes) -> tuple[Any, list[TensorSpec]]:
+    try:
+        d = json.loads(data)
+        if d.get("format") != STATE_FORMAT:
+            raise ValueError(f"format {d.get('format')!r}")
+        specs = [TensorSpec(s["dtype"], tuple(int(n) for n in s["shape"]), s["device"]) for s in d["tensors"]]
+        return d["skeleton"], specs
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecoveryError(f"unreadable stage state header ({e}): "
+                            "sender and receiver must run the same schedcomp") from None
+
+
+# ---- replica recovery ----------------------------------------------------------------------------
+
+
+def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
+                     dst: Iterable[int], device: torch.device | None = None) -> int:
+    """Send this replica's stage state to the ranks `dst` of `group`; returns the bytes sent to each.
+
+    Three messages per receiver: sizes, a JSON header (skeleton and tensor specs), the bytes.
+    `device`: where the transfer buffers live (a CUDA device under NCCL; default: the CPU).
+    """
+    device = device or torch.device("cpu")
+    skeleton, tensors = flatten(stage_state(module, optimizer))
+    header = torch.frombuffer(bytearray(encode_header(skeleton, tensors)), dtype=torch.uint8).to(device)
+    payload = to_bytes(tensors, device)
+    sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
+    for rank in dst:
+        for t in (sizes, header, payload):
+            dist.send(t, dst=rank, group=group)
+    return payload.numel()
+
+
+def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
+                     src: int, device: torch.device | None = None) -> int:
+    """Receive a stage state from rank `src` of `group` into `module` and `optimizer`; returns its bytes."""
+    device = device or torch.device("cpu")
+    sizes = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.recv(sizes, src=src, group=group)
+    header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+    dist.recv(header, src=src, group=group)
+    payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src, group=group)
+    skeleton, specs = decode_header(header.cpu().numpy().tobytes())
+    load_stage_state(module, optimizer, unflatten(skeleton, from_bytes(payload, specs)))
+    return payload.numel()
+
+
+# ---- undoing a step --------------------------------------------------------------------------------
+
+
+class StepSnapshot:
+    """The stage's state just before an optimizer step, to undo that step bit-exactly.
+
+    `take(i)` right before STEP of iteration i (buffers are reused from one iteration to the next
+    when the state's layout has not changed); `restore()` puts the state back.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.iteration: int | None = None
+        self._skeleton: Any = None
+        self._saved: list[Tensor] = []
+
+    def take(self, iteration: int) -> None:
+        skeleton, tensors = flatten(stage_state(self.module, self.optimizer))
+        same = skeleton == self._skeleton and all(
+            s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
+            for s, t in zip(self._saved, tensors, strict=True))
+        with torch.no_grad():
+            if same:
+                for s, t in zip(self._saved, tensors, strict=True):
+                    s.copy_(t)
+            else:
+                self._skeleton, self._saved = skeleton, [t.clone() for t in tensors]
+        self.iteration = iteration
+
+    def restore(self) -> int:
+        """Undo the step taken after the snapshot; returns the iteration whose step was undone."""
+        if self.iteration is None:
+            raise RecoveryError("no snapshot was taken before the step to undo: take one before every STEP")
+        # Clones: the optimizer keeps the tensors it loads, and the snapshot's buffers are reused.
+        load_stage_state(self.module, self.optimizer, unflatten(self._skeleton, [s.clone() for s in self._saved]))
+        undone, self.iteration = self.iteration, None
+        return undone

@@ -1,0 +1,144 @@
+"""Split backward the Zero Bubble way: B computes input gradients, W the weight gradients, one graph walk.
+
+A stage's `nn.Linear` layers run through `_SplitLinear`, a custom autograd function. Its backward
+always computes the input gradient (`grad_out @ weight`). What it does with the weight gradient
+depends on the stage's `WeightGradStore`:
+
+- fused backward (BW): it returns the weight and bias gradients to autograd, as `nn.Linear` would;
+- split backward (B): it returns none and stashes `(layer, input, grad_out)` under the micro-batch's
+  key; the autograd graph (and every other saved tensor) is freed when B ends;
+- W (`WeightGradStore.flush(key)`): pops the stash and does the weight-gradient matmul and bias sum
+  of each layer, accumulating into `.grad`, with no autograd engine call and no graph walk.
+
+So B + W do exactly the matmuls of one fused backward. Parameters of other layers (LayerNorm,
+embeddings, ...) get their gradients in B: they are cheap. The store belongs to one stage object;
+nothing here is global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Key = Hashable
+
+
+class WeightGradStore:
+    """What W needs, per micro-batch: each split linear layer's input and output gradient.
+
+    The stage sets the micro-batch key around each forward (`with store.forward(key)`), and the
+    mode around each backward (`with store.backward(split=...)`); the layers read both. A forward
+    whose backward will be fused (`store.forward(key, split=False)`) runs plain `F.linear`, with
+    autograd's native backward: the split function only costs where it is used.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[Key, list[tuple[nn.Linear, Tensor, Tensor]]] = {}
+        self.key: Key | None = None
+        self.split = False
+
+    @contextmanager
+    def forward(self, key: Key, split: bool = True) -> Iterator[None]:
+        self.key = key if split else None
+        try:
+            yield
+        finally:
+            self.key = None
+
+    @contextmanager
+    def backward(self, split: bool) -> Iterator[None]:
+        self.split = split
+        try:
+            yield
+        finally:
+            self.split = False
+
+    def stash(self, key: Key, layer: nn.Linear, x: Tensor, grad_out: Tensor) -> None:
+        self._pending.setdefault(key, []).append((layer, x, grad_out))
+
+    def pending(self) -> tuple[Key, ...]:
+        """Micro-batches whose weight gradients are still owed (B done, W not yet)."""
+        return tuple(self._pending)
+
+    def clear(self) -> None:
+        """Drop every stash (an aborted iteration; issue 5)."""
+        self._pending.clear()
+
+    @torch.no_grad()
+    def flush(self, key: Key) -> None:
+        """W of micro-batch `key`: the weight-gradient matmuls, accumulated into `.grad`."""
+        for layer, x, grad_out in self._pending.pop(key, ()):
+            bias = layer.bias
+            wants_b = bias is not None and bias.requires_grad
+            grad_w, grad_b = weight_grads(x, grad_out, layer.weight.requires_grad, wants_b)
+            if grad_w is not None:
+                _accumulate(layer.weight, grad_w)
+            if grad_b is not None:
+                _accumulate(bias, grad_b)
+
+
+def weight_grads(
+    x: Tensor, grad_out: Tensor, with_weight: bool, with_bias: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of `F.linear(x, W, b)` with respect to W and b: one matmul and one sum."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_w = g.t().mm(x.reshape(-1, x.shape[-1])) if with_weight else None
+    return grad_w, (g.sum(0) if with_bias else None)
+
+
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layer: nn.Linear, store: WeightGradStore, key: Key
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.store, ctx.key = layer, store, key
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        wants_w, wants_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if not (wants_w or wants_b):
+            return grad_x, None, None, None, None, None
+        if ctx.store.split:
+            ctx.store.stash(ctx.key, ctx.layer, x, grad_out)
+            return grad_x, None, None, None, None, None
+        grad_w, grad_b = weight_grads(x, grad_out, wants_w, wants_b)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _split_linear_forward(layer: nn.Linear, store: WeightGradStore, x: Tensor) -> Tensor:
+    if store.key is None or not torch.is_grad_enabled():
+        return F.linear(x, layer.weight, layer.bias)  # no backward to split (fused, evaluation, shape probe)
+    return _SplitLinear.apply(x, layer.weight, layer.bias, layer, store, store.key)
+
+
+def enable_split_backward(module: nn.Module, store: WeightGradStore) -> int:
+    """Route every `nn.Linear` of `module` through the split function; return how many.
+
+    Only the instance's `forward` is replaced, so parameters, state-dict keys and hooks stay as
+    they were. Layers whose weights are used without calling `forward` (e.g. the output projection
+    inside `nn.MultiheadAttention`) keep plain autograd: their weight gradients arrive in B, which is
+    still correct, only not deferred.
+    """
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            layer.forward = partial(_split_linear_forward, layer, store)  # type: ignore[method-assign]
+            count += 1
+    return count

@@ -1,0 +1,105 @@
+"""Measured spans: gather every worker's instruction timings and write them as a Chrome/Perfetto trace.
+
+Measured spans mean what simulated ones mean (`schedcomp.timeline.Span`), in seconds from a
+common origin (rank 0's `time.perf_counter` at start: one clock for every process of a host):
+- compute, ALLREDUCE, STEP: from the moment the instruction could run (inputs there) to its end;
+  waiting for inputs shows as a gap before it;
+- RECV: from posting to when its consumer saw it complete (an upper bound of the arrival);
+- SEND: from posting to the matching receive's end, filled in once every worker's spans are here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from schedcomp.draw.trace import write_chrome_trace
+from schedcomp.ir import InstrKind, Plan
+from schedcomp.timeline import Span
+from schedcomp.topology import Worker
+
+if TYPE_CHECKING:
+    from schedcomp.runtime.trainer import PipelineTrainer
+
+_COLUMNS = 4  # iteration, index, start, end
+
+
+def _local_rows(trainer: PipelineTrainer) -> list[tuple[float, float, float, float]]:
+    rows = []
+    origin = trainer._clock0
+    for iteration, timing, arrivals in trainer._timings:
+        for index, start, end in timing:
+            end = max(end, arrivals.get(index, end))
+            rows.append((float(iteration), float(index), start - origin, end - origin))
+    return rows
+
+
+def _plan_at(history: list[tuple[int, Plan]], iteration: int) -> Plan:
+    plan = history[0][1]
+    for first, p in history:
+        if first <= iteration:
+            plan = p
+    return plan
+
+
+def _spans(worker: Worker, rows: list[tuple[float, ...]], history: list[tuple[int, Plan]]) -> list[Span]:
+    spans = []
+    for iteration, index, start, end in rows:
+        stream = _plan_at(history, int(iteration)).streams[worker]
+        spans.append(Span(worker, int(iteration), int(index), stream[int(index)], start, end))
+    return spans
+
+
+def _message(span: Span, sender: Worker | None, receiver: Worker) -> tuple[object, ...]:
+    """What identifies one transfer on both ends: iteration, direction, micro-batch, sender, receiver."""
+    ins = span.instruction
+    assert ins.op is not None
+    direction = "act" if ins.kind in (InstrKind.SEND_ACT, InstrKind.RECV_ACT) else "grad"
+    return (span.iteration, direction, ins.op.pipeline, ins.op.microbatch, sender, receiver)
+
+
+def match_sends(spans: list[Span]) -> list[Span]:
+    """End each SEND when its matching RECV was seen complete (the arrival, as far as we can tell)."""
+    arrived = {}
+    for s in spans:
+        ins = s.instruction
+        if ins.kind in (InstrKind.RECV_ACT, InstrKind.RECV_GRAD):
+            arrived[_message(s, sender=ins.peer, receiver=s.worker)] = s.end
+    out = []
+    for s in spans:
+        ins = s.instruction
+        if ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD):
+            end = arrived.get(_message(s, sender=s.worker, receiver=ins.peer))
+            if end is not None:
+                s = Span(s.worker, s.iteration, s.index, ins, s.start, max(s.start, end))
+        out.append(s)
+    return out
+
+
+def gather_spans(trainer: PipelineTrainer, everyone: bool) -> list[Span]:
+    """This worker's spans, or (`everyone`, collective) every worker's, sends matched to receives."""
+    rows = _local_rows(trainer)
+    if not everyone:
+        return _spans(trainer.worker, rows, trainer._history)
+    group, device = trainer.comm.control, trainer.device
+    count = torch.tensor([len(rows)], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in trainer.ranks.workers]
+    dist.all_gather(counts, count, group=group)
+    longest = max(int(c.item()) for c in counts)
+    mine = torch.zeros((longest, _COLUMNS), dtype=torch.float64, device=device)
+    if rows:
+        mine[: len(rows)] = torch.tensor(rows, dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in trainer.ranks.workers]
+    dist.all_gather(gathered, mine, group=group)
+    spans: list[Span] = []
+    for worker, n, table in zip(trainer.ranks.workers, counts, gathered, strict=True):
+        spans += _spans(worker, [tuple(r) for r in table[: int(n.item())].tolist()], trainer._history)
+    return match_sends(spans)
+
+
+def write_trace(spans: list[Span], path: str | Path) -> None:
+    """Write `spans` (seconds) as a Chrome/Perfetto trace with the writer the planned timelines use."""
+    write_chrome_trace(spans, path)

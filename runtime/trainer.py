@@ -1,0 +1,256 @@
+"""The embedded training loop: `PipelineTrainer(plan, build_stage, loss_fn, make_optimizer).step(batch)`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from schedcomp.errors import RuntimeSetupError
+from schedcomp.ir import InstrKind, Instruction, Plan
+from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, init_distributed
+from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
+from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_stream
+from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
+from schedcomp.runtime.trace import gather_spans, write_trace
+from schedcomp.timeline import Span
+
+log = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_META_INTS = 256
+
+
+class Loss:
+    """The mean loss of one iteration over the whole global batch, reduced in the background.
+
+    `step` starts an asynchronous all-reduce of the last stages' (already scaled) losses and
+    returns at once, so no rank waits for the others and the optimizer stays staggered. Reading
+    the value (`float(loss)`, `loss.item()`) waits until every rank has finished that iteration:
+    read it a step or more later (or at the end) to keep the pipeline full.
+    """
+
+    def __init__(self, value: Tensor, work: dist.Work | None) -> None:
+        self._value, self._work = value, work
+
+    def item(self) -> float:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return float(self._value.item())
+
+    def __float__(self) -> float:
+        return self.item()
+
+    def __repr__(self) -> str:
+        return f"Loss({self.item():.6g})" if self._work is None else "Loss(<pending>)"
+
+
+class PipelineTrainer:
+    """Train one pipeline stage per process by executing a compiled plan's instruction streams.
+
+    - `plan`: a `Plan`; launch one process per live worker (rank i runs the i-th live worker in
+      sorted order, see `schedcomp.runtime.comm`), e.g. with `torchrun --standalone`.
+    - `build_stage`: `stage_index -> nn.Module`, or an `nn.Sequential` split by `layers_per_stage`
+      (default: even). Replicas of a stage are synchronised from the lowest rank at start.
+      A stage takes the previous stage's outputs as positional arguments (stage 0: the batch's
+      inputs) and returns a tensor or a tuple of tensors.
+    - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
+    - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
+    - `profile=True` records every instruction's start and end for `save_trace` / `schedcomp profile`.
+
+    `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
+    the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
+    `p * microbatches + m` of `dp * microbatches` equal chunks. Each micro-batch's loss is scaled
+    by `1 / (dp * microbatches)` and ALLREDUCE sums, so gradients are those of the global mean
+    loss whoever ran which micro-batch. `step` never waits on other stages: see `Loss`.
+    """
+
+    def __init__(self, plan: Plan, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
+                 make_optimizer: OptimizerFactory, *, layers_per_stage: Sequence[int] | None = None,
+                 backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None) -> None:
+        rank, size, device = init_distributed(backend)
+        self.ranks = RankMap.of(plan)
+        if size != len(self.ranks.workers):
+            raise RuntimeSetupError(f"the plan has {len(self.ranks.workers)} live workers but {size} processes run: "
+                                    f"launch exactly {len(self.ranks.workers)}")
+        self.rank, self.device = rank, device
+        self.worker = self.ranks.worker(rank)
+        self.pp, self.dp = plan.topology.pp, plan.topology.dp
+        module = build_module(build_stage, self.worker.stage, self.pp, layers_per_stage).to(device)
+        is_last = self.worker.stage == self.pp - 1
+        self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
+        self.comm = Comm(self.ranks, rank, device, make_group)
+        self.profile = profile
+        self.iteration = 0
+        self.step_seconds: list[float] = []
+        self._history: list[tuple[int, Plan]] = []
+        self._timings: list[tuple[int, Timing, dict[int, float]]] = []
+        self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
+        self._boundaries: list[tuple[TensorMeta, ...]] = []
+        self.use_plan(plan)
+        self._sync_replicas()
+        self._clock0 = self._common_origin()
+
+    # ---- plans ---------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        return self._history[-1][1]
+
+    @property
+    def stream(self) -> tuple[Instruction, ...]:
+        return self.plan.streams.get(self.worker, ())
+
+    def use_plan(self, plan: Plan) -> None:
+        """Run `plan` from the next iteration on (collective: every rank switches at the same step).
+
+        Any plan of the same pp and dp whose workers have processes is accepted (e.g. one from a
+        plan cache, re-routed around failed workers); a process without a stream idles.
+        """
+        if (plan.topology.pp, plan.topology.dp) != (self.pp, self.dp):
+            raise RuntimeSetupError(f"plan is for pp={plan.topology.pp}, dp={plan.topology.dp} but this job runs "
+                                    f"pp={self.pp}, dp={self.dp}: compile the plan for this job's shape")
+        for w in plan.workers:
+            self.ranks.rank(w)  # raises if the plan needs a worker with no process
+        self.comm.prepare_stage_groups([plan.topology.stage_group(s) for s in range(self.pp)])
+        self.comm.connect((w, i.peer) for w, stream in plan.streams.items() for i in stream
+                          if i.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD) and i.peer is not None)
+        if self._history and self._history[-1][0] == self.iteration:
+            self._history[-1] = (self.iteration, plan)
+        else:
+            self._history.append((self.iteration, plan))
+        self._signature = None  # the shape probe's source workers may have changed
+        self._split = frozenset((i.op.pipeline, i.op.microbatch) for i in self.stream
+                                if i.kind is InstrKind.B and i.op is not None)
+
+    def _sync_replicas(self) -> None:
+        """Give every replica of a stage the lowest rank's parameters and buffers."""
+        for s in range(self.pp):
+            workers = self.plan.topology.stage_group(s)
+            group = self.comm.stage_group(workers)
+            if group is None or self.worker not in workers:
+                continue
+            src = min(self.ranks.rank(w) for w in workers)
+            with torch.no_grad():
+                for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
+                    dist.broadcast(t.data, src=src, group=group)
+
+    def _common_origin(self) -> float:
+        """Rank 0's `perf_counter` now: one origin for every rank's spans.
+
+        `perf_counter` is the host's monotonic clock, shared by its processes, so spans of
+        workers on one host line up exactly; across hosts their clocks are not compared.
+        """
+        origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=self.device)
+        dist.broadcast(origin, src=0, group=self.comm.control)
+        return float(origin.item())
+
+    # ---- shapes ----------------------------------------------------------------------------------
+
+    def _probe_shapes(self, inputs: Tensors) -> None:
+        """Learn what crosses each stage boundary (what receivers allocate) when the input shape changes.
+
+        The first live worker of each stage runs its module once (eval mode, no grad, random state
+        kept) and broadcasts the output shapes and dtypes over the control group, stage by stage.
+        """
+        chunks = self.dp * self.plan.microbatches
+        first = as_tuple(micro_batch(inputs, 0, chunks))
+        signature = (chunks, tuple(TensorMeta.of(t) for t in first))
+        if signature == self._signature:
+            return
+        boundaries, metas = [], signature[1]
+        for s in range(self.pp - 1):
+            src = min(self.ranks.rank(w) for w in self.plan.topology.stage_group(s))
+            buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.device)
+            if self.rank == src:
+                x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+                buffer.copy_(_encode(self.stage.output_meta(tuple(t.to(self.device) for t in x))))
+            dist.broadcast(buffer, src=src, group=self.comm.control)
+            metas = _decode(buffer)
+            if len(metas) > MAX_PARTS:
+                raise RuntimeSetupError(f"stage {s} returns {len(metas)} tensors: pass at most {MAX_PARTS} "
+                                        "(concatenate some)")
+            boundaries.append(metas)
+        self._boundaries, self._signature = boundaries, signature
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def step(self, batch: tuple[Tensors, Tensors]) -> Loss:
+        """Run one iteration of this worker's stream on `batch = (inputs, targets)`; see `Loss`."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
+        inputs, targets = batch
+        self._probe_shapes(inputs)
+        started = time.perf_counter()
+        s = self.worker.stage
+        it = Iteration(
+            plan=self.plan, worker=self.worker, stage=self.stage, comm=self.comm,
+            inputs=_to(inputs, self.device) if s == 0 else inputs,
+            targets=_to(targets, self.device) if s == self.pp - 1 else targets,
+            input_meta=self._boundaries[s - 1] if s > 0 else (),
+            output_meta=self._boundaries[s] if s < self.pp - 1 else (),
+            split=self._split,
+            number=self.iteration,
+            record=self.profile,
+        )
+        timing: Timing | None = [] if self.profile else None
+        run_stream(it, self.stream, timing)
+        if timing is not None:
+            self._timings.append((self.iteration, timing, it.arrivals))
+        loss = torch.stack(it.losses).sum() if it.losses else torch.zeros((), device=self.device)
+        loss = loss.to(torch.float64)
+        work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
+        self.step_seconds.append(time.perf_counter() - started)
+        self.iteration += 1
+        return Loss(loss, work)
+
+    # ---- measurement ------------------------------------------------------------------------------
+
+    def spans(self) -> list[Span]:
+        """This worker's measured spans (seconds from the job's common origin); needs profile=True."""
+        return gather_spans(self, everyone=False)
+
+    def save_trace(self, path: str | Path) -> list[Span]:
+        """Gather every worker's spans to rank 0 and write a Chrome/Perfetto trace there (collective)."""
+        spans = gather_spans(self, everyone=True)
+        if self.rank == 0:
+            write_trace(spans, path)
+        return spans
+
+    def close(self) -> None:
+        """Leave the job (destroys the default process group)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _to(value: Tensors, device: torch.device) -> Tensors:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return tuple(v.to(device) for v in as_tuple(value))
+
+
+def _encode(metas: tuple[TensorMeta, ...]) -> Tensor:
+    ints = [len(metas)]
+    for m in metas:
+        ints += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
+    if len(ints) > _META_INTS:
+        raise RuntimeSetupError(f"a stage returns too many or too large tensors to describe in {_META_INTS} integers: "
+                                "return fewer tensors")
+    return torch.tensor(ints + [0] * (_META_INTS - len(ints)), dtype=torch.int64)
+
+
+def _decode(buffer: Tensor) -> tuple[TensorMeta, ...]:
+    ints = buffer.tolist()
+    metas, pos = [], 1
+    for _ in range(ints[0]):
+        dtype, ndim = _DTYPES[ints[pos]], ints[pos + 1]
+        metas.append(TensorMeta(tuple(ints[pos + 2 : pos + 2 + ndim]), dtype))
+        pos += 2 + ndim
+    return tuple(metas)

@@ -1,0 +1,331 @@
+"""Strategies for training through failures, each simulated on the same cost model, side by side.
+
+`compare(pp, dp, microbatches, failed, costs)` returns one `Outcome` per strategy: its steady-state
+period (simulator, several iterations), throughput relative to fault-free (same global batch per
+iteration, so the ratio of periods), and peak activation memory. Each strategy's assumptions are in
+its function's docstring. A strategy that cannot continue without a checkpoint restart reports an
+infinite period and a relative throughput of 0.
+
+Also here: `rerouted_1f1b_order`, the plain construction the adaptive schedules must beat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from schedcomp.adaptive import adaptive_order
+from schedcomp.check import check
+from schedcomp.costs import CostModel
+from schedcomp.errors import RecoveryError, ScheduleError
+from schedcomp.ir import Op, OpKind, Order, Plan
+from schedcomp.lower import lower
+from schedcomp.schedules.one_f_one_b import stage_order
+from schedcomp.simulate import simulate
+from schedcomp.topology import Topology, Worker
+
+STRATEGIES = (
+    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
+)
+ITERATIONS = 4
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One strategy's result; `period` is inf when the strategy cannot continue without a restart."""
+
+    strategy: str
+    period: float
+    relative_throughput: float
+    peak_memory: float
+    note: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        finite = math.isfinite(self.period)
+        return {
+            "strategy": self.strategy,
+            "period": self.period if finite else None,
+            "relative_throughput": self.relative_throughput,
+            "peak_memory": self.peak_memory if finite else None,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class _Run:
+    period: float
+    peak_memory: float
+    note: str = ""
+
+
+_STOPPED = float("inf")
+
+
+def compare(
+    pp: int,
+    dp: int,
+    microbatches: int,
+    failed: Iterable[Worker | tuple[int, int]] = (),
+    costs: CostModel | None = None,
+    *,
+    strategies: Sequence[str] = STRATEGIES,
+    solver: str = "greedy",
+    time_limit: float = 10.0,
+) -> list[Outcome]:
+    """Simulate each strategy on the same topology, failures and costs (see the module docstring)."""
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ScheduleError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
+    topology = Topology.of(pp, dp, failed)
+    costs = CostModel.uniform(pp) if costs is None else costs
+    reference = fault_free(topology, microbatches, costs, solver=solver, time_limit=time_limit)
+    out = []
+    for name in strategies:
+        run = reference if name == "fault-free" else _RUNNERS[name](
+            topology, microbatches, costs, solver=solver, time_limit=time_limit)
+        rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
+        out.append(Outcome(name, run.period, rel, run.peak_memory, run.note))
+    return out
+
+
+def _simulated(plan: Plan, synchronous: bool = False) -> _Run:
+    sim = simulate(plan, iterations=ITERATIONS, synchronous_optimizer=synchronous)
+    return _Run(sim.period, sim.peak_memory)
+
+
+def fault_free(topology: Topology, microbatches: int, costs: CostModel, *, solver: str = "greedy",
+               time_limit: float = 10.0) -> _Run:
+    """The reference: no failures, the adaptive schedules (split backward, staggered optimizer) on all
+    dp pipelines, so ratios isolate what the failures cost."""
+    healthy = Topology(topology.pp, topology.dp)
+    return _adaptive_run(healthy, microbatches, costs, solver=solver, time_limit=time_limit)
+
+
+def _adaptive_run(topology: Topology, microbatches: int, costs: CostModel, *, split: bool = True,
+                  synchronous: bool = False, solver: str = "greedy", time_limit: float = 10.0) -> _Run:
+    try:
+        order, bound, used = adaptive_order(topology, microbatches, costs, solver=solver, time_limit=time_limit,
+                                            split=split, synchronous=synchronous)
+    except RecoveryError as exc:
+        return _Run(_STOPPED, 0.0, str(exc))
+    plan = lower(order, costs, solver=used, lower_bound=bound)
+    check(plan)
+    return _simulated(plan, synchronous)
+
+
+def adaptive(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Ours (ReCycle's idea): each failed worker's micro-batches re-routed to its stage's live peers,
+    split backward with W deferred into bubbles, staggered per-stage optimizer step."""
+    return _adaptive_run(topology, microbatches, costs, **kw)  # type: ignore[arg-type]
+
+
+def adaptive_no_split(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Ablation: as `adaptive`, but with a fused backward (BW = B + W), so no W can fill a bubble."""
+    return _adaptive_run(topology, microbatches, costs, split=False, **kw)  # type: ignore[arg-type]
+
+
+def adaptive_no_stagger(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Ablation: as `adaptive`, but scheduled and simulated with a global barrier after the optimizer
+    steps, so no stage may start its next iteration before every stage has stepped."""
+    return _adaptive_run(topology, microbatches, costs, synchronous=True, **kw)  # type: ignore[arg-type]
+
+
+def drop_pipeline(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Pipelines that lost any worker stop (their live workers idle); the surviving pipelines share the
+    global batch, dealt round-robin, each running it with the adaptive scheduler (split backward,
+    staggered optimizer) as a fault-free pipeline. All pipelines lost: a checkpoint restart."""
+    pp, dp = topology.pp, topology.dp
+    broken = sorted({w.pipeline for w in topology.failed})
+    alive = [d for d in range(dp) if d not in broken]
+    if not alive:
+        return _Run(_STOPPED, 0.0, "every pipeline lost a worker: training needs a checkpoint restart")
+    # Micro-batch lists per surviving pipeline: its own, then the dropped pipelines' dealt round-robin.
+    lists: dict[int, list[tuple[int, int]]] = {d: [(d, m) for m in range(microbatches)] for d in alive}
+    extra = [(d, m) for m in range(microbatches) for d in broken]
+    for i, item in enumerate(extra):
+        lists[alive[i % len(alive)]].append(item)
+    stopped = Topology(pp, dp, frozenset(Worker(d, s) for d in broken for s in range(pp)))
+    ops: dict[Worker, tuple[Op, ...]] = {}
+    solver = str(kw.get("solver", "greedy"))
+    time_limit = float(kw.get("time_limit", 10.0))  # type: ignore[arg-type]
+    for d in alive:
+        mine = lists[d]
+        local_costs = _pipeline_costs(costs, d, range(pp))
+        order, _, _ = adaptive_order(Topology(pp, 1), len(mine), local_costs, solver=solver, time_limit=time_limit)
+        for s in range(pp):
+            ops[Worker(d, s)] = tuple(Op(o.kind, mine[o.microbatch][0], mine[o.microbatch][1], s)
+                                      for o in order.ops[Worker(0, s)])
+    plan = lower(Order(stopped, microbatches, ops, "drop-pipeline"), costs)
+    check(plan)
+    return _simulated(plan)
+
+
+def oobleck(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Oobleck-style re-instantiation: the surviving workers of a broken pipeline are re-formed into a
+    shorter pipeline whose stages split the model evenly (fractional layers: each new stage costs a
+    proportional share of the per-stage F, B, W, activation, all-reduce and step, an idealisation in
+    Oobleck's favour), and the global batch is dealt to pipelines in proportion to their throughput,
+    as Oobleck's pipeline templates do. Each pipeline runs 1F1B (fused backward) with a synchronous
+    optimizer (Oobleck is built on DeepSpeed's 1F1B); the cross-pipeline all-reduce is charged to each
+    stage's step and the iteration lasts as long as the slowest pipeline. Assumes re-formed stages fit
+    in device memory."""
+    pp, dp = topology.pp, topology.dp
+    pipes: list[tuple[CostModel, int]] = []
+    for d in range(dp):
+        live = [s for s in range(pp) if Worker(d, s) not in topology.failed]
+        if not live:
+            continue
+        pipes.append((_repartition(costs, d, live), len(live)))
+    if not pipes:
+        return _Run(_STOPPED, 0.0, "every worker failed")
+    total = dp * microbatches
+    # Deal micro-batches one at a time to the pipeline that would finish its share soonest
+    # (1F1B: (m + stages - 1) slots of its slowest stage).
+    slot = [max(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in range(c.pp)) for c, _ in pipes]
+    share = [0] * len(pipes)
+    for _ in range(total):
+        i = min(range(len(pipes)), key=lambda j: ((share[j] + pipes[j][1]) * slot[j], j))
+        share[i] += 1
+    runs = [_one_pipeline_1f1b(c, m) for (c, _), m in zip(pipes, share, strict=True) if m > 0]
+    return _Run(max(r.period for r in runs), max(r.peak_memory for r in runs))
+
+
+def bamboo(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+    """Bamboo-style redundant computation: every worker also runs its successor's forward (the last
+    stage's successor is stage 0, a ring), paid even without failures, and keeps those activations
+    too. On a failure of (d, s) its predecessor (d, s-1), which holds a copy of stage s, takes it over:
+    pipeline d becomes one stage shorter, the merged worker doing both stages' F, B, W (and the
+    redundant forward of its new successor). A failed stage 0 is taken over by stage 1. Two failures
+    that are neighbours in one pipeline lose both copies of a stage: Bamboo must restart from a
+    checkpoint. Each pipeline keeps its own micro-batches and runs 1F1B (fused backward) with a
+    synchronous optimizer (DeepSpeed); the all-reduce is charged to each stage's step."""
+    pp, dp = topology.pp, topology.dp
+    runs = []
+    for d in range(dp):
+        dead = sorted(s for s in range(pp) if Worker(d, s) in topology.failed)
+        if any(_bamboo_host(s) in dead for s in dead):
+            return _Run(_STOPPED, 0.0, f"pipeline {d} lost two neighbouring stages: Bamboo restarts from a checkpoint")
+        groups: list[list[int]] = [[s] for s in range(pp) if s not in dead]  # original stages per live worker
+        for s in dead:
+            next(g for g in groups if _bamboo_host(s) in g).append(s)
+        groups.sort(key=min)
+        runs.append(_one_pipeline_1f1b(_bamboo_costs(costs, d, groups, pp), microbatches))
+    return _Run(max(r.period for r in runs), max(r.peak_memory for r in runs))
+
+
+def _bamboo_host(stage: int) -> int:
+    """The worker that holds a copy of `stage` and takes it over (stage 0's: stage 1)."""
+    return stage - 1 if stage > 0 else 1
+
+
+_RUNNERS: dict[str, Callable[..., _Run]] = {
+    "adaptive": adaptive,
+    "adaptive-no-split": adaptive_no_split,
+    "adaptive-no-stagger": adaptive_no_stagger,
+    "drop-pipeline": drop_pipeline,
+    "oobleck": oobleck,
+    "bamboo": bamboo,
+}
+
+
+# ---- helpers: single-pipeline cost models and 1F1B runs ------------------------------------------
+
+
+def _pipeline_costs(costs: CostModel, pipeline: int, stages: Iterable[int]) -> CostModel:
+    """The cost model of one pipeline's workers as a dp=1 job (speed factors moved to pipeline 0)."""
+    stages = list(stages)
+    speed = {Worker(0, i): costs.speed[Worker(pipeline, s)]
+             for i, s in enumerate(stages) if Worker(pipeline, s) in costs.speed}
+    return CostModel(**{**costs.__dict__, "speed": speed})
+
+
+def _repartition(costs: CostModel, pipeline: int, live: Sequence[int]) -> CostModel:
+    """Spread the pp stages' costs evenly over len(live) new stages (fractional layers)."""
+    pp, n = costs.pp, len(live)
+
+    def spread(values: Sequence[float]) -> list[float]:
+        out = []
+        for j in range(n):
+            lo, hi = j * pp / n, (j + 1) * pp / n
+            out.append(sum(v * max(0.0, min(hi, s + 1) - max(lo, s)) for s, v in enumerate(values)))
+        return out
+
+    step = [a + o for a, o in zip(costs.allreduce, costs.optimizer, strict=True)]
+    speed = {Worker(0, i): costs.speed[Worker(pipeline, s)] for i, s in enumerate(live)
+             if Worker(pipeline, s) in costs.speed}
+    return CostModel(forward=spread(costs.forward), backward_input=spread(costs.backward_input),
+                     backward_weight=spread(costs.backward_weight), p2p=costs.p2p, allreduce=[0.0] * n,
+                     optimizer=spread(step), activation=spread(costs.activation), b_frees=costs.b_frees,
+                     memory_limit=None, speed=speed)
+
+
+def _bamboo_costs(costs: CostModel, pipeline: int, groups: Sequence[Sequence[int]], pp: int) -> CostModel:
+    """Per live worker: the sum of its original stages' costs, plus the redundant forward (and its
+    activations) of the stage after its last one (a ring)."""
+    def total(values: Sequence[float], group: Sequence[int]) -> float:
+        return sum(values[s] for s in group)
+
+    succ = [(max(g) + 1) % pp for g in groups]
+    speed = {Worker(0, i): costs.speed[Worker(pipeline, min(g))] for i, g in enumerate(groups)
+             if Worker(pipeline, min(g)) in costs.speed}
+    redundant = pp > 1
+    return CostModel(
+        forward=[total(costs.forward, g) + (costs.forward[n] if redundant else 0.0)
+                 for g, n in zip(groups, succ, strict=True)],
+        backward_input=[total(costs.backward_input, g) for g in groups],
+        backward_weight=[total(costs.backward_weight, g) for g in groups],
+        p2p=costs.p2p, allreduce=[0.0] * len(groups),
+        optimizer=[total(costs.allreduce, g) + total(costs.optimizer, g) for g in groups],
+        activation=[total(costs.activation, g) + (costs.activation[n] if redundant else 0.0)
+                    for g, n in zip(groups, succ, strict=True)],
+        b_frees=costs.b_frees, memory_limit=None, speed=speed,
+    )
+
+
+def _one_pipeline_1f1b(costs: CostModel, microbatches: int) -> _Run:
+    """Simulate one pipeline running 1F1B (fused backward) with a synchronous optimizer."""
+    topo = Topology(costs.pp, 1)
+    ops = {Worker(0, s): stage_order(costs.pp, microbatches, s) for s in range(costs.pp)}
+    plan = lower(Order(topo, microbatches, ops, "1f1b"), costs)
+    return _simulated(plan, synchronous=True)
+
+
+# ---- the plain construction ------------------------------------------------------------------------
+
+
+def rerouted_1f1b_order(topology: Topology, microbatches: int, *, split: bool = True) -> Order:
+    """Plain "1F1B with re-routed micro-batches appended": every live worker runs its own pipeline's
+    1F1B (with split backward, B then W at once), then, for each failed worker of its stage, a
+    contiguous block of that worker's micro-batches (blocks dealt to the peers in pipeline order),
+    each block as its own 1F1B. It can deadlock when failures cross (two pipelines each running the
+    other's micro-batches); the adaptive schedules must never be slower than it where it runs."""
+    pp, m = topology.pp, microbatches
+    for s in range(pp):
+        if not topology.stage_group(s):
+            raise RecoveryError(f"every worker of stage {s} has failed: recovery needs a checkpoint")
+
+    def expand(ops: Iterable[Op]) -> list[Op]:
+        out: list[Op] = []
+        for o in ops:
+            if split and o.kind is OpKind.BW:
+                out += [o.with_kind(OpKind.B), o.with_kind(OpKind.W)]
+            else:
+                out.append(o)
+        return out
+
+    seqs: dict[Worker, list[Op]] = {}
+    for w in topology.live_workers:
+        seqs[w] = expand(Op(o.kind, w.pipeline, o.microbatch, w.stage) for o in stage_order(pp, m, w.stage))
+    for failed in sorted(topology.failed):
+        peers = topology.stage_group(failed.stage)
+        sizes = [m // len(peers) + (1 if i < m % len(peers) else 0) for i in range(len(peers))]
+        first = 0
+        for peer, size in zip(peers, sizes, strict=True):
+            block = list(range(first, first + size))
+            first += size
+            if not block:
+                continue
+            one = stage_order(pp, size, failed.stage)
+            seqs[peer] += expand(Op(o.kind, failed.pipeline, block[o.microbatch], failed.stage) for o in one)
+    return Order(topology, m, {w: tuple(v) for w, v in seqs.items()}, "1f1b-rerouted")

@@ -1,0 +1,165 @@
+"""Pieces the subcommands share: argument types, reading plans, building them from arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from schedcomp.costs import CostModel
+from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.ir import Plan
+from schedcomp.topology import Worker
+
+
+class ArgumentError(SchedcompError):
+    """A bad command-line argument (argparse's complaint, as one of ours)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def worker(text: str) -> Worker:
+    try:
+        return Worker.parse(text)
+    except SchedcompError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise PlanFormatError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise PlanFormatError(f"{what} {path} is not a text file") from None
+
+
+def write_text(path: str, text: str, what: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise SchedcompError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+
+
+def load_plan(path: str, validate: bool = True) -> Plan:
+    """Read a saved plan (JSON or text form) and, by default, validate it."""
+    from schedcomp.check import check
+    from schedcomp.serialize import read_plan
+
+    text = read_text(path, "plan")
+    try:
+        plan = read_plan(text)
+    except PlanFormatError as exc:
+        raise PlanFormatError(f"{path}: {exc}") from None
+    if validate:
+        check(plan)
+    return plan
+
+
+def load_costs(path: str | None, pp: int) -> CostModel | None:
+    if path is None:
+        return None
+    costs = CostModel.load(path)
+    if costs.pp != pp:
+        raise SchedcompError(f"{path} has costs for {costs.pp} stages but --pp is {pp}: give one entry per stage")
+    return costs
+
+
+def add_plan_source(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name a plan: a saved file, or a schedule family to compile."""
+    from schedcomp.schedules import FAMILIES
+
+    parser.add_argument("plan", nargs="?", help="a saved plan (JSON or text form) instead of --schedule ...")
+    group = parser.add_argument_group("compile a schedule")
+    group.add_argument("--schedule", metavar="NAME",
+                       help=f"schedule family: {', '.join(FAMILIES)} (or adaptive)")
+    group.add_argument("--pp", type=positive_int, help="pipeline stages")
+    group.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches per pipeline and iteration")
+    group.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines (default 1)")
+    group.add_argument("--failed", type=worker, nargs="+", default=[], metavar="D:S",
+                       help="failed workers (pipeline:stage); they use the adaptive schedules")
+    group.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
+    group.add_argument("--memory-limit", type=positive_float, metavar="X", help="activation memory limit per worker")
+    group.add_argument("--solver", default="auto", help="solver for adaptive schedules (default auto)")
+    group.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit, seconds")
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The plan named by `add_plan_source`'s arguments: loaded and validated, or compiled."""
+    compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit") if getattr(args, f)]
+    if args.plan is not None:
+        if compile_flags:
+            flags = ", ".join("--" + f.replace("_", "-") for f in compile_flags)
+            raise ArgumentError(f"give either a plan file or {flags}, not both")
+        return load_plan(args.plan)
+    missing = [f"--{f}" for f in ("schedule", "pp", "microbatches") if getattr(args, f) is None]
+    if missing:
+        raise ArgumentError(f"give a plan file, or --schedule, --pp and --microbatches (missing {', '.join(missing)})")
+    from schedcomp.compile import compile
+
+    return compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
+                   costs=load_costs(args.costs, args.pp), memory_limit=args.memory_limit, solver=args.solver,
+                   time_limit=args.time_limit)
+
+
+def plan_facts(plan: Plan) -> dict[str, Any]:
+    topo = plan.topology
+    failed = ",".join(str(w) for w in sorted(topo.failed))
+    return {
+        "family": plan.family,
+        "solver": plan.solver,
+        "topology": f"pp={topo.pp} dp={topo.dp}" + (f" failed={failed}" if failed else ""),
+        "pp": topo.pp,
+        "dp": topo.dp,
+        "failed": [str(w) for w in sorted(topo.failed)],
+        "microbatches": plan.microbatches,
+        "lower_bound": plan.lower_bound,
+        "memory_limit": plan.costs.memory_limit,
+    }
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def use_color(choice: str) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    return sys.stdout.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+
+def terminal_width() -> int:
+    return max(40, min(240, shutil.get_terminal_size((100, 24)).columns))

@@ -1,0 +1,57 @@
+"""`schedcomp compare`: every fault-tolerance strategy on the same job, failures and costs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from schedcomp.cli.common import load_costs, print_json
+
+STRATEGIES = (
+    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
+)
+"""`schedcomp.baselines.STRATEGIES`, repeated so building the parser imports no solver (a test checks)."""
+
+
+def register(subparsers: Any) -> None:
+    from schedcomp.cli.compile import add_job_arguments, add_solver_arguments
+
+    p = subparsers.add_parser(
+        "compare",
+        help="simulate every fault-tolerance strategy side by side",
+        description="Simulate fault-free, adaptive (ours), its ablations, drop-pipeline, oobleck and bamboo on "
+        "the same job, failures and cost model; print each one's period, throughput relative to fault-free and "
+        "peak memory. Example: schedcomp compare --pp 8 --dp 4 --microbatches 16 --fail 1:3 --fail 2:5",
+    )
+    add_job_arguments(p)
+    p.add_argument("--strategy", action="append", choices=STRATEGIES, metavar="NAME",
+                   help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
+    add_solver_arguments(p, default="greedy")
+    p.add_argument("--json", action="store_true",
+                   help="print a list of {strategy, period, relative_throughput, peak_memory}")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from schedcomp.baselines import compare
+    from schedcomp.costs import CostModel
+
+    costs = load_costs(args.costs, args.pp) or CostModel.uniform(args.pp)
+    if args.memory_limit is not None:
+        costs = costs.with_memory_limit(args.memory_limit)
+    strategies = tuple(args.strategy) if args.strategy else STRATEGIES
+    outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
+                       solver=args.solver, time_limit=args.time_limit)
+    if args.json:
+        print_json([o.to_dict() for o in outcomes])
+        return 0
+    failed = ", ".join(str(w) for w in sorted(set(args.failed))) or "none"
+    print(f"pp={args.pp} dp={args.dp} micro-batches={args.microbatches} failed: {failed}")
+    print(f"  {'strategy':<21} {'period':>10} {'throughput':>11} {'peak memory':>12}")
+    for o in outcomes:
+        period = f"{o.period:10.4g}" if math.isfinite(o.period) else f"{'stopped':>10}"
+        memory = f"{o.peak_memory:12.4g}" if math.isfinite(o.period) else f"{'-':>12}"
+        note = f"  ({o.note})" if o.note else ""
+        print(f"  {o.strategy:<21} {period} {o.relative_throughput:10.1%} {memory}{note}")
+    return 0

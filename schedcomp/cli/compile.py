@@ -1,0 +1,87 @@
+"""`schedcomp compile`: compile a (failure-aware) plan, validate it and save it."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from schedcomp.cli.common import (
+    load_costs,
+    plan_facts,
+    positive_float,
+    positive_int,
+    print_json,
+    worker,
+    write_text,
+)
+
+
+def add_job_arguments(p: argparse.ArgumentParser, *, failures: bool = True) -> None:
+    """--pp --dp --microbatches [--fail D:S ...] --costs --memory-limit, shared with `compare`."""
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines (default 1)")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True,
+                   help="micro-batches per pipeline and iteration")
+    if failures:
+        p.add_argument("--fail", dest="failed", type=worker, action="append", default=[], metavar="D:S",
+                       help="a failed worker (pipeline:stage); repeat for several")
+        p.add_argument("--failed", dest="failed", type=worker, action="extend", nargs="+", metavar="D:S",
+                       help="failed workers, several at once")
+    p.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
+    p.add_argument("--memory-limit", type=positive_float, metavar="X", help="activation memory limit per worker")
+
+
+SOLVERS = ("auto", "greedy", "cpsat")
+"""`schedcomp.adaptive.SOLVERS`, repeated so building the parser imports no solver (a test checks)."""
+
+
+def add_solver_arguments(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--solver", choices=SOLVERS, default=default,
+                   help=f"auto: CP-SAT where it can finish in --time-limit, else greedy (default {default})")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="solver time limit (default 10)")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "compile",
+        help="compile a plan, with failed workers re-routed, and save it",
+        description="Compile and validate a plan for PP stages x DP pipelines. With failed workers (or "
+        "--schedule adaptive) their micro-batches are re-routed to live peers of the same stage, the backward is "
+        "split and the optimizer staggered. Example: schedcomp compile --pp 4 --dp 2 --microbatches 8 --fail 1:2 "
+        "-o plan.json",
+    )
+    add_job_arguments(p)
+    p.add_argument("--schedule", default="adaptive", metavar="NAME",
+                   help="adaptive (default), or a fault-free family: gpipe, 1f1b, zb-h1, zb-h2")
+    add_solver_arguments(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON")
+    p.add_argument("--text", action="store_true", help="write the compact text form instead of JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print makespan, period, bubble_ratio, peak_memory, lower_bound, solver, compile_seconds")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from schedcomp.compile import compile
+    from schedcomp.simulate import simulate
+
+    costs = load_costs(args.costs, args.pp)
+    began = time.perf_counter()
+    plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
+                   costs=costs, memory_limit=args.memory_limit, solver=args.solver, time_limit=args.time_limit)
+    seconds = time.perf_counter() - began
+    if args.output:
+        write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
+    sim = simulate(plan)
+    summary = {**plan_facts(plan), **sim.summary(), "lower_bound": plan.lower_bound, "solver": plan.solver,
+               "compile_seconds": round(seconds, 4)}
+    if args.json:
+        print_json(summary)
+    else:
+        from schedcomp.draw.terminal import render_summary
+
+        where = f" -> {args.output}" if args.output else ""
+        print(render_summary(summary, f"compiled in {seconds:.2f} s{where}"), end="")
+    return 0

@@ -1,0 +1,72 @@
+"""`schedcomp export-torch` / `import-torch`: PyTorch pipelining's compute-only CSV schedules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from schedcomp.cli.common import load_costs, load_plan, positive_int, read_text, write_text
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export-torch",
+        help="write a plan as a PyTorch compute-only CSV schedule",
+        description="Write a fault-free plan with one stage per rank as the compute-only CSV that "
+        "torch.distributed.pipelining schedules load with _load_csv. Example: "
+        "schedcomp export-torch plan.json -o schedule.csv",
+    )
+    p.add_argument("plan", help="a saved plan (JSON or text form)")
+    p.add_argument("-o", "--output", metavar="FILE", help="the CSV file (default: standard output)")
+    p.set_defaults(run=export_torch)
+
+    p = subparsers.add_parser(
+        "import-torch",
+        help="read a PyTorch compute-only CSV schedule into a plan",
+        description="Read a compute-only CSV schedule (one row per rank, actions like 0F1, 0I1, 0W1, 0B1), add "
+        "communication, validate, and save the plan. Example: "
+        "schedcomp import-torch schedule.csv --pp 4 --microbatches 8 -o plan.json",
+    )
+    p.add_argument("csv", help="the CSV schedule")
+    p.add_argument("--pp", type=positive_int, help="stages (default: the number of rows)")
+    p.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches (default: 1 + the largest)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines running the schedule")
+    p.add_argument("--costs", metavar="FILE", help="cost model JSON for the plan (default: the unit model)")
+    p.add_argument("-o", "--output", metavar="FILE", help="the plan JSON (default: standard output)")
+    p.set_defaults(run=import_torch)
+
+
+def export_torch(args: argparse.Namespace) -> int:
+    from schedcomp.serialize import plan_to_torch_csv
+
+    text = plan_to_torch_csv(load_plan(args.plan))
+    if args.output:
+        write_text(args.output, text, "CSV")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def import_torch(args: argparse.Namespace) -> int:
+    from schedcomp.check import check
+    from schedcomp.costs import CostModel
+    from schedcomp.errors import PlanFormatError
+    from schedcomp.lower import lower
+    from schedcomp.serialize import order_from_torch_csv, plan_to_json
+
+    text = read_text(args.csv, "CSV schedule")
+    try:
+        order = order_from_torch_csv(text, pp=args.pp, microbatches=args.microbatches, dp=args.dp)
+    except PlanFormatError as exc:
+        raise PlanFormatError(f"{args.csv}: {exc}") from None
+    pp = order.topology.pp
+    costs = load_costs(args.costs, pp) or CostModel.uniform(pp)
+    plan = lower(order, costs)
+    check(plan)
+    text = plan_to_json(plan)
+    if args.output:
+        write_text(args.output, text, "plan")
+    else:
+        sys.stdout.write(text)
+    return 0

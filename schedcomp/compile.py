@@ -1,0 +1,115 @@
+"""`compile`: a pipeline configuration and a cost model in, a validated `Plan` out.
+
+Fault-free families go family -> `fault_free_order` -> `lower` -> `check`. With failed workers,
+or `schedule="adaptive"`, the order comes from `schedcomp.adaptive.adaptive_order` (re-routing
+plus a solver) and then takes the same `lower` -> `check` path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from schedcomp.check import check, peak_memory
+from schedcomp.costs import CostModel
+from schedcomp.errors import CostModelError, MemoryLimitError, ScheduleError
+from schedcomp.ir import Order, Plan
+from schedcomp.lower import lower
+from schedcomp.schedules import FAMILIES, fault_free_order, get_family
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+ADAPTIVE = "adaptive"
+
+
+def compile(
+    pp: int,
+    dp: int = 1,
+    microbatches: int | None = None,
+    failed: Iterable[Worker | tuple[int, int]] = (),
+    schedule: str = "1f1b",
+    costs: CostModel | None = None,
+    memory_limit: float | None = None,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+) -> Plan:
+    """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
+
+    `schedule` is a fault-free family (gpipe, 1f1b, zb-h1, zb-h2) or "adaptive"; failures
+    always use the adaptive schedules. `costs` defaults to the unit model, `memory_limit`
+    overrides the cost model's. `solver` and `time_limit` go to the adaptive scheduler.
+    """
+    topology = Topology.of(pp, dp, failed)
+    if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int):
+        raise ScheduleError(f"microbatches must be a positive integer, got {microbatches!r}: pass microbatches=M")
+    if microbatches < 1:
+        raise ScheduleError(f"microbatches must be at least 1, got {microbatches}: pass microbatches=M with M >= 1")
+    costs = CostModel.uniform(pp) if costs is None else costs
+    if costs.pp != pp:
+        raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage")
+    if memory_limit is not None:
+        costs = costs.with_memory_limit(memory_limit)
+
+    if topology.failed or schedule == ADAPTIVE:
+        return _adaptive(topology, microbatches, costs, solver, time_limit)
+
+    family = get_family(schedule)
+    order = fault_free_order(family.name, topology, microbatches)
+    plan = lower(order, costs)
+    _fit_memory(plan)
+    check(plan)
+    log.debug("compiled %s pp=%d dp=%d M=%d", family.name, pp, dp, microbatches)
+    return plan
+
+
+def _fit_memory(plan: Plan) -> None:
+    """A fixed family cannot trade time for memory: say how much it needs instead of failing in check."""
+    limit = plan.costs.memory_limit
+    if limit is None:
+        return
+    peaks = peak_memory(plan)
+    worst = max(peaks, key=lambda w: (peaks[w], -w.stage, -w.pipeline))
+    need = peaks[worst]
+    if need > limit + 1e-9:
+        pp, mbs = plan.topology.pp, plan.microbatches
+        fits = [
+            name
+            for name, family in FAMILIES.items()
+            if mbs >= family.min_microbatches(pp) and _family_peak(name, pp, mbs, plan.costs) <= limit + 1e-9
+        ]
+        other = f", use {' or '.join(fits)}, which fit{'s' if len(fits) == 1 else ''}," if fits else ""
+        raise MemoryLimitError(
+            f"{plan.family} needs {need:g} activation units at stage {worst.stage} but memory_limit is {limit:g}: "
+            f'set memory_limit >= {need:g}{other} or use schedule="adaptive", which schedules within the limit'
+        )
+
+
+def _family_peak(name: str, pp: int, microbatches: int, costs: CostModel) -> float:
+    """The most memory any stage of `name` holds (all pipelines run the same order)."""
+    peak = 0.0
+    for s, ops in enumerate(FAMILIES[name].build(pp, microbatches)):
+        held = 0.0
+        for op in ops:
+            held += costs.memory_delta(op.kind.value, s)
+            peak = max(peak, held)
+    return peak
+
+
+def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float) -> Plan:
+    try:
+        from schedcomp.adaptive import adaptive_order
+    except ModuleNotFoundError as exc:
+        if exc.name != "schedcomp.adaptive":
+            raise
+        raise ScheduleError(
+            "the adaptive schedules (needed with failed workers) are not available in this build: "
+            "use a fault-free family (gpipe, 1f1b, zb-h1, zb-h2) without failures"
+        ) from None
+    order: Order
+    order, lower_bound, solver_name = adaptive_order(
+        topology, microbatches, costs, solver=solver, time_limit=time_limit
+    )
+    plan = lower(order, costs, solver=solver_name, lower_bound=lower_bound)
+    check(plan)
+    return plan

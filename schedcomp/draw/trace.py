@@ -1,0 +1,133 @@
+"""Chrome / Perfetto traces of timelines: write any spans, read back the ones we wrote.
+
+Open the file at https://ui.perfetto.dev or chrome://tracing. Each worker is one process
+track ("worker 0:1") with two threads: its stream (compute, ALLREDUCE, STEP, LOAD) and
+its transfers (sends and receives run beside the stream, so they would not nest in it).
+Every event is a complete event (`ph: "X"`) whose args carry the worker, iteration,
+instruction index and text, so `read_chrome_trace` rebuilds the exact spans.
+
+Times: a span's unit is `seconds_per_unit` seconds (1 by default: measured spans are in
+seconds; a simulated unit-cost plan then shows one unit as one second). The trace stores
+microseconds and records the unit, so reading converts back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from schedcomp.draw.style import category
+from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.ir import Instruction
+from schedcomp.timeline import Span
+from schedcomp.topology import Worker
+
+TRACE_FORMAT = "schedcomp-trace"
+TRACE_VERSION = 1
+_STREAM_TID, _COMM_TID = 0, 1
+
+__all__ = ["read_chrome_trace", "to_chrome_trace", "write_chrome_trace"]
+
+
+def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: str = "schedcomp") -> dict[str, Any]:
+    """The Chrome trace-event JSON object of `spans` (see the module docstring)."""
+    if not seconds_per_unit > 0:
+        raise PlanFormatError(f"seconds_per_unit must be positive, got {seconds_per_unit!r}")
+    spans = list(spans)
+    us = seconds_per_unit * 1e6
+    workers = sorted({s.worker for s in spans})
+    pid = {w: k for k, w in enumerate(workers)}
+    events: list[dict[str, Any]] = []
+    for w in workers:
+        events += [
+            {"ph": "M", "name": "process_name", "pid": pid[w], "tid": 0, "args": {"name": f"worker {w}"}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid[w], "tid": 0, "args": {"sort_index": pid[w]}},
+            {"ph": "M", "name": "thread_name", "pid": pid[w], "tid": _STREAM_TID, "args": {"name": "stream"}},
+            {"ph": "M", "name": "thread_name", "pid": pid[w], "tid": _COMM_TID, "args": {"name": "transfers"}},
+        ]
+    for s in spans:
+        cat = category(s.instruction)
+        events.append({
+            "name": str(s.instruction),
+            "cat": cat,
+            "ph": "X",
+            "pid": pid[s.worker],
+            "tid": _COMM_TID if cat == "comm" else _STREAM_TID,
+            "ts": s.start * us,
+            "dur": max(0.0, s.end - s.start) * us,
+            "args": {"worker": str(s.worker), "iteration": s.iteration, "index": s.index,
+                     "instruction": str(s.instruction)},
+        })
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"format": TRACE_FORMAT, "version": TRACE_VERSION, "name": name,
+                      "seconds_per_unit": seconds_per_unit},
+    }
+
+
+def write_chrome_trace(spans: Iterable[Span], path: str | Path, seconds_per_unit: float = 1.0) -> None:
+    try:
+        Path(path).write_text(json.dumps(to_chrome_trace(spans, seconds_per_unit)))
+    except OSError as exc:
+        raise PlanFormatError(f"cannot write trace {path}: {exc.strerror}") from None
+
+
+def read_chrome_trace(source: str | Path | Mapping[str, Any]) -> list[Span]:
+    """The spans of a trace written by `to_chrome_trace` (a path or the loaded JSON object).
+
+    Events without schedcomp args (from other tools) are skipped; PlanFormatError if none is left.
+    """
+    where = "trace"
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        where = f"trace {source}"
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise PlanFormatError(f"cannot read {where}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise PlanFormatError(f"{where} is not a text file: give a Chrome trace JSON file") from None
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise PlanFormatError(f"{where} is not valid JSON: {exc}") from None
+    if isinstance(data, list):  # the JSON Array Format: events only
+        events, other = data, {}
+    elif isinstance(data, Mapping) and isinstance(data.get("traceEvents"), list):
+        events, other = data["traceEvents"], data.get("otherData") or {}
+    else:
+        raise PlanFormatError(f"{where} is not a Chrome trace: expected an object with a 'traceEvents' list")
+    scale = other.get("seconds_per_unit", 1.0) if isinstance(other, Mapping) else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise PlanFormatError(f"{where}: otherData.seconds_per_unit must be a positive number, got {scale!r}")
+    us = scale * 1e6
+    spans = []
+    for k, ev in enumerate(events):
+        if not isinstance(ev, Mapping) or ev.get("ph") != "X" or not isinstance(ev.get("args"), Mapping):
+            continue
+        args = ev["args"]
+        if "worker" not in args or "iteration" not in args or "index" not in args:
+            continue
+        try:
+            worker = Worker.parse(str(args["worker"]))
+            instruction = Instruction.parse(str(args.get("instruction", ev.get("name", ""))), worker.stage)
+            iteration, index = _nonneg_int(args["iteration"]), _nonneg_int(args["index"])
+            ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        except (SchedcompError, KeyError, TypeError, ValueError) as exc:
+            raise PlanFormatError(f"{where}: event {k} is not a schedcomp span ({exc})") from None
+        spans.append(Span(worker, iteration, index, instruction, ts / us, (ts + dur) / us))
+    if not spans:
+        raise PlanFormatError(f"{where} holds no schedcomp spans: write it with `schedcomp show --trace` "
+                              "or the runtime's trace option")
+    spans.sort(key=lambda s: (s.worker, s.iteration, s.index))
+    return spans
+
+
+def _nonneg_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value

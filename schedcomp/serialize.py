@@ -1,0 +1,354 @@
+"""Plans on disk: versioned JSON, a compact text form, and PyTorch's compute-only CSV.
+
+JSON (`plan_to_json` / `plan_from_json`)::
+
+    {"format": "schedcomp-plan", "version": 1,
+     "topology": {"pp": 4, "dp": 1, "failed": ["1:2"]}, "microbatches": 8,
+     "family": "1f1b", "solver": "", "lower_bound": null, "meta": {},
+     "costs": {...CostModel.to_dict()...},
+     "streams": {"0:0": ["LOAD[F0.0]", "F0.0", "SEND_ACT[F0.0>0:1]", ...], ...}}
+
+Text (`plan_to_text` / `plan_from_text`): the same header without streams as one JSON line,
+then one line per worker, `0:2: F0.0 SEND_ACT[F0.0>0:3] ...`. Blank lines and `#` lines are
+ignored. Both forms round-trip exactly: `plan_from_json(plan_to_json(p)) == p`, provided
+`meta` holds JSON values (lists, not tuples).
+
+PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
+`torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
+per action `{stage}{type}{microbatch}` with type F (forward), I (backward input, our B),
+W (backward weight) or B (full backward, our BW); an empty cell is an idle step. Only
+fault-free plans with one stage per rank map onto it; with dp > 1 every pipeline must run the
+same order, written once.
+
+Every malformed input raises `PlanFormatError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from schedcomp.costs import CostModel
+from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.ir import Instruction, Op, OpKind, Order, Plan
+from schedcomp.topology import Topology, Worker
+
+FORMAT = "schedcomp-plan"
+VERSION = 1
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "order_from_torch_csv",
+    "order_to_torch_csv",
+    "plan_from_json",
+    "plan_from_text",
+    "plan_to_json",
+    "plan_to_text",
+    "plan_to_torch_csv",
+    "read_plan",
+]
+
+_HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs")
+
+
+# ---- header (everything but the streams) -------------------------------------------------------
+
+
+def _header(plan: Plan) -> dict[str, Any]:
+    topo = plan.topology
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)]},
+        "microbatches": plan.microbatches,
+        "family": plan.family,
+        "solver": plan.solver,
+        "lower_bound": plan.lower_bound,
+        "meta": dict(plan.meta),
+        "costs": plan.costs.to_dict(),
+    }
+
+
+def _dumps(data: Any, **kw: Any) -> str:
+    try:
+        return json.dumps(data, **kw)
+    except (TypeError, ValueError) as exc:
+        raise PlanFormatError(f"plan cannot be written as JSON ({exc}): keep plan.meta to JSON values") from None
+
+
+def _loads(text: str, what: str) -> Any:
+    if not isinstance(text, str):
+        raise PlanFormatError(f"{what} must be text, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"{what} is not valid JSON (line {exc.lineno} column {exc.colno}): {exc.msg}") from None
+    except RecursionError:
+        raise PlanFormatError(f"{what} nests too deeply to be a plan") from None
+
+
+def _get(data: Mapping[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    if key not in data:
+        raise PlanFormatError(f"{what} lacks {key!r}: write plans with schedcomp (plan.to_json())")
+    value = data[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise PlanFormatError(f"{what}: {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _parse_header(data: Any, what: str) -> dict[str, Any]:
+    """Check the header of a plan and build everything but the streams."""
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"{what} must be a JSON object with \"format\": \"{FORMAT}\"")
+    if data.get("format") != FORMAT:
+        raise PlanFormatError(f"{what} is not a schedcomp plan (\"format\" is {data.get('format')!r}, "
+                              f"expected {FORMAT!r})")
+    version = data.get("version")
+    if version != VERSION:
+        raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads version {VERSION}: "
+                              "recompile the plan with this version")
+    topo = _get(data, "topology", dict, what)
+    try:
+        pp = _get(topo, "pp", int, f"{what} topology")
+        dp = _get(topo, "dp", int, f"{what} topology")
+        failed = _get(topo, "failed", list, f"{what} topology")
+        if not all(isinstance(w, str) for w in failed):
+            raise PlanFormatError(f"{what}: topology failed workers must be strings like \"1:2\"")
+        topology = Topology.of(pp, dp, [Worker.parse(w) for w in failed])
+        costs = CostModel.from_dict(_get(data, "costs", dict, what))
+    except PlanFormatError:
+        raise
+    except SchedcompError as exc:
+        raise PlanFormatError(f"{what}: {exc}") from None
+    if costs.pp != topology.pp:
+        raise PlanFormatError(f"{what}: the cost model has {costs.pp} stages but the topology has pp={topology.pp}")
+    microbatches = _get(data, "microbatches", int, what)
+    if microbatches < 1:
+        raise PlanFormatError(f"{what}: microbatches must be positive, got {microbatches}")
+    lower_bound = data.get("lower_bound")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise PlanFormatError(f"{what}: 'lower_bound' must be a number or null")
+    return {
+        "topology": topology,
+        "costs": costs,
+        "microbatches": microbatches,
+        "family": _get(data, "family", str, what),
+        "solver": _get(data, "solver", str, what),
+        "lower_bound": None if lower_bound is None else float(lower_bound),
+        "meta": _get(data, "meta", dict, what),
+    }
+
+
+def _parse_stream(worker: Worker, items: Any, topology: Topology, what: str) -> tuple[Instruction, ...]:
+    if not topology.is_live(worker):
+        raise PlanFormatError(f"{what}: worker {worker} has a stream but is not a live worker of the topology")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise PlanFormatError(f"{what}: the stream of {worker} must be a list of instruction strings")
+    out = []
+    for k, text in enumerate(items):
+        try:
+            out.append(Instruction.parse(text, worker.stage))
+        except SchedcompError as exc:
+            raise PlanFormatError(f"{what}: worker {worker} instruction {k}: {exc}") from None
+    return tuple(out)
+
+
+def _parse_worker(text: str, what: str) -> Worker:
+    try:
+        return Worker.parse(text)
+    except SchedcompError:
+        raise PlanFormatError(f"{what}: bad worker {text!r}: write it as PIPELINE:STAGE, e.g. 0:3") from None
+
+
+# ---- JSON -----------------------------------------------------------------------------------------
+
+
+def plan_to_json(plan: Plan, indent: bool = True) -> str:
+    """The versioned JSON form of `plan`: one line per header key and per worker's stream, or one
+    line in all with `indent=False`."""
+    data = _header(plan)
+    streams = {str(w): [str(i) for i in plan.streams[w]] for w in sorted(plan.streams)}
+    if not indent:
+        return _dumps({**data, "streams": streams}, separators=(",", ":"))
+    # One line per key and per stream keeps files diff-able without a line per instruction.
+    lines = [f" {json.dumps(k)}: {_dumps(v)}," for k, v in data.items()]
+    body = ",\n".join(f"  {json.dumps(w)}: {_dumps(s)}" for w, s in streams.items())
+    return "{\n" + "\n".join(lines) + f"\n \"streams\": {{\n{body}\n }}\n}}\n"
+
+
+def plan_from_json(text: str) -> Plan:
+    """Read a plan written by `plan_to_json`; PlanFormatError if it is not one."""
+    data = _loads(text, "plan")
+    fields = _parse_header(data, "plan")
+    streams_data = _get(data, "streams", dict, "plan")
+    streams = {}
+    for key, items in streams_data.items():
+        w = _parse_worker(key, "plan")
+        streams[w] = _parse_stream(w, items, fields["topology"], "plan")
+    return Plan(streams=streams, **fields)
+
+
+# ---- text -----------------------------------------------------------------------------------------
+
+
+def plan_to_text(plan: Plan) -> str:
+    """The compact text form: a JSON header line, then `WORKER: INSTR INSTR ...` per worker."""
+    lines = [_dumps(_header(plan), separators=(",", ":"))]
+    for w in sorted(plan.streams):
+        lines.append(f"{w}: " + " ".join(str(i) for i in plan.streams[w]))
+    return "\n".join(lines) + "\n"
+
+
+_LINE_RE = re.compile(r"(?P<worker>\d+:\d+):(?P<rest>.*)")
+
+
+def plan_from_text(text: str) -> Plan:
+    """Read the text form written by `plan_to_text`; PlanFormatError if it is not one."""
+    if not isinstance(text, str):
+        raise PlanFormatError(f"plan text must be a string, got {type(text).__name__}")
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
+    lines = [(n, line) for n, line in lines if line and not line.startswith("#")]
+    if not lines:
+        raise PlanFormatError("plan text is empty: its first line must be the JSON header")
+    n0, head = lines[0]
+    fields = _parse_header(_loads(head, f"plan text header (line {n0})"), f"plan text header (line {n0})")
+    streams: dict[Worker, tuple[Instruction, ...]] = {}
+    for n, line in lines[1:]:
+        m = _LINE_RE.fullmatch(line)
+        if not m:
+            raise PlanFormatError(f"plan text line {n}: expected 'PIPELINE:STAGE: INSTRUCTION ...', got {line[:40]!r}")
+        w = _parse_worker(m["worker"], f"plan text line {n}")
+        if w in streams:
+            raise PlanFormatError(f"plan text line {n}: worker {w} has a second stream line")
+        streams[w] = _parse_stream(w, m["rest"].split(), fields["topology"], f"plan text line {n}")
+    return Plan(streams=streams, **fields)
+
+
+def read_plan(text: str) -> Plan:
+    """Read a plan in either form: JSON if the whole text is one JSON value, else the text form."""
+    if not isinstance(text, str):
+        raise PlanFormatError(f"a plan must be text, got {type(text).__name__}")
+    try:
+        json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        first = text.lstrip().split("\n", 1)[0]
+        if text.lstrip().startswith("{") and not _is_json(first):
+            return plan_from_json(text)  # broken JSON: say where
+        return plan_from_text(text)
+    return plan_from_json(text)
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
+# ---- PyTorch compute-only CSV -----------------------------------------------------------------------
+
+_TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_ACTION_RE = re.compile(r"(?P<stage>\d+)(?P<kind>[A-Z_]+?)(?P<mb>\d*)")
+
+
+def order_to_torch_csv(order: Order) -> str:
+    """PyTorch's compute-only CSV of a fault-free, one-stage-per-rank compute order."""
+    topo = order.topology
+    if topo.failed:
+        raise PlanFormatError(f"the PyTorch CSV format has no failed workers, but {len(topo.failed)} failed here: "
+                              "export a fault-free plan")
+    rows = []
+    for s in range(topo.pp):
+        row = None
+        for d in range(topo.dp):
+            w = Worker(d, s)
+            ops = order.ops.get(w, ())
+            cells = []
+            for op in ops:
+                if op.stage != s or op.pipeline != d:
+                    raise PlanFormatError(f"worker {w} runs {op} of pipeline {op.pipeline} at stage {op.stage}: the "
+                                          "PyTorch CSV format needs every rank to run only its own stage and pipeline")
+                cells.append(f"{s}{_TO_TORCH[op.kind]}{op.microbatch}")
+            if row is not None and cells != row:
+                raise PlanFormatError(f"pipelines 0 and {d} run different orders at stage {s}: the PyTorch CSV format "
+                                      "holds one pipeline, so export a plan whose pipelines all run the same schedule")
+            row = cells
+        rows.append(row or [])
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in rows:
+        writer.writerow(row)
+    return out.getvalue()
+
+
+def plan_to_torch_csv(plan: Plan) -> str:
+    """PyTorch's compute-only CSV of a fault-free plan with one stage per rank (PlanFormatError otherwise)."""
+    order = Order(plan.topology, plan.microbatches, {w: plan.compute_ops(w) for w in plan.streams}, plan.family)
+    return order_to_torch_csv(order)
+
+
+def order_from_torch_csv(
+    text: str, pp: int | None = None, microbatches: int | None = None, dp: int = 1, family: str = "torch-csv"
+) -> Order:
+    """Read PyTorch's compute-only CSV into an `Order` (every pipeline runs the same rows).
+
+    `pp` and `microbatches` default to the number of rows and 1 + the largest micro-batch;
+    given, they must agree with the file.
+    """
+    if not isinstance(text, str):
+        raise PlanFormatError(f"a PyTorch schedule CSV must be text, got {type(text).__name__}")
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as exc:
+        raise PlanFormatError(f"malformed CSV: {exc}") from None
+    while rows and not any(c.strip() for c in rows[-1]):
+        rows.pop()  # a trailing empty line is not a rank
+    if not rows:
+        raise PlanFormatError("the PyTorch schedule CSV is empty: it needs one row of actions per rank")
+    if pp is not None and pp != len(rows):
+        raise PlanFormatError(f"the CSV has {len(rows)} rows (ranks) but pp={pp}: give one row per stage")
+    pp = len(rows)
+    per_stage: list[list[tuple[OpKind, int]]] = []
+    largest = -1
+    for rank, row in enumerate(rows):
+        actions = []
+        for col, cell in enumerate(row):
+            cell = cell.strip()
+            if not cell:
+                continue  # an idle step
+            m = _ACTION_RE.fullmatch(cell)
+            if not m or m["kind"] not in _FROM_TORCH or not m["mb"]:
+                raise PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 "
+                                      "or 0B1 (export the compute-only schedule, not the one with communication)")
+            stage = int(m["stage"])
+            if stage != rank:
+                raise PlanFormatError(f"row {rank} column {col}: {cell!r} runs stage {stage} on rank {rank}: only "
+                                      "schedules with one stage per rank (stage = rank) are supported")
+            mb = int(m["mb"])
+            largest = max(largest, mb)
+            actions.append((_FROM_TORCH[m["kind"]], mb))
+        per_stage.append(actions)
+    if microbatches is None:
+        microbatches = largest + 1
+    elif largest >= microbatches:
+        raise PlanFormatError(f"the CSV uses micro-batch {largest} but microbatches={microbatches}: "
+                              f"give at least {largest + 1}")
+    try:
+        topology = Topology.of(pp, dp)
+    except SchedcompError as exc:
+        raise PlanFormatError(str(exc)) from None
+    ops = {
+        Worker(d, s): tuple(Op(kind, d, mb, s) for kind, mb in per_stage[s]) for d in range(dp) for s in range(pp)
+    }
+    return Order(topology, microbatches, ops, family)

@@ -1,0 +1,255 @@
+"""A memory-aware list scheduler over the compute graph, with its own op-level clock.
+
+Workers are simulated in time order. A worker that is free at time t picks, among the ops whose inputs
+have arrived by t:
+
+1. a B (or fused BW): input gradients are on the critical path, so they go first;
+2. an F, if the worker has fewer than `window[stage]` micro-batches between F and B and the activation
+   fits under the memory limit; its own pipeline's F and the stage's re-routed F compete first-come
+   first-served;
+3. a W, deferred into the time nothing else is ready (policy "idle"), or only where it ends before the
+   next known arrival (policy "fit"); a W always runs when memory blocks an F, since it frees memory.
+   W left over after the last B fill the tail bubble before the next iteration's forwards reach the
+   worker.
+
+Re-routed F (of a failed home worker) are placed by one of three routings:
+- "static": a fixed assignment computed up front (`route.assign_orphans`: balanced by speed factors);
+- "pool": any live worker of the stage takes one when it is free and has nothing better, so the
+  re-routed work lands where the bubbles are and fast workers take more;
+- "quota": the pool, but each worker takes at most its balanced share.
+The B and W of a slot follow its F to the same worker. Returns per-worker op-id sequences.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from schedcomp.errors import ScheduleError
+from schedcomp.solvers.problem import Problem
+
+ROUTINGS = ("pool", "quota", "static")
+W_POLICIES = ("idle", "fit")
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class GreedyParams:
+    """One variant of the list scheduler (see the module docstring)."""
+
+    window: tuple[int, ...]
+    w_policy: str = "idle"
+    routing: str = "pool"
+    scale_window: bool = False
+    """Scale a worker's window by its load (own + balanced share of re-routed slots, over own)."""
+
+    def __str__(self) -> str:
+        scaled = "x" if self.scale_window else ""
+        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}"
+
+
+def list_schedule(
+    problem: Problem,
+    params: GreedyParams,
+    assignment: Mapping[int, int] | None = None,
+    quota: Mapping[int, int] | None = None,
+) -> dict[int, list[int]]:
+    """Schedule every op of `problem`; `assignment` (orphan slot -> worker id) is needed for "static"
+    routing and `quota` (worker id -> most re-routed slots it takes) for "quota"."""
+    pp, nk = problem.pp, len(problem.kinds)
+    split = nk == 3
+    costs = problem.costs
+    p2p = costs.p2p
+    limit = costs.memory_limit if costs.memory_limit is not None else math.inf
+    limit += _EPS * max(1.0, limit if math.isfinite(limit) else 1.0)
+    act = costs.activation
+    free_b = [a * costs.b_frees if split else a for a in act]
+    free_w = [a - fb for a, fb in zip(act, free_b, strict=True)]
+    window = [params.window[wid % pp] for wid in range(problem.dp * pp)]
+    if params.scale_window and quota is not None:
+        mb = problem.microbatches
+        window = [math.ceil(win * (mb + quota.get(wid, 0)) / mb) for wid, win in enumerate(window)]
+    use_pool = params.routing in ("pool", "quota")
+    if params.routing == "static" and assignment is None:
+        raise ScheduleError("static routing needs an assignment of the re-routed micro-batches")
+    if params.routing == "quota" and quota is None:
+        raise ScheduleError("quota routing needs a quota per worker")
+
+    n_workers = problem.dp * pp
+    live = [problem.worker_id(w) for w in problem.topology.live_workers]
+    dur: list[list[float]] = [[0.0] * nk for _ in range(n_workers)]
+    for wid in live:
+        worker = problem.worker_of(wid)
+        dur[wid] = [problem.duration(k, worker) for k in problem.kinds]
+    peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
+
+    n_slots = problem.n_slots
+    runner = [-1] * n_slots
+    for wid in live:
+        d, s = divmod(wid, pp)
+        for m in range(problem.microbatches):
+            runner[problem.slot_id(d, m, s)] = wid
+    if not use_pool:
+        for slot, wid in (assignment or {}).items():
+            runner[slot] = wid
+    need = [1 if (slot % pp) == pp - 1 else 2 for slot in range(n_slots)]
+    b_ready = [0.0] * n_slots
+    taken = dict.fromkeys(live, 0)
+    cap = dict(quota) if params.routing == "quota" and quota is not None else {}
+
+    free = [0.0] * n_workers
+    infl = [0] * n_workers
+    mem = [0.0] * n_workers
+    fq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
+    bq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
+    wq: list[deque[int]] = [deque() for _ in range(n_workers)]
+    pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(pp)]
+    wake: list[float | None] = [None] * n_workers
+    events: list[tuple[float, int]] = []
+    seqs: dict[int, list[int]] = {wid: [] for wid in live}
+    mb = problem.microbatches
+
+    def notify(wid: int, ready: float) -> None:
+        at = ready if ready > free[wid] else free[wid]
+        cur = wake[wid]
+        if cur is None or at < cur:
+            wake[wid] = at
+            heapq.heappush(events, (at, wid))
+
+    def deliver_f(slot: int, ready: float) -> None:
+        rest = slot // pp
+        entry = (ready, rest % mb, rest // mb, slot)
+        r = runner[slot]
+        if r >= 0:
+            heapq.heappush(fq[r], entry)
+            notify(r, ready)
+        else:
+            s = slot % pp
+            heapq.heappush(pool[s], entry)
+            for p in peers[s]:
+                if not cap or taken[p] < cap.get(p, 0):
+                    notify(p, ready)
+
+    def deliver_b(slot: int, ready: float) -> None:
+        r = runner[slot]
+        rest = slot // pp
+        heapq.heappush(bq[r], (ready, rest % mb, rest // mb, slot))
+        notify(r, ready)
+
+    for d in range(problem.dp):
+        for m in range(mb):
+            deliver_f(problem.slot_id(d, m, 0), 0.0)
+    for wid in live:
+        if wake[wid] is None:
+            wake[wid] = 0.0
+            heapq.heappush(events, (0.0, wid))
+
+    scheduled = 0
+    while events:
+        t, w = heapq.heappop(events)
+        if wake[w] != t:
+            continue
+        wake[w] = None
+        s = w % pp
+        bqw, fqw, wqw = bq[w], fq[w], wq[w]
+        kind = -1
+        slot = -1
+        if bqw and bqw[0][0] <= t:
+            slot = heapq.heappop(bqw)[3]
+            kind = 1
+        else:
+            mem_ok = mem[w] + act[s] <= limit
+            f_ok = infl[w] < window[w] and mem_ok
+            pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
+            if f_ok:
+                own = fqw[0] if fqw and fqw[0][0] <= t else None
+                other = pool[s][0] if pool_ok and pool[s][0][0] <= t else None
+                if own is not None and (other is None or own <= other):
+                    slot = heapq.heappop(fqw)[3]
+                    kind = 0
+                elif other is not None:
+                    slot = heapq.heappop(pool[s])[3]
+                    runner[slot] = w
+                    taken[w] += 1
+                    kind = 0
+            if kind < 0:
+                nxt = bqw[0][0] if bqw else math.inf
+                if f_ok:
+                    if fqw and fqw[0][0] < nxt:
+                        nxt = fqw[0][0]
+                    if pool_ok and pool[s][0][0] < nxt:
+                        nxt = pool[s][0][0]
+                if wqw and (
+                    params.w_policy == "idle"
+                    or not mem_ok
+                    or nxt == math.inf
+                    or t + dur[w][2] <= nxt + _EPS
+                ):
+                    slot = wqw.popleft()
+                    kind = 2
+                elif nxt < math.inf:
+                    wake[w] = nxt
+                    heapq.heappush(events, (nxt, w))
+                    continue
+                else:
+                    continue  # nothing known yet: a delivery will wake this worker
+        end = t + dur[w][kind]
+        free[w] = end
+        wake[w] = end
+        heapq.heappush(events, (end, w))
+        seqs[w].append(slot * nk + kind)
+        scheduled += 1
+        st = slot % pp
+        if kind == 0:
+            infl[w] += 1
+            mem[w] += act[st]
+            if st < pp - 1:
+                deliver_f(slot + 1, end + p2p)
+            need[slot] -= 1
+            if end > b_ready[slot]:
+                b_ready[slot] = end
+            if need[slot] == 0:
+                deliver_b(slot, b_ready[slot])
+        elif kind == 1:
+            infl[w] -= 1
+            mem[w] -= free_b[st]
+            if split:
+                wqw.append(slot)
+            if st > 0:
+                up = slot - 1
+                need[up] -= 1
+                if end + p2p > b_ready[up]:
+                    b_ready[up] = end + p2p
+                if need[up] == 0:
+                    deliver_b(up, b_ready[up])
+        else:
+            mem[w] -= free_w[st]
+    if scheduled != n_slots * nk:
+        raise ScheduleError(
+            f"list scheduler stalled after {scheduled} of {n_slots * nk} ops (a bug): "
+            "report it with the topology and cost model"
+        )
+    return seqs
+
+
+def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
+    """In-flight windows to try: 1F1B's (pp - s: the memory of 1F1B), ZB-H2's (2(pp - s) - 1), and
+    "rtt": as many forwards as fit in the round trip from a stage's F to its gradient coming back."""
+    pp, costs = problem.pp, problem.costs
+    rtt = []
+    for s in range(pp):
+        trip = sum(costs.forward[j] + costs.backward_input[j] for j in range(s + 1, pp))
+        trip += 2 * (pp - 1 - s) * costs.p2p + costs.backward_input[s]
+        rtt.append(1 + math.ceil(trip / max(costs.forward[s], 1e-9) - 1e-9))
+    return {
+        "1f1b": tuple(pp - s for s in range(pp)),
+        "h2": tuple(2 * (pp - s) - 1 for s in range(pp)),
+        "rtt": tuple(rtt),
+    }
+
+
+def sequences_ops(seqs: Mapping[int, Sequence[int]]) -> int:
+    return sum(len(v) for v in seqs.values())

@@ -1,0 +1,229 @@
+"""Local search on per-worker op sequences, scored by the steady-state period.
+
+The list scheduler decides one iteration at a time and cannot see that, with a staggered optimizer,
+the time a stage needs between its last backward and its step is taken from the next iteration of the
+stages below it. This pass fixes what that costs, by moves that keep every slot's F -> B -> W order:
+
+- move a W to another place after its B (into a bubble, or out of the critical tail);
+- swap two neighbouring ops of different slots (change the F/B interleaving, the warm-up depth);
+- move a re-routed slot (its F, B and W together) to another live worker of its stage;
+
+keeping a move when the period (then the one-iteration makespan) does not get worse and memory stays
+within the limit. Moves are drawn from a seeded generator, so results are reproducible. The evaluator
+here is a plain-Python event loop that is faster than `timing.time_sequences` on small schedules.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+
+from schedcomp.solvers.problem import Problem, period_from_ends
+
+
+class FastTimer:
+    """Times op sequences like `timing.time_sequences`, with the per-op data computed once."""
+
+    def __init__(self, problem: Problem, iterations: int = 4, synchronous: bool = False) -> None:
+        self.problem = problem
+        self.iterations = iterations
+        self.synchronous = synchronous
+        pp, nk, costs = problem.pp, len(problem.kinds), problem.costs
+        self.nk = nk
+        n_ops = problem.n_slots * nk
+        self.n_ops = n_ops
+        self.pred1 = [-1] * n_ops
+        self.lat1 = [0.0] * n_ops
+        self.pred2 = [-1] * n_ops
+        self.lat2 = [0.0] * n_ops
+        for op in range(n_ops):
+            slot, k = divmod(op, nk)
+            s = slot % pp
+            if k == 0:
+                if s > 0:
+                    self.pred1[op], self.lat1[op] = (slot - 1) * nk, costs.p2p
+            elif k == 1:
+                self.pred1[op] = slot * nk
+                if s < pp - 1:
+                    self.pred2[op], self.lat2[op] = (slot + 1) * nk + 1, costs.p2p
+            else:
+                self.pred1[op] = slot * nk + 1
+        self.live = [problem.worker_id(w) for w in problem.topology.live_workers]
+        self.dur = {wid: [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds] for wid in self.live}
+        self.allreduce = problem.allreduce_times
+        self.step = {wid: problem.step_time(wid) for wid in self.live}
+        deltas = [[costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)]
+        self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
+        limit = costs.memory_limit
+        self.limit = math.inf if limit is None else limit * (1 + 1e-9) + 1e-12
+
+    def memory_ok(self, seq: Sequence[int]) -> bool:
+        held, delta, limit = 0.0, self.delta, self.limit
+        for op in seq:
+            held += delta[op]
+            if held > limit:
+                return False
+        return True
+
+    def score(self, seqs: Mapping[int, Sequence[int]]) -> tuple[float, float]:
+        """(period, makespan); (inf, inf) when the sequences deadlock."""
+        pp, nk = self.problem.pp, self.nk
+        pred1, pred2, lat1, lat2 = self.pred1, self.pred2, self.lat1, self.lat2
+        done = [-1] * self.n_ops
+        endt = [0.0] * self.n_ops
+        base = dict.fromkeys(self.live, 0.0)
+        ends: list[float] = []
+        total = sum(len(seqs.get(w, ())) for w in self.live)
+        if total != self.n_ops:
+            return math.inf, math.inf
+        for it in range(self.iterations):
+            ptr = dict.fromkeys(self.live, 0)
+            free = dict(base)
+            waiting: dict[int, list[int]] = {}
+            stack = list(self.live)
+            finished = 0
+            while stack:
+                w = stack.pop()
+                seq = seqs.get(w, ())
+                i, t, dur = ptr[w], free[w], self.dur[w]
+                n = len(seq)
+                while i < n:
+                    op = seq[i]
+                    p = pred1[op]
+                    if p >= 0:
+                        if done[p] != it:
+                            waiting.setdefault(p, []).append(w)
+                            break
+                        a = endt[p] + lat1[op]
+                        if a > t:
+                            t = a
+                        p = pred2[op]
+                        if p >= 0:
+                            if done[p] != it:
+                                waiting.setdefault(p, []).append(w)
+                                break
+                            a = endt[p] + lat2[op]
+                            if a > t:
+                                t = a
+                    t += dur[op % nk]
+                    endt[op] = t
+                    done[op] = it
+                    finished += 1
+                    i += 1
+                    woken = waiting.pop(op, None)
+                    if woken:
+                        stack.extend(woken)
+                ptr[w], free[w] = i, t
+            if finished != self.n_ops:
+                return math.inf, math.inf
+            arrive = [0.0] * pp
+            for w in self.live:
+                s = w % pp
+                if free[w] > arrive[s]:
+                    arrive[s] = free[w]
+            for w in self.live:
+                s = w % pp
+                base[w] = arrive[s] + self.allreduce[s] + self.step[w]
+            barrier = max(max(base.values()), ends[-1] if ends else 0.0)
+            ends.append(barrier)
+            if self.synchronous:
+                base = dict.fromkeys(self.live, barrier)
+        return period_from_ends(ends), ends[0]
+
+
+def improve(
+    problem: Problem,
+    seqs: Mapping[int, Sequence[int]],
+    *,
+    time_budget: float = 1.0,
+    max_moves: int = 4000,
+    seed: int = 0,
+    iterations: int = 4,
+    synchronous: bool = False,
+    bound: float = 0.0,
+    patience: int = 600,
+) -> tuple[dict[int, list[int]], tuple[float, float]]:
+    """Hill-climb from `seqs` for at most `time_budget` seconds or `max_moves` tries, stopping early at
+    the lower bound `bound` or after `patience` tries without a strict gain; returns the best sequences
+    and their (period, makespan)."""
+    timer = FastTimer(problem, iterations, synchronous)
+    rng = random.Random(seed)
+    cur = {w: list(v) for w, v in seqs.items()}
+    best = timer.score(cur)
+    nk, pp = timer.nk, problem.pp
+    workers = [w for w in timer.live if cur.get(w)]
+    peers = {s: [problem.worker_id(w) for w in group] for s, group in enumerate(problem.survivors)}
+    orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[slot % pp]) > 1]
+    where = {op // nk: w for w, ops in cur.items() for op in ops}
+    deadline = time.perf_counter() + time_budget
+    moves = ["w", "swap", "swap"] + (["reroute"] if orphans else [])
+    last_gain = 0
+    for tries in range(max_moves):
+        if best[0] <= bound * (1 + 1e-9) or tries - last_gain > patience:
+            break
+        if tries % 16 == 0 and time.perf_counter() > deadline:
+            break
+        kind = rng.choice(moves)
+        if kind == "reroute":
+            slot = rng.choice(orphans)
+            src = where[slot]
+            dst = rng.choice([p for p in peers[slot % pp] if p != src])
+            old_src, old_dst = cur[src], cur[dst]
+            mine = [op for op in old_src if op // nk == slot]
+            pos = [i / max(1, len(old_src)) for i, op in enumerate(old_src) if op // nk == slot]
+            new_src = [op for op in old_src if op // nk != slot]
+            new_dst = list(old_dst)
+            for frac, op in zip(pos, mine, strict=True):
+                idx = min(len(new_dst), round(frac * (len(old_dst) + len(mine))))
+                new_dst.insert(idx, op)
+            _fix_slot_order(new_dst, slot, nk)
+            if not timer.memory_ok(new_dst):
+                continue
+            cur[src], cur[dst] = new_src, new_dst
+            score = timer.score(cur)
+            if score <= best:
+                last_gain = tries if score < best else last_gain
+                best = score
+                where[slot] = dst
+            else:
+                cur[src], cur[dst] = old_src, old_dst
+            continue
+        w = rng.choice(workers)
+        seq = cur[w]
+        if kind == "w":
+            if nk != 3:
+                continue
+            ws = [i for i, op in enumerate(seq) if op % nk == 2]
+            i = rng.choice(ws)
+            op = seq[i]
+            b = seq.index(op - 1)
+            new = seq[:i] + seq[i + 1:]
+            j = rng.randrange(b + 1, len(seq))
+            if j == i:
+                continue
+            new.insert(j, op)
+        else:
+            i = rng.randrange(len(seq) - 1)
+            if seq[i] // nk == seq[i + 1] // nk:
+                continue
+            new = list(seq)
+            new[i], new[i + 1] = new[i + 1], new[i]
+        if not timer.memory_ok(new):
+            continue
+        cur[w] = new
+        score = timer.score(cur)
+        if score <= best:
+            last_gain = tries if score < best else last_gain
+            best = score
+        else:
+            cur[w] = seq
+    return cur, best
+
+
+def _fix_slot_order(seq: list[int], slot: int, nk: int) -> None:
+    """Reorder the ops of `slot` inside `seq` (in place) to F, B, W at the positions they occupy."""
+    idx = [i for i, op in enumerate(seq) if op // nk == slot]
+    for k, i in enumerate(idx):
+        seq[i] = slot * nk + k

@@ -1,0 +1,238 @@
+"""Worker processes for the fault-tolerance tests, and the parent-side helpers that start and reap them.
+
+Run as `python tests/fault_procs.py SCENARIO [ARGS...]` with the launcher's environment
+(`WorkerEnv.to_env()`); each scenario prints one JSON line with what it observed, which the
+test asserts on. Every child has its own deadline (`faulthandler`), and the parent kills every
+child it started when the test ends, so a hang fails a test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+CHILD_DEADLINE = 60.0  # seconds; a child that runs longer dumps its stacks and exits
+
+
+# ---- parent side -------------------------------------------------------------------------------
+
+
+@contextmanager
+def children() -> Iterator[list[subprocess.Popen]]:
+    """A list to put started processes in; every one still running at the end is killed."""
+    procs: list[subprocess.Popen] = []
+    failed = True
+    try:
+        yield procs
+        failed = False
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                continue
+            if failed:  # pytest shows this with the failure
+                print(f"--- child {i} exited {p.returncode}\n{out}\n{err[-3000:]}")
+
+
+def start(env_vars: dict[str, str], scenario: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(HERE), scenario, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_count(store, key: str, count: int, timeout: float = 60.0) -> None:
+    """Wait until the counter `key` reaches `count` (a worker bumps it when it gets somewhere)."""
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{key} stayed at {store.add(key, 0)} of {count}")
+        time.sleep(0.01)
+
+
+def result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
+    """The JSON line a child printed (fails with its stderr when it printed none)."""
+    out, err = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"child exited {proc.returncode} without a result:\n{out}\n{err[-4000:]}")
+    return json.loads(lines[-1])
+
+
+# ---- child side --------------------------------------------------------------------------------
+
+
+def _setup(detection_time: float = 1.5):
+    import logging
+    worker = os.environ.get("SCHEDCOMP_WORKER")
+    logging.basicConfig(level=os.environ.get("FAULT_LOG", "WARNING"),
+                        format=f"%(asctime)s {worker} %(name)s %(message)s")
+    import torch
+
+    from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat
+    from schedcomp.runtime.fault.store import WorkerEnv
+
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    store = env.store.connect()
+    beat = Heartbeat(env.store, env.worker, env.incarnation, interval=0.1).start()
+    detector = FailureDetector(env.store, env.worker, detection_time=detection_time, poll=0.02).start()
+    return env, store, beat, detector
+
+
+def _check_groups(groups, values: Sequence[float]) -> dict:
+    """Collectives and p2p on a generation's groups; returns what each saw."""
+    import torch
+    import torch.distributed as dist
+
+    view, me = groups.view, groups.generation.me
+    x = torch.tensor([values[view.topology.rank(me)]], dtype=torch.float64)
+    dist.all_reduce(x, group=groups.world)
+    out = {"world_sum": x.item(), "backend": str(dist.get_backend(groups.world))}
+    if groups.stage is not None:
+        y = torch.tensor([values[view.topology.rank(me)]], dtype=torch.float64)
+        dist.all_reduce(y, group=groups.stage)
+        out["stage_sum"] = y.item()
+    # a ring over the generation's ranks, with generation ranks as dst/src and batched
+    n, r = groups.generation.size, groups.rank
+    if n > 1:
+        send = torch.tensor([float(r)])
+        recv = torch.zeros(1)
+        ops = [dist.P2POp(dist.isend, send, (r + 1) % n, group=groups.world),
+               dist.P2POp(dist.irecv, recv, (r - 1) % n, group=groups.world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        out["ring_from"] = recv.item()
+    return out
+
+
+def scenario_regroup(victim: str, stall: str) -> None:
+    """Survivors of a SIGKILL (or a SIGSTOP when `stall`) regroup and all-reduce correctly."""
+    import torch
+    import torch.distributed as dist
+
+    from schedcomp.runtime.fault.agreement import agree, join_job
+    from schedcomp.runtime.fault.groups import Graveyard, regroup
+    from schedcomp.runtime.fault.membership import GenerationAborted, wait_work
+    from schedcomp.topology import Worker
+
+    env, store, _beat, detector = _setup()
+    me, doomed = env.worker, Worker.parse(victim)
+    view = join_job(store, env.pp, env.dp, me, detector)
+    groups = regroup(store, view, me, timeout=20.0)
+    values = [float(2**i) for i in range(env.pp * env.dp)]  # sums identify who took part
+    first = _check_groups(groups, values)
+    store.add("ready", 1)
+    store.wait(["go"])
+    if me == doomed:
+        store.set("killed_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP if stall == "1" else signal.SIGKILL)
+        time.sleep(60)  # only reached if resumed: a stalled worker never gets here in the test
+    x = torch.ones(1)
+    try:
+        while True:  # training stand-in: collectives until the generation breaks
+            wait_work(dist.all_reduce(x, group=groups.world, async_op=True), detector.signal)
+    except (GenerationAborted, RuntimeError) as e:
+        detector.report(None, e)
+    broken = time.time()
+    graveyard = Graveyard()
+    groups.close(graveyard)  # a stalled peer may still hold an all-reduce of this generation open
+    view = agree(store, view, me, detector, timeout=30.0)
+    agreed = time.time()
+    store.add("agreed", 1)
+    groups = regroup(store, view, me)
+    second = _check_groups(groups, values)
+    regrouped = time.time()
+    killed = float(store.get("killed_at"))
+    print(json.dumps({"worker": str(me), "generation": view.generation, "failed": sorted(map(str, view.failed)),
+                      "first": first, "second": second, "rank": groups.rank,
+                      "broken_after": broken - killed, "agreed_after": agreed - killed,
+                      "regroup_seconds": regrouped - agreed}))
+    groups.close()
+
+
+def demo_stage(seed: int):
+    """A stage with every kind of state: float64 and bf16 parameters, int and bool buffers, Adam state."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
+    module[2].to(torch.bfloat16)
+    module.register_buffer("mask", torch.rand(4) > 0.5)
+    return module, torch.optim.Adam(module.parameters(), lr=0.01, betas=(0.8, 0.9))
+
+
+def train_demo(module, optimizer, steps: int) -> None:
+    import torch
+
+    for i in range(steps):
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        out = module[2](module[1](module[0](x)).to(torch.bfloat16))
+        optimizer.zero_grad()
+        out.float().square().mean().backward()
+        optimizer.step()
+
+
+def state_digest(module, optimizer) -> str:
+    import hashlib
+
+    import torch
+
+    from schedcomp.runtime.fault.transfer import encode_header, flatten, stage_state, to_bytes
+
+    skeleton, tensors = flatten(stage_state(module, optimizer))
+    return hashlib.sha256(encode_header(skeleton, tensors) + to_bytes(tensors, torch.device("cpu")).numpy().tobytes()
+                          ).hexdigest()
+
+
+def scenario_transfer() -> None:
+    """Replica recovery: worker 0:0 trains, then sends its stage state to a fresh replacement 1:0."""
+    import torch
+
+    from schedcomp.runtime.fault.groups import regroup
+    from schedcomp.runtime.fault.membership import View
+    from schedcomp.runtime.fault.store import WorkerEnv
+    from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
+    from schedcomp.topology import Worker
+
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    store = env.store.connect()
+    view = View(3, View.initial(env.pp, env.dp).topology)
+    groups = regroup(store, view, env.worker, timeout=30.0)
+    donor = env.worker.pipeline == 0
+    module, optimizer = demo_stage(seed=1 if donor else 2)  # the replacement starts from other values
+    if donor:
+        train_demo(module, optimizer, steps=3)
+    before = state_digest(module, optimizer)
+    started = time.perf_counter()
+    if donor:
+        nbytes = send_stage_state(module, optimizer, groups.world, [groups.rank_of(Worker(1, 0))])
+    else:
+        nbytes = recv_stage_state(module, optimizer, groups.world, src=groups.rank_of(Worker(0, 0)))
+    seconds = time.perf_counter() - started
+    after = state_digest(module, optimizer)
+    train_demo(module, optimizer, steps=2)  # both go on training identically
+    print(json.dumps({"worker": str(env.worker), "before": before, "after": after, "bytes": nbytes,
+                      "seconds": seconds, "trained": state_digest(module, optimizer)}))
+    groups.close()
+
+
+SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer}
+
+if __name__ == "__main__":
+    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,223 @@
+"""Agreement on one generation per failure, over a real TCPStore on loopback (workers are threads here)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from schedcomp.runtime.fault.agreement import (
+    AgreementTimeout,
+    CommitLog,
+    Evicted,
+    agree,
+    agreed_switch,
+    announce_join,
+    join_job,
+    latest_view,
+    pending_joins,
+    propose_switch,
+)
+from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat, View
+from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, serve_store
+from schedcomp.topology import Topology, Worker
+
+pytestmark = pytest.mark.timeout(60)
+
+DETECT = 0.6  # seconds without a heartbeat before a worker is declared failed
+
+
+class Job:
+    """A store and, per worker, a heartbeat and a detector (each with its own store clients)."""
+
+    def __init__(self, pp: int, dp: int) -> None:
+        self.server, self.address = serve_store()
+        self.pp, self.dp = pp, dp
+        self.beats: dict[Worker, Heartbeat] = {}
+        self.detectors: dict[Worker, FailureDetector] = {}
+
+    def start(self, w: Worker, incarnation: int = 0) -> None:
+        self.beats[w] = Heartbeat(self.address, w, incarnation, interval=0.05).start()
+        self.detectors[w] = FailureDetector(self.address, w, detection_time=DETECT, poll=0.01).start()
+
+    def start_all(self, workers: list[Worker]) -> None:
+        for w in workers:
+            self.start(w)
+
+    def kill(self, w: Worker, notice: bool = True) -> None:
+        """The worker stops; with `notice`, its launcher reports the death (as `launch` does)."""
+        self.beats[w].stop()
+        self.detectors[w].stop()
+        if notice:
+            self.server.set(Keys.dead(w), str(self.beats[w].incarnation))
+            self.server.add(Keys.events(), 1)
+
+    def close(self) -> None:
+        for b in self.beats.values():
+            b.stop()
+        for d in self.detectors.values():
+            d.stop()
+
+
+@pytest.fixture
+def job():
+    jobs: list[Job] = []
+
+    def make(pp: int, dp: int) -> Job:
+        jobs.append(Job(pp, dp))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def in_parallel(workers: list[Worker], fn: Callable[[Worker], object], timeout: float = 30.0) -> dict[Worker, object]:
+    """Run fn(worker) for every worker at once, each on its own store client; results or exceptions."""
+    with ThreadPoolExecutor(len(workers)) as pool:
+        futures = {w: pool.submit(fn, w) for w in workers}
+        out = {}
+        for w, f in futures.items():
+            try:
+                out[w] = f.result(timeout=timeout)
+            except Exception as e:
+                out[w] = e
+        return out
+
+
+def test_view_round_trips_and_ranks_follow_plan_order() -> None:
+    view = View(3, Topology.of(2, 3, [(1, 0)]))
+    assert View.from_json(view.to_json()) == view
+    assert view.members == (Worker(0, 0), Worker(0, 1), Worker(1, 1), Worker(2, 0), Worker(2, 1))
+    assert [view.rank(w) for w in view.members] == list(range(5))
+    assert view.next([Worker(1, 0), Worker(2, 1)]).generation == 4
+    env = WorkerEnv(StoreAddress("127.0.0.1", 1234), Worker(1, 0), 2, 3, 2)
+    assert WorkerEnv.from_env(env.to_env()) == env and env.rejoining
+
+
+def test_everyone_agrees_on_generation_zero(job) -> None:
+    j = job(2, 2)
+    workers = list(Topology.of(2, 2).workers)
+    j.start_all(workers)
+    views = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))
+    assert set(views.values()) == {View(0, Topology.of(2, 2))}
+
+
+def test_a_worker_that_never_starts_is_left_out(job) -> None:
+    j = job(2, 2)
+    absent = Worker(1, 0)
+    present = [w for w in Topology.of(2, 2).workers if w != absent]
+    j.start_all(present)
+    views = in_parallel(present, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))
+    assert len(set(views.values())) == 1
+    view = views[present[0]]
+    assert isinstance(view, View) and view.failed == {absent} and view.generation >= 1
+
+
+def test_second_failure_during_agreement_moves_everyone_to_one_later_generation(job) -> None:
+    j = job(2, 3)
+    workers = list(Topology.of(2, 3).workers)
+    j.start_all(workers)
+    views = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 3, w, j.detectors[w]))
+    v0 = views[workers[0]]
+    first, second = Worker(0, 1), Worker(2, 0)
+    j.kill(first)
+    survivors = [w for w in workers if w not in (first, second)]
+    second_done = threading.Event()
+
+    def survivor(w: Worker) -> View:
+        return agree(j.address.connect(), v0, w, j.detectors[w], timeout=20)
+
+    def dies_while_agreeing(w: Worker) -> None:
+        # It takes part in the first proposal (so that one cannot be sealed without it), then goes silent.
+        store = j.address.connect()
+        while not store.check([Keys.view(v0.generation + 1)]):
+            j.detectors[w].signal.wait(0.005)
+        j.kill(w, notice=False)  # hung, not reaped: only its heartbeat gives it away
+        second_done.set()
+
+    out = in_parallel([*survivors, second], lambda w: dies_while_agreeing(w) if w == second else survivor(w))
+    assert second_done.is_set()
+    views = {out[w] for w in survivors}
+    assert len(views) == 1, out
+    (view,) = views
+    assert view.failed == {first, second}
+    assert view.generation >= 2  # the first proposal still counted `second` as a member
+
+
+def test_concurrent_failure_reports_still_give_one_view(job) -> None:
+    j = job(4, 2)
+    workers = list(Topology.of(4, 2).workers)
+    j.start_all(workers)
+    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 4, 2, w, j.detectors[w]))[workers[0]]
+    dead = [Worker(0, 3), Worker(1, 1)]
+    for w in dead:
+        j.kill(w)
+    survivors = [w for w in workers if w not in dead]
+    out = in_parallel(survivors, lambda w: agree(j.address.connect(), v0, w, j.detectors[w], timeout=20))
+    assert len(set(out.values())) == 1, out
+    assert out[survivors[0]].failed == set(dead)
+
+
+def test_falsely_suspected_worker_is_evicted(job) -> None:
+    j = job(2, 2)
+    workers = list(Topology.of(2, 2).workers)
+    j.start_all(workers)
+    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
+    suspect = Worker(1, 1)
+    j.detectors[Worker(0, 0)].declare_failed(suspect, "an operation with it timed out")
+    others = [w for w in workers if w != suspect]
+    # The survivors agree without it; only then does the suspect try, and learns it was evicted.
+    out = in_parallel(others, lambda w: agree(j.address.connect(), v0, w, j.detectors[w], timeout=20))
+    assert {v.failed for v in out.values()} == {frozenset({suspect})}
+    with pytest.raises(Evicted):
+        agree(j.address.connect(), v0, suspect, j.detectors[suspect], timeout=5)
+
+
+def test_agreement_times_out_when_the_store_never_answers(job) -> None:
+    j = job(1, 2)
+    me = Worker(0, 0)
+    j.start(me)
+    with pytest.raises(AgreementTimeout):  # a replacement waiting for a generation nobody proposes
+        agree(j.address.connect(), View.initial(1, 2), me, j.detectors[me], propose=False, timeout=0.3)
+
+
+def test_replacement_is_admitted_at_the_agreed_switch(job) -> None:
+    j = job(2, 2)
+    workers = list(Topology.of(2, 2).workers)
+    j.start_all(workers)
+    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
+    lost = Worker(0, 1)
+    j.kill(lost)
+    survivors = [w for w in workers if w != lost]
+    v1 = in_parallel(survivors, lambda w: agree(j.address.connect(), v0, w, j.detectors[w], timeout=20))[survivors[0]]
+    assert v1.failed == {lost}
+    store = j.address.connect()
+    assert pending_joins(store, v1) == frozenset()
+
+    j.start(lost, incarnation=1)  # the launcher started a replacement
+    announce_join(store, lost, 1)
+    assert pending_joins(store, v1) == {lost}
+    assert latest_view(store) == v1
+    # Two survivors reach different boundaries; the first proposal wins for everyone.
+    first = propose_switch(store, v1, iteration=7, joiners=[lost])
+    second = propose_switch(j.address.connect(), v1, iteration=9, joiners=[lost])
+    assert first == second == agreed_switch(store, v1) and first.iteration == 7
+
+    def member(w: Worker) -> View:
+        if w == lost:
+            return agree(j.address.connect(), v1, w, j.detectors[w], propose=False, timeout=20)
+        return agree(j.address.connect(), v1, w, j.detectors[w], joiners=first.joiners, timeout=20)
+
+    out = in_parallel(workers, member)
+    assert set(out.values()) == {View(v1.generation + 1, Topology.of(2, 2))}, out
+
+
+def test_commit_log_reads_back_each_workers_last_step(job) -> None:
+    j = job(2, 1)
+    log = CommitLog(j.address.connect())
+    a, b = Worker(0, 0), Worker(0, 1)
+    log.record(a, 4)
+    assert log.read([a, b]) == {a: 4, b: -1}

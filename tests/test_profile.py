@@ -1,0 +1,80 @@
+"""`schedcomp profile`: a cost model recovered from timelines (simulated ones stand in for measured)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from schedcomp.cli import main
+from schedcomp.compile import compile
+from schedcomp.costs import CostModel
+from schedcomp.draw.trace import write_chrome_trace
+from schedcomp.errors import CostModelError
+from schedcomp.profile import MS, profile_costs
+from schedcomp.simulate import simulate
+from schedcomp.topology import Worker
+
+
+def _costs(pp: int) -> CostModel:
+    return CostModel(
+        forward=tuple(1.0 + 0.25 * s for s in range(pp)),
+        backward_input=tuple(1.5 + 0.1 * s for s in range(pp)),
+        backward_weight=tuple(0.75 + 0.05 * s for s in range(pp)),
+        p2p=0.3,
+        allreduce=tuple(0.4 + 0.1 * s for s in range(pp)),
+        optimizer=tuple(0.2 + 0.01 * s for s in range(pp)),
+        speed={Worker(1, 2): 0.5},
+    )
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_profile_recovers_the_simulated_costs(schedule: str) -> None:
+    pp, dp = 4, 2
+    truth = _costs(pp)
+    plan = compile(pp, dp, microbatches=8, schedule=schedule, costs=truth)
+    spans = simulate(plan, iterations=3).spans
+    got = profile_costs([spans])  # simulated units are read as seconds: the model comes out x1000
+    assert got.pp == pp
+    assert got.forward == pytest.approx([MS * f for f in truth.forward])
+    if schedule == "zb-h1":
+        assert got.backward_input == pytest.approx([MS * b for b in truth.backward_input])
+        assert got.backward_weight == pytest.approx([MS * w for w in truth.backward_weight])
+    else:  # fused backwards only: split by b_share
+        fused = [MS * (b + w) for b, w in zip(truth.backward_input, truth.backward_weight, strict=True)]
+        assert [b + w for b, w in zip(got.backward_input, got.backward_weight, strict=True)] == pytest.approx(fused)
+        assert got.backward_input == pytest.approx([f / 2 for f in fused])
+    assert got.optimizer == pytest.approx([MS * o for o in truth.optimizer])
+    assert got.allreduce == pytest.approx([MS * a for a in truth.allreduce])
+    assert got.p2p == pytest.approx(MS * truth.p2p)
+    assert set(got.speed) == {Worker(1, 2)}
+    assert got.speed[Worker(1, 2)] == pytest.approx(0.5)
+
+
+def test_profile_without_waiting_receivers_reports_no_p2p() -> None:
+    plan = compile(2, 1, microbatches=4, schedule="1f1b", costs=CostModel.uniform(2))
+    got = profile_costs([simulate(plan, iterations=2).spans])
+    assert got.p2p == 0.0
+    assert got.allreduce == (0.0, 0.0)  # one worker per stage: nothing to reduce
+
+
+def test_profile_rejects_traces_missing_a_stage() -> None:
+    plan = compile(2, 1, microbatches=4, schedule="1f1b")
+    spans = [s for s in simulate(plan, iterations=2).spans if s.worker.stage == 1]
+    with pytest.raises(CostModelError, match="stage 0"):
+        profile_costs([spans])
+
+
+def test_cli_profile_writes_a_cost_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    truth = _costs(2)
+    plan = compile(2, 1, microbatches=4, schedule="zb-h1", costs=CostModel(
+        forward=truth.forward[:2], backward_input=truth.backward_input[:2], backward_weight=truth.backward_weight[:2]))
+    trace, out = tmp_path / "trace.json", tmp_path / "costs.json"
+    write_chrome_trace(simulate(plan, iterations=3).spans, trace, seconds_per_unit=1e-3)  # units are ms
+    assert main(["profile", str(trace), "-o", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    got = CostModel.from_dict(json.loads(out.read_text()))
+    assert got.forward == pytest.approx(truth.forward[:2])
+    assert got.backward_weight == pytest.approx(truth.backward_weight[:2])
+    assert main(["profile", str(tmp_path / "missing.json")]) == 2
