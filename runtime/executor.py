@@ -42,7 +42,6 @@ class Iteration:
     targets: Tensors
     input_meta: tuple[TensorMeta, ...]  # what this stage receives (empty at stage 0)
     output_meta: tuple[TensorMeta, ...]  # what it sends on (empty at the last stage)
-    split: frozenset[Key] = frozenset()  # micro-batches whose backward is split (B, W) in this stream
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     # state, filled and emptied as the stream runs
@@ -154,7 +153,7 @@ def _forward(it: Iteration, ins: Instruction) -> None:
         inputs = as_tuple(loaded_inputs)
     else:
         inputs = it.take_received(_ACT, op)
-    outputs = stage.forward(_key(op), inputs, targets, scale=1.0 / it.chunks, split=_key(op) in it.split)
+    outputs = stage.forward(_key(op), inputs, targets, scale=1.0 / it.chunks)
     if stage.is_last:
         it.losses.append(outputs[0])
     else:

@@ -4,15 +4,20 @@ A stage's `nn.Linear` layers run through `_SplitLinear`, a custom autograd funct
 always computes the input gradient (`grad_out @ weight`). What it does with the weight gradient
 depends on the stage's `WeightGradStore`:
 
-- fused backward (BW): it returns the weight and bias gradients to autograd, as `nn.Linear` would;
-- split backward (B): it returns none and stashes `(layer, input, grad_out)` under the micro-batch's
-  key; the autograd graph (and every other saved tensor) is freed when B ends;
-- W (`WeightGradStore.flush(key)`): pops the stash and does the weight-gradient matmul and bias sum
-  of each layer, accumulating into `.grad`, with no autograd engine call and no graph walk.
+- fused backward (BW): it accumulates the weight and bias gradients into `.grad` at once;
+- split backward (B): it stashes `(layer, input, grad_out)` under the micro-batch's key; the
+  autograd graph (and every other saved tensor) is freed when B ends;
+- W (`WeightGradStore.flush(key)`): pops the stash and accumulates each layer's weight and bias
+  gradients, with no autograd engine call and no graph walk.
 
 So B + W do exactly the matmuls of one fused backward. Parameters of other layers (LayerNorm,
 embeddings, ...) get their gradients in B: they are cheap. The store belongs to one stage object;
 nothing here is global.
+
+Accumulation is in place, `grad.addmm_(grad_out^T, input)` (one GEMM with beta = 1, as Megatron's
+gradient-accumulation fusion does), instead of autograd's new tensor per micro-batch plus an add:
+less memory traffic, no allocation. Hence the weight gradient never goes back through autograd
+(post-accumulate-grad hooks on these weights do not fire).
 """
 
 from __future__ import annotations
@@ -33,9 +38,7 @@ class WeightGradStore:
     """What W needs, per micro-batch: each split linear layer's input and output gradient.
 
     The stage sets the micro-batch key around each forward (`with store.forward(key)`), and the
-    mode around each backward (`with store.backward(split=...)`); the layers read both. A forward
-    whose backward will be fused (`store.forward(key, split=False)`) runs plain `F.linear`, with
-    autograd's native backward: the split function only costs where it is used.
+    mode around each backward (`with store.backward(split=...)`); the layers read both.
     """
 
     def __init__(self) -> None:
@@ -44,8 +47,8 @@ class WeightGradStore:
         self.split = False
 
     @contextmanager
-    def forward(self, key: Key, split: bool = True) -> Iterator[None]:
-        self.key = key if split else None
+    def forward(self, key: Key) -> Iterator[None]:
+        self.key = key
         try:
             yield
         finally:
@@ -74,29 +77,25 @@ class WeightGradStore:
     def flush(self, key: Key) -> None:
         """W of micro-batch `key`: the weight-gradient matmuls, accumulated into `.grad`."""
         for layer, x, grad_out in self._pending.pop(key, ()):
-            bias = layer.bias
-            wants_b = bias is not None and bias.requires_grad
-            grad_w, grad_b = weight_grads(x, grad_out, layer.weight.requires_grad, wants_b)
-            if grad_w is not None:
-                _accumulate(layer.weight, grad_w)
-            if grad_b is not None:
-                _accumulate(bias, grad_b)
+            accumulate_weight_grads(layer, x, grad_out)
 
 
-def weight_grads(
-    x: Tensor, grad_out: Tensor, with_weight: bool, with_bias: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of `F.linear(x, W, b)` with respect to W and b: one matmul and one sum."""
+@torch.no_grad()
+def accumulate_weight_grads(layer: nn.Linear, x: Tensor, grad_out: Tensor) -> None:
+    """Add the gradients of `layer(x)` for its weight (one GEMM) and bias (one sum) to their `.grad`."""
     g = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_w = g.t().mm(x.reshape(-1, x.shape[-1])) if with_weight else None
-    return grad_w, (g.sum(0) if with_bias else None)
-
-
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+    weight, bias = layer.weight, layer.bias
+    if weight.requires_grad:
+        x = x.reshape(-1, x.shape[-1])
+        if weight.grad is None:
+            weight.grad = g.t().mm(x)
+        else:
+            weight.grad.addmm_(g.t(), x)
+    if bias is not None and bias.requires_grad:
+        if bias.grad is None:
+            bias.grad = g.sum(0)
+        else:
+            bias.grad.add_(g.sum(0))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -112,19 +111,17 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        wants_w, wants_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if not (wants_w or wants_b):
-            return grad_x, None, None, None, None, None
-        if ctx.store.split:
-            ctx.store.stash(ctx.key, ctx.layer, x, grad_out)
-            return grad_x, None, None, None, None, None
-        grad_w, grad_b = weight_grads(x, grad_out, wants_w, wants_b)
-        return grad_x, grad_w, grad_b, None, None, None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if ctx.store.split:
+                ctx.store.stash(ctx.key, ctx.layer, x, grad_out)
+            else:
+                accumulate_weight_grads(ctx.layer, x, grad_out)
+        return grad_x, None, None, None, None, None
 
 
 def _split_linear_forward(layer: nn.Linear, store: WeightGradStore, x: Tensor) -> Tensor:
     if store.key is None or not torch.is_grad_enabled():
-        return F.linear(x, layer.weight, layer.bias)  # no backward to split (fused, evaluation, shape probe)
+        return F.linear(x, layer.weight, layer.bias)  # no backward to split (evaluation, shape probe)
     return _SplitLinear.apply(x, layer.weight, layer.bias, layer, store, store.key)
 
 

@@ -106,18 +106,16 @@ class Stage:
         return self.index == self.stages - 1
 
     def forward(self, key: Key, inputs: tuple[Tensor, ...], targets: Tensors | None = None,
-                scale: float = 1.0, split: bool = True) -> tuple[Tensor, ...]:
+                scale: float = 1.0) -> tuple[Tensor, ...]:
         """Run the stage on one micro-batch; return the outputs to send (last stage: the scaled loss).
 
-        Received inputs become leaves that collect their gradient in the backward. `split=False`
-        says the backward will be fused (BW): the linear layers then skip the split function.
-        Either way any backward is correct; this only saves the split function's overhead.
+        Received inputs become leaves that collect their gradient in the backward.
         """
         if not self.is_first:
             for t in inputs:
                 if TensorMeta.of(t).has_grad:
                     t.requires_grad_(True)
-        with self.store.forward(key, split):
+        with self.store.forward(key):
             out = self.module(*inputs)
         if self.is_last:
             if self.loss_fn is None:

@@ -127,20 +127,19 @@ class PipelineTrainer:
         else:
             self._history.append((self.iteration, plan))
         self._signature = None  # the shape probe's source workers may have changed
-        self._split = frozenset((i.op.pipeline, i.op.microbatch) for i in self.stream
-                                if i.kind is InstrKind.B and i.op is not None)
+        log.debug("worker %s runs %s plan from iteration %d: %d instructions", self.worker, plan.family or "a",
+                  self.iteration, len(self.stream))
 
     def _sync_replicas(self) -> None:
-        """Give every replica of a stage the lowest rank's parameters and buffers."""
-        for s in range(self.pp):
-            workers = self.plan.topology.stage_group(s)
-            group = self.comm.stage_group(workers)
-            if group is None or self.worker not in workers:
-                continue
-            src = min(self.ranks.rank(w) for w in workers)
-            with torch.no_grad():
-                for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
-                    dist.broadcast(t.data, src=src, group=group)
+        """Give every replica of this stage the lowest rank's parameters and buffers."""
+        workers = self.plan.topology.stage_group(self.worker.stage)
+        group = self.comm.stage_group(workers)
+        if group is None or self.worker not in workers:
+            return
+        src = min(self.ranks.rank(w) for w in workers)
+        with torch.no_grad():
+            for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
+                dist.broadcast(t.data, src=src, group=group)
 
     def _common_origin(self) -> float:
         """Rank 0's `perf_counter` now: one origin for every rank's spans.
@@ -196,7 +195,6 @@ class PipelineTrainer:
             targets=_to(targets, self.device) if s == self.pp - 1 else targets,
             input_meta=self._boundaries[s - 1] if s > 0 else (),
             output_meta=self._boundaries[s] if s < self.pp - 1 else (),
-            split=self._split,
             number=self.iteration,
             record=self.profile,
         )

@@ -5,7 +5,7 @@ topology -> route -> order -> lower -> check -> simulate / draw -> execute.
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import SchedcompError
-from schedcomp.ir import Instruction, InstrKind, Op, OpKind, Order, Plan
+from schedcomp.ir import InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.topology import Topology, Worker
 
 __version__ = "0.1.0"

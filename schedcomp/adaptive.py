@@ -33,7 +33,7 @@ from schedcomp.solvers.bounds import work_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.problem import Problem, order_from_sequences
-from schedcomp.solvers.timing import time_sequences
+from schedcomp.solvers.timing import peak_memory, time_sequences
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ ITERATIONS = 4
 """Iterations the candidates are timed over: the simulator's default, so periods agree with it."""
 CPSAT_INTERVALS_PER_SECOND = 20
 """`auto` runs CP-SAT when the model has at most this many intervals per second of `time_limit`."""
-GREEDY_POLISH_SECONDS = 0.5
+GREEDY_POLISH_SECONDS = 1.0
 """Most time the greedy solver spends polishing its best schedule by local search."""
 _TOL = 1e-9
 
@@ -104,8 +104,8 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
     bound = work_bound(problem)
     best = greedy(problem, bound=bound, synchronous=synchronous, time_budget=min(GREEDY_POLISH_SECONDS, time_limit / 4))
     use_cpsat = solver == "cpsat" or (solver == "auto" and cpsat_fits(problem, time_limit))
-    if not use_cpsat:
-        return best
+    if not use_cpsat or best.period <= bound * (1 + _TOL):
+        return best  # (at the bound the greedy schedule is optimal: CP-SAT could not improve it)
     from schedcomp.solvers.cpsat import solve_cpsat  # imports OR-tools: only when CP-SAT runs
 
     left = max(0.1, time_limit - (time.perf_counter() - began))
@@ -133,18 +133,19 @@ def greedy(
     bound = work_bound(problem) if bound is None else bound
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
-    best: tuple[float, float, int, str, dict[int, list[int]]] | None = None
+    best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
     for i, params in enumerate(portfolio(problem)):
         seqs = list_schedule(problem, params, assignment, quota)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
-        key = (timing.period, timing.makespan, i, str(params), seqs)
-        if timing.ok and (best is None or key[:3] < best[:3]):
+        # Ties on the period go to the schedule holding less memory, then to the shorter first iteration.
+        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, i, str(params), seqs)
+        if timing.ok and (best is None or key[:4] < best[:4]):
             best = key
         if best is not None and best[0] <= bound * (1 + _TOL):
             break  # provably optimal: nothing to gain from the rest
     if best is None:
         raise ScheduleError("no list-scheduler variant produced a runnable schedule (a bug): report the inputs")
-    period, makespan, _, variant, seqs = best
+    period, _, makespan, _, variant, seqs = best
     n_ops = problem.n_slots * len(problem.kinds)
     if period > bound * (1 + _TOL) and n_ops <= LOCAL_SEARCH_MAX_OPS:
         seqs, (p2, m2) = improve(problem, seqs, time_budget=time_budget, max_moves=_moves(n_ops),
@@ -160,7 +161,7 @@ LOCAL_SEARCH_MAX_OPS = 1500
 
 
 def _moves(n_ops: int) -> int:
-    return max(300, min(3000, 200_000 // max(1, n_ops)))
+    return max(1000, min(20_000, 1_000_000 // max(1, n_ops)))
 
 
 def portfolio(problem: Problem) -> list[GreedyParams]:
@@ -171,7 +172,8 @@ def portfolio(problem: Problem) -> list[GreedyParams]:
     """
     windows = default_windows(problem)
     if not problem.topology.failed:
-        return [GreedyParams(windows[w], policy, "static") for policy in ("idle", "fit") for w in ("h2", "rtt", "1f1b")]
+        return [GreedyParams(windows[w], policy, "static") for policy in ("idle", "fit", "eager")
+                for w in ("h2", "rtt", "1f1b")]
     ranked = [
         GreedyParams(windows["h2"], "idle", "quota", True),
         GreedyParams(windows["h2"], "fit", "pool", True),
@@ -183,6 +185,7 @@ def portfolio(problem: Problem) -> list[GreedyParams]:
         GreedyParams(windows["rtt"], "idle", "quota"),
         GreedyParams(windows["h2"], "idle", "static", True),
         GreedyParams(windows["rtt"], "idle", "pool", True),
+        GreedyParams(windows["1f1b"], "eager", "static", True),
     ]
     n_ops = problem.n_slots * len(problem.kinds)
     if n_ops > 60_000:
@@ -191,6 +194,6 @@ def portfolio(problem: Problem) -> list[GreedyParams]:
         return ranked[:3]
     if n_ops > 1_000:
         return ranked
-    rest = [GreedyParams(windows[w], policy, r, scaled) for policy in ("idle", "fit") for w in ("h2", "rtt", "1f1b")
-            for scaled in (True, False) for r in ("pool", "static", "quota")]
+    rest = [GreedyParams(windows[w], policy, r, scaled) for policy in ("idle", "fit", "eager")
+            for w in ("h2", "rtt", "1f1b") for scaled in (True, False) for r in ("pool", "static", "quota")]
     return ranked + [v for v in rest if v not in ranked]

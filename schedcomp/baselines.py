@@ -169,7 +169,7 @@ def oobleck(topology: Topology, microbatches: int, costs: CostModel, **kw: objec
     as Oobleck's pipeline templates do. Each pipeline runs 1F1B (fused backward) with a synchronous
     optimizer (Oobleck is built on DeepSpeed's 1F1B); the cross-pipeline all-reduce is charged to each
     stage's step and the iteration lasts as long as the slowest pipeline. Assumes re-formed stages fit
-    in device memory."""
+    in device memory: the memory limit is not applied (the peak memory is reported)."""
     pp, dp = topology.pp, topology.dp
     pipes: list[tuple[CostModel, int]] = []
     for d in range(dp):
@@ -199,7 +199,8 @@ def bamboo(topology: Topology, microbatches: int, costs: CostModel, **kw: object
     redundant forward of its new successor). A failed stage 0 is taken over by stage 1. Two failures
     that are neighbours in one pipeline lose both copies of a stage: Bamboo must restart from a
     checkpoint. Each pipeline keeps its own micro-batches and runs 1F1B (fused backward) with a
-    synchronous optimizer (DeepSpeed); the all-reduce is charged to each stage's step."""
+    synchronous optimizer (DeepSpeed); the all-reduce is charged to each stage's step. The memory limit
+    is not applied (the peak memory, which includes the redundant activations, is reported)."""
     pp, dp = topology.pp, topology.dp
     runs = []
     for d in range(dp):

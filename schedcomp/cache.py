@@ -2,8 +2,8 @@
 
 Pipelines are interchangeable: relabelling them maps a plan for one failure set to a plan for
 another. So a failure set is reduced to a canonical form: each pipeline's signature is its sorted
-tuple of failed stages (plus its workers' speed factors, which break the symmetry when they differ);
-pipelines are sorted by signature and renumbered in that order. `precompile` compiles one plan per
+tuple of failed stages, after its speed class (its workers' speed factors, which break the symmetry
+when they differ); pipelines are sorted by signature and renumbered in that order. `precompile` compiles one plan per
 canonical scenario; `PlanCache.lookup(failed)` canonicalises the concrete failure set, takes the
 canonical plan and renames its pipelines back, in time linear in the plan's size and with no solving.
 
@@ -33,32 +33,38 @@ INDEX = "index.json"
 FORMAT = "schedcomp-plan-cache"
 VERSION = 1
 
-Key = tuple[tuple[int, int], ...]
-"""A canonical failure set: sorted (pipeline, stage) pairs after renumbering the pipelines."""
+Failed = tuple[tuple[int, int], ...]
+"""Canonical failed workers: sorted (pipeline, stage) pairs after renumbering the pipelines."""
+Key = tuple[Failed, tuple[int, ...]]
+"""A canonical scenario: the failed workers, and each canonical pipeline's speed class (the index of its
+workers' speed factors among the job's distinct ones; empty when all pipelines run at one speed)."""
 
 
 @dataclass(frozen=True)
 class Canonical:
-    """A failure set in canonical form: `key` (the canonical failed workers) and `perm`, where
-    canonical pipeline i is concrete pipeline perm[i]."""
+    """A failure set in canonical form; canonical pipeline i is concrete pipeline perm[i]."""
 
-    key: Key
+    failed: Failed
+    classes: tuple[int, ...]
     perm: tuple[int, ...]
+
+    @property
+    def key(self) -> Key:
+        return (self.failed, self.classes)
 
 
 def canonical(topology: Topology, costs: CostModel | None = None) -> Canonical:
     """Canonical form of `topology`'s failure set (see the module docstring)."""
     pp, dp = topology.pp, topology.dp
     speed = costs.speed if costs is not None else {}
-
-    def signature(d: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        failed = tuple(s for s in range(pp) if Worker(d, s) in topology.failed)
-        return failed, tuple(speed.get(Worker(d, s), 1.0) for s in range(pp))
-
-    sigs = [signature(d) for d in range(dp)]
-    perm = tuple(sorted(range(dp), key=lambda d: (sigs[d], d)))
-    key = tuple(sorted((i, s) for i, d in enumerate(perm) for s in sigs[d][0]))
-    return Canonical(key, perm)
+    speeds = [tuple(speed.get(Worker(d, s), 1.0) for s in range(pp)) for d in range(dp)]
+    distinct = sorted(set(speeds))
+    cls = [distinct.index(v) for v in speeds]
+    failed = [tuple(s for s in range(pp) if Worker(d, s) in topology.failed) for d in range(dp)]
+    perm = tuple(sorted(range(dp), key=lambda d: (cls[d], failed[d], d)))
+    key = tuple(sorted((i, s) for i, d in enumerate(perm) for s in failed[d]))
+    classes = tuple(cls[d] for d in perm) if len(distinct) > 1 else ()
+    return Canonical(key, classes, perm)
 
 
 def canonical_costs(costs: CostModel, perm: tuple[int, ...]) -> CostModel:
@@ -71,8 +77,11 @@ def canonical_costs(costs: CostModel, perm: tuple[int, ...]) -> CostModel:
 
 
 def key_name(key: Key) -> str:
-    """A file-name-safe name for a canonical failure set: `healthy` or `f0.3-1.5` (pipeline.stage)."""
-    return "healthy" if not key else "f" + "-".join(f"{d}.{s}" for d, s in key)
+    """A file-name-safe name for a scenario: `healthy` or `f0.3-1.5` (pipeline.stage), then `-c0.0.1`
+    (the speed classes) when pipelines differ in speed."""
+    failed, classes = key
+    name = "healthy" if not failed else "f" + "-".join(f"{d}.{s}" for d, s in failed)
+    return name + ("-c" + ".".join(map(str, classes)) if classes else "")
 
 
 def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
@@ -145,7 +154,7 @@ def scenarios(pp: int, dp: int, max_failures: int, costs: CostModel | None = Non
             continue  # a stage with no live worker: needs a checkpoint, not a plan
         c = canonical(Topology.of(pp, dp, failed), costs)
         seen.setdefault(c.key, c)
-    return sorted(seen.values(), key=lambda c: (len(c.key), c.key))
+    return sorted(seen.values(), key=lambda c: (len(c.failed), c.key))
 
 
 ProgressFn = Callable[[int, int, str], None]
@@ -177,7 +186,7 @@ class PlanCache:
         return len(set(self.plans) | set(self.files))
 
     def keys(self) -> list[Key]:
-        return sorted(set(self.plans) | set(self.files), key=lambda k: (len(k), k))
+        return sorted(set(self.plans) | set(self.files), key=lambda k: (len(k[0]), k))
 
     def _topology(self, failed: Iterable[Worker | tuple[int, int]] | Topology) -> Topology:
         if isinstance(failed, Topology):
@@ -207,7 +216,7 @@ class PlanCache:
             return plan
         path = self.files.get(key)
         if path is None:
-            n = len(key)
+            n = len(key[0])
             raise RecoveryError(
                 f"no precompiled plan for this failure set ({n} failed worker{'s' if n != 1 else ''}; the cache covers "
                 f"up to {self.max_failures}): precompile with --max-failures {n} or compile it with schedcomp.compile"
@@ -233,8 +242,8 @@ class PlanCache:
         index = {
             "format": FORMAT, "version": VERSION, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
             "max_failures": self.max_failures, "costs": self.costs.to_dict(),
-            "scenarios": [{"failed": [f"{d}:{s}" for d, s in key], "file": key_name(key) + ".json"}
-                          for key in self.keys()],
+            "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
+                           "file": key_name(key) + ".json"} for key in self.keys()],
         }
         (root / INDEX).write_text(json.dumps(index, indent=1) + "\n")
 
@@ -254,8 +263,8 @@ class PlanCache:
         try:
             files = {}
             for entry in data["scenarios"]:
-                key = tuple(sorted((w.pipeline, w.stage) for w in map(Worker.parse, entry["failed"])))
-                files[key] = root / entry["file"]
+                failed = tuple(sorted((w.pipeline, w.stage) for w in map(Worker.parse, entry["failed"])))
+                files[(failed, tuple(int(c) for c in entry.get("classes", ())))] = root / entry["file"]
             return cls(pp=int(data["pp"]), dp=int(data["dp"]), microbatches=int(data["microbatches"]),
                        costs=CostModel.from_dict(data["costs"]), max_failures=int(data["max_failures"]), files=files)
         except (KeyError, TypeError, ValueError) as exc:
@@ -286,7 +295,8 @@ def precompile(
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures)
     began = time.perf_counter()
-    args = [(pp, dp, microbatches, c.key, canonical_costs(costs, c.perm), solver, time_limit) for c in todo]
+    args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, c.key)
+            for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -297,7 +307,7 @@ def precompile(
                     progress(i + 1, len(todo), key_name(key))
     else:
         for i, c in enumerate(todo):
-            cache.plans[c.key] = compile(pp, dp, microbatches, failed=c.key, schedule="adaptive",
+            cache.plans[c.key] = compile(pp, dp, microbatches, failed=c.failed, schedule="adaptive",
                                          costs=canonical_costs(costs, c.perm), solver=solver, time_limit=time_limit)
             if progress:
                 progress(i + 1, len(todo), key_name(c.key))
@@ -310,7 +320,9 @@ def precompile(
 def _compile_one(args: tuple[Any, ...]) -> tuple[Key, str]:
     from schedcomp.compile import compile
 
-    pp, dp, microbatches, key, costs, solver, time_limit = args
-    plan = compile(pp, dp, microbatches, failed=key, schedule="adaptive", costs=costs, solver=solver,
+    pp, dp, microbatches, failed, costs, solver, time_limit, key = args
+    plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
                    time_limit=time_limit)
-    return key, plan.to_json(indent=False)
+    from schedcomp.serialize import plan_to_json
+
+    return key, plan_to_json(plan, indent=False)

@@ -150,12 +150,16 @@ class CostModel:
             raise CostModelError("a cost model must be a JSON object with per-stage lists such as 'forward'")
         version = data.get("version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
-            raise CostModelError(f"cost model version {version!r} is not supported: this schedcomp reads version {FORMAT_VERSION}")
+            raise CostModelError(
+                f"cost model version {version!r} is not supported: this schedcomp reads version {FORMAT_VERSION}"
+            )
         known = {"version", "forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer",
                  "activation", "b_frees", "memory_limit", "speed"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise CostModelError(f"unknown cost model key(s) {', '.join(unknown)}: allowed keys are {', '.join(sorted(known))}")
+            raise CostModelError(
+                f"unknown cost model key(s) {', '.join(unknown)}: allowed keys are {', '.join(sorted(known))}"
+            )
         missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in data]
         if missing:
             raise CostModelError(f"cost model is missing {', '.join(missing)}: give one time per stage for each")

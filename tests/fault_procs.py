@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-CHILD_DEADLINE = 60.0  # seconds; a child that runs longer dumps its stacks and exits
+CHILD_DEADLINE = 100.0  # seconds; a child that runs longer dumps its stacks and exits
 
 
 # ---- parent side -------------------------------------------------------------------------------
@@ -35,9 +35,13 @@ def children() -> Iterator[list[subprocess.Popen]]:
         yield procs
         failed = False
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        running = [p for p in procs if p.poll() is None]
+        if failed and running:  # ask for their stacks first: where a child hangs is what a failure needs
+            for p in running:
+                p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        for p in running:
+            p.kill()
         for i, p in enumerate(procs):
             try:
                 out, err = p.communicate(timeout=10)
@@ -53,7 +57,7 @@ def start(env_vars: dict[str, str], scenario: str, *args: str) -> subprocess.Pop
                             stderr=subprocess.PIPE, text=True)
 
 
-def wait_count(store, key: str, count: int, timeout: float = 60.0) -> None:
+def wait_count(store, key: str, count: int, timeout: float = 90.0) -> None:
     """Wait until the counter `key` reaches `count` (a worker bumps it when it gets somewhere)."""
     deadline = time.monotonic() + timeout
     while store.add(key, 0) < count:
@@ -62,7 +66,7 @@ def wait_count(store, key: str, count: int, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
+def result(proc: subprocess.Popen, timeout: float = 100.0) -> dict:
     """The JSON line a child printed (fails with its stderr when it printed none)."""
     out, err = proc.communicate(timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -74,16 +78,21 @@ def result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
 # ---- child side --------------------------------------------------------------------------------
 
 
-def _setup(detection_time: float = 1.5):
+def _logging() -> None:
     import logging
+
     worker = os.environ.get("SCHEDCOMP_WORKER")
     logging.basicConfig(level=os.environ.get("FAULT_LOG", "WARNING"),
                         format=f"%(asctime)s {worker} %(name)s %(message)s")
+
+
+def _setup(detection_time: float = 2.0):
     import torch
 
     from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat
     from schedcomp.runtime.fault.store import WorkerEnv
 
+    _logging()
     torch.set_num_threads(1)
     env = WorkerEnv.from_env()
     store = env.store.connect()
@@ -220,9 +229,10 @@ def scenario_transfer() -> None:
     before = state_digest(module, optimizer)
     started = time.perf_counter()
     if donor:
-        nbytes = send_stage_state(module, optimizer, groups.world, [groups.rank_of(Worker(1, 0))])
+        nbytes = send_stage_state(module, optimizer, groups.world, [groups.rank_of(Worker(1, 0))], info={"it": 3})
     else:
-        nbytes = recv_stage_state(module, optimizer, groups.world, src=groups.rank_of(Worker(0, 0)))
+        got = recv_stage_state(module, optimizer, groups.world, src=groups.rank_of(Worker(0, 0)))
+        nbytes = got.nbytes if got.info == {"it": 3} else -1
     seconds = time.perf_counter() - started
     after = state_digest(module, optimizer)
     train_demo(module, optimizer, steps=2)  # both go on training identically
@@ -231,8 +241,95 @@ def scenario_transfer() -> None:
     groups.close()
 
 
-SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer}
+def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> None:
+    """A toy resilient training loop on `FaultSession`, as the executor will run it.
+
+    Each stage's "model" is one linear layer; iteration i's gradient is (i + 1) everywhere, so the
+    fault-free result is known whoever takes part. Worker `victim` SIGKILLs itself at the start of
+    iteration `kill_at`; the launcher starts a replacement, which the survivors admit after
+    waiting for it at iteration `hold_at`, and which receives its stage's state from a replica.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from schedcomp.runtime.fault.agreement import pending_joins
+    from schedcomp.runtime.fault.membership import GenerationAborted, wait_work
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.fault.store import WorkerEnv
+    from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
+    from schedcomp.topology import Worker
+
+    _logging()
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    me, n_iterations, doomed = env.worker, int(iterations), Worker.parse(victim)
+    session = FaultSession(env, detection_time=2.0, group_timeout=20.0, agree_timeout=60.0)
+    session.start()
+    torch.manual_seed(me.stage)
+    model = nn.Linear(4, 1, bias=False).double()
+    it, events = 0, []
+
+    def hand_over(resume_at: int) -> None:
+        """After any change of generation: the donor of each stage gives its state to the replacements."""
+        for joiner in session.joiners():
+            if joiner.stage == me.stage and session.donor_for(me.stage) == me:
+                send_stage_state(model, None, session.groups.world, [session.groups.rank_of(joiner)],
+                                 info={"iteration": resume_at})
+
+    if env.rejoining:
+        started = time.perf_counter()
+        donor = session.groups.rank_of(session.donor_for(me.stage))
+        got = recv_stage_state(model, None, session.groups.world, src=donor)
+        events.append(("received", time.perf_counter() - started))
+        it = got.info["iteration"]
+        session.commit(it - 1)  # it holds the donor's state after that step: a commit record like the others'
+    while it < n_iterations:
+        try:
+            if me == doomed and env.incarnation == 0 and it == int(kill_at):
+                session.store.set("killed_at", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            grad = torch.full((1, 4), float(it + 1), dtype=torch.float64)
+            if session.groups.stage is not None:  # ALLREDUCE over the stage's live replicas
+                wait_work(dist.all_reduce(grad, group=session.groups.stage, async_op=True), session.signal)
+                grad /= len(session.view.topology.stage_group(me.stage))
+            token = torch.ones(1)  # ties the stages together each iteration, as a pipeline's transfers do
+            wait_work(dist.all_reduce(token, group=session.groups.world, async_op=True), session.signal)
+            before = model.weight.detach().clone()  # the step snapshot
+            with torch.no_grad():
+                model.weight -= 0.01 * grad
+            session.commit(it)
+            it += 1
+            if it == int(hold_at) and session.view.failed:  # give the replacement time to start
+                deadline = time.monotonic() + 60
+                while not pending_joins(session.store, session.view) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            switch = session.boundary(it - 1)
+            if switch is not None:
+                session.admit(switch)
+                hand_over(it)
+                events.append(("admitted", it))
+        except (GenerationAborted, RuntimeError) as e:
+            broken = time.time()
+            session.report(e)
+            session.recover()
+            decision = session.rollback()
+            if me in decision.undo:
+                with torch.no_grad():
+                    model.weight.copy_(before)
+            hand_over(decision.rerun)
+            events.append(("recovered", it, decision.rerun, time.time() - broken,
+                           broken - float(session.store.get("killed_at"))))
+            it = decision.rerun
+    print(json.dumps({"worker": str(me), "incarnation": env.incarnation, "weight": model.weight.flatten().tolist(),
+                      "generation": session.view.generation, "failed": sorted(map(str, session.view.failed)),
+                      "events": events}), flush=True)
+    session.close()
+
+
+SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train}
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -26,7 +26,7 @@ from schedcomp.topology import Topology, Worker
 
 pytestmark = pytest.mark.timeout(60)
 
-DETECT = 0.6  # seconds without a heartbeat before a worker is declared failed
+DETECT = 1.0  # seconds without a heartbeat before a worker is declared failed
 
 
 class Job:

@@ -1,16 +1,52 @@
 """Fault tolerance for the runtime: detect failures, agree on a generation, regroup, recover, checkpoint.
 
-    server, address = serve_store()                           # the job's store (launcher), loopback by default
-    beat = Heartbeat(address, me, incarnation).start()         # every worker
-    detector = FailureDetector(address, me).start()
-    view = join_job(store, pp, dp, me, detector)               # generation 0
-    groups = regroup(store, view, me)                          # world + stage groups of that generation
-    ...  executor: wait_work(work, detector.signal); on GenerationAborted or a transfer error:
-    groups.close(); view = agree(store, view, me, detector); groups = regroup(store, view, me)
-    decision = rollback_decision(CommitLog(store).read(view.members))   # which steps to undo, what to re-run
+Start a job with `python -m schedcomp.runtime.fault.launch` (see `launch` for one host and
+several); each worker drives its membership through a `FaultSession` (see `session` for the
+training loop around it):
 
-Modules: `store` (address, keys, launcher env), `membership` (views, heartbeats, detector),
-`agreement` (one view per generation, joins), `groups` (process groups per generation),
-`transfer` (stage state from a live replica, step snapshots), `checkpoint` (async DCP, safe
-restore), `policy` (rollback and lossy decisions, pure), `launch` (survivor-friendly launcher).
+- `store`: where the job's store listens (loopback unless told otherwise), its keys, the
+  launcher's environment (`WorkerEnv`).
+- `membership`: `View` (generation + failed set), `Heartbeat`, `FailureDetector`, `wait_work`.
+- `agreement`: one view per generation for every survivor; joins; commit records.
+- `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead.
+- `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
+- `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles.
+- `policy`: rollback, lossy-forward and switch decisions (pure functions).
 """
+
+from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job
+from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
+from schedcomp.runtime.fault.membership import FailureDetector, GenerationAborted, Heartbeat, View, wait_work
+from schedcomp.runtime.fault.policy import Lossy, Rollback, lossy_decision, rollback_decision, switch_iteration
+from schedcomp.runtime.fault.session import FaultSession
+from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv, serve_store
+from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
+
+__all__ = [
+    "AgreementTimeout",
+    "CommitLog",
+    "Evicted",
+    "FailureDetector",
+    "FaultSession",
+    "Generation",
+    "GenerationAborted",
+    "Graveyard",
+    "Groups",
+    "Heartbeat",
+    "Lossy",
+    "Rollback",
+    "StepSnapshot",
+    "StoreAddress",
+    "View",
+    "WorkerEnv",
+    "agree",
+    "join_job",
+    "lossy_decision",
+    "recv_stage_state",
+    "regroup",
+    "rollback_decision",
+    "send_stage_state",
+    "serve_store",
+    "switch_iteration",
+    "wait_work",
+]

@@ -36,12 +36,12 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.membership import FailureDetector, View
-from schedcomp.runtime.fault.store import Keys, get_int
+from schedcomp.runtime.fault.store import SEALED, SUPERSEDED, Keys, get_int
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
-SEALED, SUPERSEDED, NEWS = "sealed", "superseded", "news"
+NEWS = "news"  # not an outcome: our detector found a member failed while we waited
 
 
 class Evicted(RecoveryError):
@@ -106,6 +106,14 @@ def latest_view(store: Store) -> View | None:
     return View.from_json(store.get(Keys.view(generation))) if generation >= 0 else None
 
 
+def sealed_before(store: Store, generation: int) -> View | None:
+    """The newest sealed generation older than `generation` (None if there is none)."""
+    for g in range(generation - 1, -1, -1):
+        if store.check([Keys.outcome(g)]) and store.get(Keys.outcome(g)).decode() == SEALED:
+            return View.from_json(store.get(Keys.view(g)))
+    return None
+
+
 def _adopt(store: Store, proposal: View | None, generation: int, deadline: float, poll: float) -> View:
     key = Keys.view(generation)
     if proposal is not None:
@@ -139,7 +147,9 @@ def _supersede(store: Store, view: View, failed: set[Worker]) -> str:
     `view` was sealed meanwhile, the proposal stays: every detector sees it and breaks `view`.
     """
     store.compare_set(Keys.view(view.generation + 1), "", view.next(failed).to_json())
-    return _decide(store, view.generation, SUPERSEDED)
+    outcome = _decide(store, view.generation, SUPERSEDED)
+    store.add(Keys.events(), 1)  # wake every detector
+    return outcome
 
 
 def _decide(store: Store, generation: int, outcome: str) -> str:

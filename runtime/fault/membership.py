@@ -13,7 +13,8 @@ Detection, each worker in its own background threads, each with its own store cl
       (a hung process, a dead host or a cut network: no clocks are compared across hosts);
   (c) the executor declared it failed (`declare_failed`, e.g. after an operation timed out).
   It trips its `signal` when the current generation is broken: a member failed, another worker
-  proposed a newer generation, or the executor reported a communication error (`report`). An
+  proposed a newer generation (other than one that only admits replacements at an iteration
+  boundary), or the executor reported a communication error (`report`). An
   error alone names no one: "connection closed by peer" is also what a live peer causes when it
   drops a broken generation's groups, so the peer is only declared failed by (a), (b) or (c).
 - `wait_work(work, signal)` waits for a `torch.distributed` work item but gives up as soon as the
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.fault.store import Keys, StoreAddress, get_int
+from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, get_int
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class FailureDetector:
         self._watch: dict[Worker, _Watch] = {}
         self._declared: set[Worker] = set()
         self._generation = -1
+        self._failed_set: frozenset[Worker] = frozenset()  # the watched view's failed workers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reason = ""
@@ -187,19 +189,20 @@ class FailureDetector:
             self._thread.join(timeout=5.0)
         atexit.unregister(self.stop)
 
-    def watch(self, view: View, extra: Iterable[Worker] = ()) -> None:
-        """Watch the members of `view` (plus `extra`) from now on; clears the signal.
+    def watch(self, view: View) -> None:
+        """Watch the members of `view` from now on; clears the signal.
 
         A worker watched before keeps its heartbeat clock, so agreeing on a view never makes a
         hung worker look fresh again.
         """
         now = time.monotonic()
-        members = {*view.members, *extra} - {self.me}
+        members = set(view.members) - {self.me}
         with self._lock:
             # A declaration stands until the worker comes back as a new member (a replacement).
             self._declared -= members - set(self._watch)
             self._watch = {w: self._watch.get(w) or _Watch(since=now) for w in members}
             self._generation = view.generation
+            self._failed_set = view.failed
             self.signal.clear()
             self.reason = ""
 
@@ -220,7 +223,12 @@ class FailureDetector:
 
     # ---- the thread ------------------------------------------------------------------------------
 
-    def _trip(self, reason: str) -> None:
+    def _trip(self, reason: str, generation: int | None = None) -> None:
+        """Set the signal; with `generation`, only if we still watch that generation (a poll
+        that read the store just before `watch` moved on must not break the new generation)."""
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return
         if not self.signal.is_set():
             self.reason = reason
             log.info("worker %s: generation broken: %s", self.me, reason)
@@ -258,9 +266,21 @@ class FailureDetector:
             for w in newly:
                 self._watch[w].failed = True
         for w in newly:
-            self._trip(f"{w} failed (death notice)")
-        if generation >= 0 and store.check([Keys.view(generation + 1)]):
-            self._trip(f"generation {generation + 1} was proposed")
+            self._trip(f"{w} failed (death notice)")  # a failed member breaks whatever generation we watch
+        if generation >= 0 and store.check([Keys.view(generation + 1)]) and not self._admission(store, generation + 1):
+            self._trip(f"generation {generation + 1} was proposed", generation)
+
+    def _admission(self, store: dist.Store, generation: int) -> bool:
+        """Whether `generation` only admits replacements (its failed set shrinks), and still stands.
+
+        Survivors agree on an admission at an iteration boundary; a worker still finishing the
+        iteration before it must not abort it, it will get to that boundary and join them.
+        """
+        proposed = View.from_json(store.get(Keys.view(generation)))
+        with self._lock:
+            current = self._failed_set
+        superseded = store.check([Keys.outcome(generation)]) and store.get(Keys.outcome(generation)).decode() != SEALED
+        return proposed.failed < current and not superseded
 
     def _check_beats(self, watched: tuple[Worker, ...], counts: list[int], now: float) -> None:
         newly = []
@@ -286,7 +306,7 @@ def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2
     """
     delay = first_poll
     while not work.is_completed():
-        if signal.wait(delay):
+        if signal.wait(delay) and not work.is_completed():  # a transfer that made it still counts
             raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
         delay = min(2 * delay, max_poll)
     work.wait()  # raises the transfer's own error, if it failed

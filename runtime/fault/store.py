@@ -31,6 +31,7 @@ from schedcomp.errors import RecoveryError
 from schedcomp.topology import Worker
 
 LOOPBACK = "127.0.0.1"
+SEALED, SUPERSEDED = "sealed", "superseded"  # the outcomes of a generation (`gen/G/outcome`)
 ENV_STORE = "SCHEDCOMP_STORE"  # host:port of the job's store
 ENV_WORKER = "SCHEDCOMP_WORKER"  # d:s
 ENV_SHAPE = "SCHEDCOMP_SHAPE"  # pp,dp

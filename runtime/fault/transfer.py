@@ -144,18 +144,18 @@ def from_bytes(buffer: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
     return out
 
 
-def encode_header(skeleton: Any, tensors: list[Tensor]) -> bytes:
+def encode_header(skeleton: Any, tensors: list[Tensor], info: dict[str, Any] | None = None) -> bytes:
     specs = [TensorSpec.of(t).__dict__ for t in tensors]
-    return json.dumps({"format": STATE_FORMAT, "skeleton": skeleton, "tensors": specs}).encode()
+    return json.dumps({"format": STATE_FORMAT, "skeleton": skeleton, "tensors": specs, "info": info or {}}).encode()
 
 
-def decode_header(data: bytes) -> tuple[Any, list[TensorSpec]]:
+def decode_header(data: bytes) -> tuple[Any, list[TensorSpec], dict[str, Any]]:
     try:
         d = json.loads(data)
         if d.get("format") != STATE_FORMAT:
             raise ValueError(f"format {d.get('format')!r}")
         specs = [TensorSpec(s["dtype"], tuple(int(n) for n in s["shape"]), s["device"]) for s in d["tensors"]]
-        return d["skeleton"], specs
+        return d["skeleton"], specs, dict(d.get("info", {}))
     except (ValueError, KeyError, TypeError) as e:
         raise RecoveryError(f"unreadable stage state header ({e}): "
                             "sender and receiver must run the same schedcomp") from None
@@ -164,16 +164,27 @@ def decode_header(data: bytes) -> tuple[Any, list[TensorSpec]]:
 # ---- replica recovery ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Received:
+    """What `recv_stage_state` got besides the state: its size and the sender's `info`."""
+
+    nbytes: int
+    info: dict[str, Any]
+
+
 def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
-                     dst: Iterable[int], device: torch.device | None = None) -> int:
+                     dst: Iterable[int], device: torch.device | None = None,
+                     info: dict[str, Any] | None = None) -> int:
     """Send this replica's stage state to the ranks `dst` of `group`; returns the bytes sent to each.
 
-    Three messages per receiver: sizes, a JSON header (skeleton and tensor specs), the bytes.
-    `device`: where the transfer buffers live (a CUDA device under NCCL; default: the CPU).
+    Three messages per receiver: sizes, a JSON header (skeleton, tensor specs and `info`, plain
+    data such as the iteration to resume at), the bytes. `device`: where the transfer buffers
+    live (a CUDA device under NCCL; default: the CPU).
     """
     device = device or torch.device("cpu")
     skeleton, tensors = flatten(stage_state(module, optimizer))
-    header = torch.frombuffer(bytearray(encode_header(skeleton, tensors)), dtype=torch.uint8).to(device)
+    text = encode_header(skeleton, tensors, info or {})
+    header = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
     payload = to_bytes(tensors, device)
     sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
     for rank in dst:
@@ -183,8 +194,8 @@ def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
-                     src: int, device: torch.device | None = None) -> int:
-    """Receive a stage state from rank `src` of `group` into `module` and `optimizer`; returns its bytes."""
+                     src: int, device: torch.device | None = None) -> Received:
+    """Receive a stage state from rank `src` of `group` into `module` and `optimizer`."""
     device = device or torch.device("cpu")
     sizes = torch.zeros(2, dtype=torch.int64, device=device)
     dist.recv(sizes, src=src, group=group)
@@ -192,9 +203,9 @@ def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     dist.recv(header, src=src, group=group)
     payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
     dist.recv(payload, src=src, group=group)
-    skeleton, specs = decode_header(header.cpu().numpy().tobytes())
+    skeleton, specs, info = decode_header(header.cpu().numpy().tobytes())
     load_stage_state(module, optimizer, unflatten(skeleton, from_bytes(payload, specs)))
-    return payload.numel()
+    return Received(payload.numel(), info)
 
 
 # ---- undoing a step --------------------------------------------------------------------------------

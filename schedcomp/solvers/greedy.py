@@ -9,6 +9,8 @@ have arrived by t:
    first-served;
 3. a W, deferred into the time nothing else is ready (policy "idle"), or only where it ends before the
    next known arrival (policy "fit"); a W always runs when memory blocks an F, since it frees memory.
+   Policy "eager" runs each W right after its B instead (1F1B's order, the split kept for the bubbles
+   between B and the next forward only).
    W left over after the last B fill the tail bubble before the next iteration's forwards reach the
    worker.
 
@@ -25,14 +27,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schedcomp.errors import ScheduleError
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
-W_POLICIES = ("idle", "fit")
+W_POLICIES = ("idle", "fit", "eager")
 _EPS = 1e-9
 
 
@@ -73,6 +75,7 @@ def list_schedule(
         mb = problem.microbatches
         window = [math.ceil(win * (mb + quota.get(wid, 0)) / mb) for wid, win in enumerate(window)]
     use_pool = params.routing in ("pool", "quota")
+    eager = params.w_policy == "eager"
     if params.routing == "static" and assignment is None:
         raise ScheduleError("static routing needs an assignment of the re-routed micro-batches")
     if params.routing == "quota" and quota is None:
@@ -160,6 +163,9 @@ def list_schedule(
         if bqw and bqw[0][0] <= t:
             slot = heapq.heappop(bqw)[3]
             kind = 1
+        elif wqw and eager:
+            slot = wqw.popleft()
+            kind = 2
         else:
             mem_ok = mem[w] + act[s] <= limit
             f_ok = infl[w] < window[w] and mem_ok
@@ -249,7 +255,3 @@ def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
         "h2": tuple(2 * (pp - s) - 1 for s in range(pp)),
         "rtt": tuple(rtt),
     }
-
-
-def sequences_ops(seqs: Mapping[int, Sequence[int]]) -> int:
-    return sum(len(v) for v in seqs.values())

@@ -143,7 +143,7 @@ def improve(
     iterations: int = 4,
     synchronous: bool = False,
     bound: float = 0.0,
-    patience: int = 600,
+    patience: int = 2000,
 ) -> tuple[dict[int, list[int]], tuple[float, float]]:
     """Hill-climb from `seqs` for at most `time_budget` seconds or `max_moves` tries, stopping early at
     the lower bound `bound` or after `patience` tries without a strict gain; returns the best sequences

@@ -1,0 +1,192 @@
+"""Fault-tolerance groundwork on CPU/gloo: time from a worker's death to a working new generation, and
+replica-recovery time against the stage's size.
+
+Reproduce (about 2 minutes on a 2-core machine):
+
+    python bench/bench_fault.py            # 4 and 8 processes, both detection paths, 3 state sizes
+    python bench/bench_fault.py --quick    # 4 processes, smallest sizes
+
+Table 1. Survivors spin all-reduces over the world group; the bench kills one worker per round
+(SIGKILL, reaped by the launcher, which leaves a death notice: "notice"), or stops it (SIGSTOP: no
+process exit, only its silent heartbeat gives it away, then the launcher fences it: "heartbeat").
+Per round and survivor, seconds from the kill to: the first error or abort seen (`broken`), one
+generation sealed by every survivor (`agreed`), process groups rebuilt (`regroup`, its own time),
+and the first all-reduce completed on the new generation (`working`). Medians over survivors and
+rounds. The heartbeat path waits out `detection_time` (default 3 s) by design.
+
+Table 2. A live replica sends a stage (one float32 parameter + Adam state = 3x its size) to a
+replacement over gloo on loopback: seconds and GB/s, median of 3 transfers.
+
+Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
+launcher of `schedcomp.runtime.fault.launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+# ---- worker processes ---------------------------------------------------------------------------------
+
+
+def worker(detection: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from schedcomp.runtime.fault import Graveyard, agree, join_job, regroup, wait_work
+    from schedcomp.runtime.fault.membership import FailureDetector, GenerationAborted, Heartbeat
+    from schedcomp.runtime.fault.store import WorkerEnv
+
+    torch.set_num_threads(1)
+    detection_time = float(detection)
+    env = WorkerEnv.from_env()
+    store = env.store.connect()
+    Heartbeat(env.store, env.worker, env.incarnation, interval=detection_time / 6).start()
+    detector = FailureDetector(env.store, env.worker, detection_time=detection_time).start()
+    view = join_job(store, env.pp, env.dp, env.worker, detector)
+    groups, graveyard = regroup(store, view, env.worker, timeout=30.0), Graveyard()
+    store.add("ready", 1)
+    rounds = 0
+    while True:
+        try:
+            # everyone leaves after the same all-reduce: it carries whether anyone saw the stop key
+            token = torch.tensor([float(store.check(["stop"]))])
+            wait_work(dist.all_reduce(token, group=groups.world, async_op=True), detector.signal)
+            if token.item() > 0:
+                break
+            continue
+        except (GenerationAborted, RuntimeError) as e:
+            broken = time.time()
+            detector.report(None, e)
+        groups.close(graveyard)
+        view = agree(store, view, env.worker, detector, timeout=60.0)
+        agreed = time.time()
+        groups = regroup(store, view, env.worker, timeout=30.0)
+        regrouped = time.time()
+        wait_work(dist.all_reduce(torch.zeros(1), group=groups.world, async_op=True), detector.signal)
+        working = time.time()
+        killed = float(store.get(f"killed/{rounds}"))
+        store.set(f"result/{rounds}/{env.worker}", json.dumps({
+            "broken": broken - killed, "agreed": agreed - killed, "regroup": regrouped - agreed,
+            "working": working - killed, "generation": view.generation}))
+        store.add(f"done/{rounds}", 1)
+        rounds += 1
+    detector.stop()
+
+
+def transfer(megabytes: str, repeats: str) -> None:
+    import torch
+    from torch import nn
+
+    from schedcomp.runtime.fault import View, recv_stage_state, regroup, send_stage_state
+    from schedcomp.runtime.fault.store import WorkerEnv
+
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    store = env.store.connect()
+    groups = regroup(store, View.initial(env.pp, env.dp), env.worker, timeout=60.0)
+    module = nn.ParameterList([nn.Parameter(torch.randn(int(float(megabytes) * 2**20 / 4)))])
+    optimizer = torch.optim.Adam(module.parameters())
+    module[0].grad = torch.ones_like(module[0])
+    optimizer.step()  # Adam now holds two more tensors of the parameter's size
+    times = []
+    for _ in range(int(repeats)):
+        start = time.perf_counter()
+        if env.worker.pipeline == 0:
+            nbytes = send_stage_state(module, optimizer, groups.world, [1])
+        else:
+            nbytes = recv_stage_state(module, optimizer, groups.world, src=0).nbytes
+        times.append(time.perf_counter() - start)
+    if env.worker.pipeline == 1:
+        store.set("transfer", json.dumps({"bytes": nbytes, "seconds": statistics.median(times)}))
+
+
+# ---- the parent -----------------------------------------------------------------------------------------
+
+
+def _until(launcher, predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the workers did not get there in time")
+        if not launcher.step() and not predicate():
+            raise RuntimeError("every worker exited: see their errors above")
+        time.sleep(0.01)
+
+
+def recovery(pp: int, dp: int, mode: str, rounds: int, detection_time: float) -> list[dict]:
+    from schedcomp.runtime.fault.launch import Launcher
+
+    launcher = Launcher([sys.executable, HERE, "worker", str(detection_time)], pp, dp, poll=0.01)
+    store = launcher.store
+    results = []
+    try:
+        launcher.start()
+        n = pp * dp
+        _until(launcher, lambda: store.add("ready", 0) >= n)
+        # one victim per round, in different pipelines and stages
+        victims = [launcher.slots[(r * (pp + 1)) % n] for r in range(rounds)]
+        for r, slot in enumerate(victims):
+            store.set(f"killed/{r}", repr(time.time()))
+            os.kill(slot.proc.pid, signal.SIGKILL if mode == "notice" else signal.SIGSTOP)
+            survivors = n - r - 1
+            _until(launcher, lambda r=r, s=survivors: store.add(f"done/{r}", 0) >= s)
+            live = [s.worker for s in launcher.slots if s not in victims[: r + 1]]
+            results += [json.loads(store.get(f"result/{r}/{w}")) for w in live]
+        store.set("stop", "1")
+        _until(launcher, lambda: not any(s.proc for s in launcher.slots if s not in victims))
+    finally:
+        for slot in launcher.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.kill()  # a stopped victim not fenced yet
+        launcher.terminate()
+    return results
+
+
+def state_transfer(megabytes: float, repeats: int = 3) -> dict:
+    from schedcomp.runtime.fault.launch import Launcher
+
+    launcher = Launcher([sys.executable, HERE, "transfer", str(megabytes), str(repeats)], pp=1, dp=2, poll=0.01)
+    try:
+        launcher.start()
+        _until(launcher, lambda: launcher.store.check(["transfer"]))
+        return json.loads(launcher.store.get("transfer"))
+    finally:
+        launcher.terminate()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--detection-time", type=float, default=3.0)
+    args = p.parse_args()
+    shapes = [(2, 2)] if args.quick else [(2, 2), (4, 2)]
+    print("Table 1: seconds from a worker's death (median over survivors and rounds)")
+    print(f"{'procs':>5} {'detection':>9} {'rounds':>6} {'broken':>7} {'agreed':>7} {'regroup':>8} {'working':>8}")
+    for pp, dp in shapes:
+        for mode in ("notice", "heartbeat"):
+            rounds = dp * pp // 2 - 1 if not args.quick else 1
+            rs = recovery(pp, dp, mode, max(1, min(rounds, 3)), args.detection_time)
+            med = {k: statistics.median(r[k] for r in rs) for k in ("broken", "agreed", "regroup", "working")}
+            print(f"{pp * dp:>5} {mode:>9} {max(1, min(rounds, 3)):>6} {med['broken']:>7.3f} {med['agreed']:>7.3f} "
+                  f"{med['regroup']:>8.3f} {med['working']:>8.3f}", flush=True)
+    print("\nTable 2: replica recovery over gloo (loopback), median of 3 transfers")
+    print(f"{'state MB':>8} {'seconds':>8} {'GB/s':>6}")
+    for mb in ([1, 16] if args.quick else [1, 16, 128]):
+        t = state_transfer(mb)
+        print(f"{t['bytes'] / 2**20:>8.0f} {t['seconds']:>8.3f} {t['bytes'] / t['seconds'] / 1e9:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("worker", "transfer"):
+        {"worker": worker, "transfer": transfer}[sys.argv[1]](*sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,260 @@
+"""Launch a resilient job: one process per worker, all sharing the job's store; survivors live on.
+
+Why not plain `torchrun`: one torchrun agent tears down all of its workers when one of them
+dies, and restarts the whole group. This launcher starts one process per worker, watches them,
+and when one dies it only (1) leaves a death notice in the store, so the survivors' detectors
+see the crash within one poll instead of waiting out the heartbeat timeout, and (2) optionally
+starts a replacement (`--respawn`), which rejoins: it announces itself, the survivors admit it at
+an iteration boundary, and a live replica hands it the stage's state. It also fences: a local
+worker that the survivors declared failed (hung, or cut off) is killed, so it can neither wake
+up and interfere nor keep the survivors' old connections open.
+
+One host (the store listens on 127.0.0.1 and every process group on loopback):
+
+    python -m schedcomp.runtime.fault.launch --pp 4 --dp 2 --respawn 1 -- python train.py --steps 100
+
+Several hosts: one launcher per host, each starting its own workers. One of them serves the store
+on an address the others can reach; `--bind` is the address this host's workers listen on:
+
+    host A (10.0.0.1): python -m schedcomp.runtime.fault.launch --pp 4 --dp 2 --pipelines 0 \\
+                           --serve-store 10.0.0.1:29400 --bind 10.0.0.1 -- python train.py
+    host B (10.0.0.2): python -m schedcomp.runtime.fault.launch --pp 4 --dp 2 --pipelines 1 \\
+                           --store 10.0.0.1:29400 --bind 10.0.0.2 -- python train.py
+
+(`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
+the store must outlive the job: put it where failures are least likely, or give it no workers.
+A whole host lost is detected by heartbeats (`detection_time`), since no launcher is left there
+to leave death notices; its workers' replacements can be started by a new launcher on another
+host with `--workers ... --store ... --incarnation 1`.
+
+Each worker finds its identity in the environment (`WorkerEnv.from_env()`): SCHEDCOMP_STORE,
+SCHEDCOMP_WORKER (d:s), SCHEDCOMP_SHAPE (pp,dp), SCHEDCOMP_INCARNATION (0, then 1, 2, ... for
+replacements), SCHEDCOMP_BIND, plus LOCAL_RANK / LOCAL_WORLD_SIZE to pick a GPU. A training
+script uses `FaultSession` (see `session`). The launcher exits 0 when some worker finished its
+training (exit 0) and every other one either finished or was lost; 1 otherwise; 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from schedcomp.errors import RecoveryError, SchedcompError
+from schedcomp.runtime.fault.membership import View
+from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, serve_store
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slot:
+    """One worker and the process running it now (None between a death and its replacement)."""
+
+    worker: Worker
+    incarnation: int = 0
+    proc: subprocess.Popen | None = None
+    spawned_after: int = -1  # the newest generation proposed when this process started
+    admitted: int | None = None  # the first sealed generation after that with this worker a member
+    respawns_left: int = 0
+    respawn_at: float | None = None  # when to start the replacement (monotonic time)
+    returncode: int | None = None  # of the last process to exit
+
+
+class Launcher:
+    """Starts, watches, fences and replaces the workers of this host (see the module docstring)."""
+
+    def __init__(self, command: Sequence[str], pp: int, dp: int, workers: Sequence[Worker] | None = None, *,
+                 store: StoreAddress | None = None, serve: StoreAddress | None = None, bind: str = LOOPBACK,
+                 respawn: int = 0, respawn_delay: float = 0.0, fence: bool = True, incarnation: int = 0,
+                 poll: float = 0.02) -> None:
+        if not command:
+            raise RecoveryError("no worker command given: put it after `--`, e.g. -- python train.py")
+        topology = Topology.of(pp, dp)
+        workers = tuple(workers) if workers else topology.workers
+        for w in workers:
+            if not topology.is_live(w):
+                raise RecoveryError(f"worker {w} is outside a pp={pp}, dp={dp} job: pipelines 0..{dp - 1}, "
+                                    f"stages 0..{pp - 1}")
+        self.command, self.pp, self.dp, self.bind = list(command), pp, dp, bind
+        self.fence, self.respawn_delay, self.poll = fence, respawn_delay, poll
+        self.server = None
+        if store is None:  # this launcher serves the job's store
+            self.server, store = serve_store(*((serve.host, serve.port) if serve else (LOOPBACK, 0)))
+        self.address = store
+        self.store: Store = store.connect()
+        self.slots = [Slot(w, incarnation, respawns_left=respawn) for w in workers]
+        self._events = -1
+        self._next_view = 0  # the first generation whose outcome we have not read yet
+        self._finished = False  # some worker completed its training: no more replacements
+
+    # ---- running ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self._spawn(slot)
+
+    def run(self) -> int:
+        """Start the workers and watch them until none is left; returns the launcher's exit code."""
+        stop: list[int] = []
+        previous = {s: signal.signal(s, lambda sig, _frame: stop.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            while self.step():
+                if stop:
+                    log.warning("signal %d: stopping every worker", stop[0])
+                    self.terminate()
+                    return 128 + stop[0]
+                time.sleep(self.poll)
+            return self.exit_code()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.terminate()
+
+    def step(self) -> bool:
+        """One round of watching: reap, notify, fence, replace. False once nothing is left to watch."""
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is not None:
+                self._reap(slot, now)
+            if slot.proc is None and slot.respawn_at is not None and now >= slot.respawn_at and not self._finished:
+                self._spawn(slot)
+        if self.fence:
+            self._fence()
+        return any(s.proc is not None or (s.respawn_at is not None and not self._finished) for s in self.slots)
+
+    def exit_code(self) -> int:
+        codes = [s.returncode for s in self.slots]
+        return 0 if 0 in codes else 1
+
+    def terminate(self, grace: float = 5.0) -> None:
+        """Stop every worker still running (SIGTERM, then SIGKILL after `grace` seconds)."""
+        running = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
+        for p in running:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in running:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    # ---- one worker --------------------------------------------------------------------------------------
+
+    def _spawn(self, slot: Slot) -> None:
+        env = WorkerEnv(self.address, slot.worker, self.pp, self.dp, slot.incarnation, self.bind)
+        local = self.slots.index(slot)
+        child_env = {**os.environ, **env.to_env(), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(self.slots))}
+        slot.proc = subprocess.Popen(self.command, env=child_env)
+        slot.spawned_after, slot.admitted, slot.respawn_at = self._newest_generation(), None, None
+        log.info("started worker %s (incarnation %d, pid %d)", slot.worker, slot.incarnation, slot.proc.pid)
+
+    def _reap(self, slot: Slot, now: float) -> None:
+        assert slot.proc is not None
+        code = slot.proc.returncode
+        slot.proc, slot.returncode = None, code
+        if code == 0:
+            self._finished = True
+            log.info("worker %s finished", slot.worker)
+            return
+        # Tell the survivors at once: their detectors read this on their next poll.
+        self.store.set(Keys.dead(slot.worker), str(slot.incarnation))
+        self.store.add(Keys.events(), 1)
+        log.warning("worker %s (incarnation %d) died with %s", slot.worker, slot.incarnation,
+                    f"signal {-code}" if code < 0 else f"exit status {code}")
+        if slot.respawns_left > 0 and not self._finished:
+            slot.respawns_left -= 1
+            slot.incarnation += 1
+            slot.respawn_at = now + self.respawn_delay
+
+    def _fence(self) -> None:
+        """Kill local workers that a sealed generation declared failed after having admitted them."""
+        events = self.store.add(Keys.events(), 0)
+        if events == self._events:
+            return
+        self._events = events
+        while self.store.check([Keys.outcome(self._next_view)]):
+            g = self._next_view
+            self._next_view += 1
+            if self.store.get(Keys.outcome(g)).decode() != SEALED:
+                continue
+            view = View.from_json(self.store.get(Keys.view(g)))
+            for slot in self.slots:
+                if slot.proc is None or g <= slot.spawned_after:
+                    continue
+                if slot.admitted is None and slot.worker in view.members:
+                    slot.admitted = g
+                elif slot.admitted is not None and slot.worker in view.failed:
+                    log.warning("fencing worker %s: generation %d declared it failed", slot.worker, g)
+                    slot.proc.kill()
+
+    def _newest_generation(self) -> int:
+        g = self._next_view - 1
+        while self.store.check([Keys.view(g + 1)]):
+            g += 1
+        return g
+
+
+# ---- command line --------------------------------------------------------------------------------------
+
+
+def _workers(args: argparse.Namespace) -> list[Worker] | None:
+    if args.workers:
+        return [Worker.parse(w) for w in args.workers.split(",") if w.strip()]
+    if args.pipelines:
+        return [Worker(int(d), s) for d in args.pipelines.split(",") if d.strip() for s in range(args.pp)]
+    return None
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m schedcomp.runtime.fault.launch",
+                                description="Start a resilient job: one process per worker; survivors live on.")
+    p.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines")
+    p.add_argument("--workers", help="the workers this host runs, e.g. 0:0,0:1 (default: all)")
+    p.add_argument("--pipelines", help="run every stage of these pipelines here, e.g. 0,1")
+    p.add_argument("--store", type=StoreAddress.parse, help="HOST:PORT of a store another launcher serves")
+    p.add_argument("--serve-store", type=StoreAddress.parse,
+                   help=f"serve the job's store on HOST:PORT (default: {LOOPBACK} on a free port)")
+    p.add_argument("--bind", default=LOOPBACK, help="address this host's workers listen on")
+    p.add_argument("--respawn", type=int, default=0, help="replacements per worker (default 0)")
+    p.add_argument("--respawn-delay", type=float, default=0.0, help="seconds before starting a replacement")
+    p.add_argument("--incarnation", type=int, default=0, help="first incarnation (1+: these are replacements)")
+    p.add_argument("--no-fence", action="store_true", help="do not kill workers the others declared failed")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(options), command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s launch %(levelname)s %(message)s")
+    try:
+        if args.store and args.serve_store:
+            raise RecoveryError("give --store (join a store) or --serve-store (serve it), not both")
+        launcher = Launcher(command, args.pp, args.dp, _workers(args), store=args.store, serve=args.serve_store,
+                            bind=args.bind, respawn=args.respawn, respawn_delay=args.respawn_delay,
+                            fence=not args.no_fence, incarnation=args.incarnation)
+        print(f"schedcomp launch: store at {launcher.address}", file=sys.stderr, flush=True)
+        return launcher.run()
+    except SchedcompError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""One worker's life in a resilient job: the few calls a training loop makes (`FaultSession`).
+
+    session = FaultSession(WorkerEnv.from_env())
+    view = session.start()                         # joins generation 0, or rejoins as a replacement
+    ... build the trainer with session.generation.new_group as its group factory ...
+    if session.env.rejoining:                      # receive the stage from its donor, resume where it is
+        got = recv_stage_state(module, optimizer, session.groups.world, session.groups.rank_of(
+            session.donor_for(stage)))
+        it = got.info["iteration"]; session.commit(it - 1)
+    while it < iterations:
+        try:
+            run iteration `it` (waits: wait_work(work, session.signal); after STEP: session.commit(it))
+            it += 1
+            switch = session.boundary(it - 1)      # a replacement is due to enter now?
+            if switch: session.admit(switch); hand_over(it)
+        except (GenerationAborted, RuntimeError) as e:
+            session.report(e)
+            session.recover()                      # agree on the next generation and regroup
+            decision = session.rollback()          # undo half-applied steps, re-run decision.rerun
+            if session.me in decision.undo: snapshot.restore()
+            it = decision.rerun; hand_over(it)
+
+    hand_over(it): after any change of generation, for each of `session.joiners()` at my stage, if
+    `session.donor_for(stage) == session.me`: send_stage_state(..., info={"iteration": it}).
+
+Nothing here knows about plans or stages: the caller maps the view's failed set to a plan
+(the plan cache) and rebuilds its communication on `session.groups` / `session.generation`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from torch.distributed import Store
+
+from schedcomp.runtime.fault.agreement import (
+    CommitLog,
+    Switch,
+    agree,
+    agreed_switch,
+    announce_join,
+    join_job,
+    latest_view,
+    pending_joins,
+    propose_switch,
+    sealed_before,
+)
+from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
+from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat, View
+from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
+from schedcomp.runtime.fault.store import WorkerEnv
+from schedcomp.topology import Worker
+
+log = logging.getLogger(__name__)
+
+
+class FaultSession:
+    """Membership, detection, agreement and process groups of one worker, generation after generation."""
+
+    def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
+                 backend: str = "gloo", group_timeout: float = 60.0, agree_timeout: float = 120.0,
+                 lead: int = 2) -> None:
+        self.env, self.me = env, env.worker
+        self.backend, self.group_timeout, self.agree_timeout, self.lead = backend, group_timeout, agree_timeout, lead
+        self.store: Store = env.store.connect()
+        self.commits = CommitLog(self.store)
+        self.heartbeat = Heartbeat(env.store, self.me, env.incarnation,
+                                   interval=heartbeat if heartbeat is not None else detection_time / 6)
+        self.detector = FailureDetector(env.store, self.me, detection_time=detection_time)
+        self.graveyard = Graveyard()
+        self.view: View | None = None
+        self.previous: View | None = None  # the generation before the current one
+        self.groups: Groups | None = None
+
+    # ---- joining -------------------------------------------------------------------------------------
+
+    def start(self) -> View:
+        """Join the job (generation 0) or, for a replacement, wait until the survivors admit it."""
+        self.heartbeat.start()
+        self.detector.start()
+        if self.env.rejoining:
+            announce_join(self.store, self.me, self.env.incarnation)
+            known = latest_view(self.store) or View(-1, View.initial(self.env.pp, self.env.dp).topology)
+            view = agree(self.store, known, self.me, self.detector, propose=False, timeout=self.agree_timeout)
+        else:
+            view = join_job(self.store, self.env.pp, self.env.dp, self.me, self.detector, timeout=self.agree_timeout)
+        self._enter(view)
+        return view
+
+    @property
+    def signal(self) -> threading.Event:
+        """Set when the current generation is broken: pass it to `wait_work`."""
+        return self.detector.signal
+
+    @property
+    def generation(self) -> Generation:
+        assert self.groups is not None, "call start() first"
+        return self.groups.generation
+
+    # ---- during an iteration ---------------------------------------------------------------------------
+
+    def commit(self, iteration: int) -> None:
+        """Record that this worker applied its optimizer step of `iteration` (right after STEP)."""
+        self.commits.record(self.me, iteration)
+
+    def report(self, error: BaseException | str, peer: Worker | None = None) -> None:
+        """The executor failed talking to the others: the generation is broken."""
+        self.detector.report(peer, error)
+
+    # ---- after a failure --------------------------------------------------------------------------------
+
+    def recover(self) -> View:
+        """Leave the broken generation, agree on the next one with the other survivors, regroup."""
+        assert self.view is not None and self.groups is not None, "call start() first"
+        self.groups.close(self.graveyard)  # operations may still wait on the dead: bury, do not destroy
+        view = agree(self.store, self.view, self.me, self.detector, timeout=self.agree_timeout)
+        self._enter(view)
+        return view
+
+    def rollback(self) -> Rollback:
+        """Which steps to undo and which iteration to re-run, from the survivors' commit records."""
+        assert self.view is not None and self.previous is not None
+        ran = [w for w in self.view.members if w in self.previous.members]  # replacements have no record yet
+        return rollback_decision(self.commits.read(ran))
+
+    # ---- at an iteration boundary ---------------------------------------------------------------------
+
+    def boundary(self, completed: int) -> Switch | None:
+        """Call after each completed iteration; returns a switch when replacements enter right now.
+
+        Costs one store lookup per failed worker (none in a fault-free job) plus one when a switch
+        was proposed. When a replacement waits, the first survivor to get here fixes the iteration
+        it enters at (`policy.switch_iteration`); everyone admits it at that boundary.
+        """
+        assert self.view is not None
+        switch = agreed_switch(self.store, self.view)
+        if switch is None:
+            joiners = pending_joins(self.store, self.view)
+            if not joiners:
+                return None
+            switch = propose_switch(self.store, self.view, switch_iteration(completed, self.lead), joiners)
+        return switch if switch.iteration == completed + 1 else None
+
+    def admit(self, switch: Switch) -> View:
+        """Move to the generation that admits `switch.joiners` (every survivor calls it at the same boundary)."""
+        assert self.view is not None and self.groups is not None
+        self.groups.close(self.graveyard)
+        view = agree(self.store, self.view, self.me, self.detector, joiners=switch.joiners,
+                     timeout=self.agree_timeout)
+        self._enter(view)
+        return view
+
+    def donor_for(self, stage: int) -> Worker | None:
+        """The replica that hands stage `stage`'s state to replacements: its lowest member that ran before."""
+        assert self.view is not None and self.previous is not None
+        old = [w for w in self.view.topology.stage_group(stage) if w in self.previous.members]
+        return old[0] if old else None
+
+    def joiners(self) -> tuple[Worker, ...]:
+        """Members of the current generation that were not members of the previous one."""
+        assert self.view is not None
+        before = self.previous.members if self.previous is not None else ()
+        return tuple(w for w in self.view.members if w not in before)
+
+    # ---- plumbing ---------------------------------------------------------------------------------------
+
+    def _enter(self, view: View) -> None:
+        # A survivor's previous generation is the one it ran; a replacement looks it up, so that
+        # both agree on who ran before (donors, commit records).
+        self.previous = self.view if self.view is not None else sealed_before(self.store, view.generation)
+        self.view = view
+        self.groups = regroup(self.store, view, self.me, backend=self.backend, host=self.env.bind,
+                              timeout=self.group_timeout)
+        self.graveyard.sweep()
+        log.info("worker %s: generation %d, rank %d of %d", self.me, view.generation, self.groups.rank,
+                 len(view.members))
+
+    def close(self) -> None:
+        if self.groups is not None:
+            self.groups.close(self.graveyard)
+        self.detector.stop()
+        self.heartbeat.stop()
