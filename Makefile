@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/schedcomp show --schedule zb-h1 --pp 4 --microbatches 8
+	$(PY) -m schedcomp.runtime.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -7,7 +7,8 @@ The blocks are `schedcomp.runtime.gpt.Block` (pre-norm attention + 4x MLP; every
   (input, output gradient), then W = the stashed weight-gradient matmuls (`runtime.splitgrad`);
 - torch: PyTorch's own split, `torch.distributed.pipelining._backward.stage_backward_input` then
   `stage_backward_weight` (a private API, measured for comparison as in anchors.md).
-Each is timed as forward + backward (GPU: synchronised, CUDA events), median of `--reps` after warm-up.
+Each is timed as forward + backward (GPU: synchronised, CUDA events; CPU: process time, one
+thread), median of `--reps` after warm-up, the variants interleaved.
 The target (issue 4): ours / fused <= 1.03 on a GPU at hidden 1024, 2048, 4096 (anchors: torch's
 split gives 1.05-1.68 on an H100).
 
@@ -49,10 +50,10 @@ def timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def on_cpu(fn: Callable[[], None]) -> float:
-        t = time.perf_counter()
+    def on_cpu(fn: Callable[[], None]) -> float:  # CPU time: one thread, less disturbed by a busy host
+        t = time.process_time()
         fn()
-        return time.perf_counter() - t
+        return time.process_time() - t
 
     return on_gpu if device.type == "cuda" else on_cpu
 

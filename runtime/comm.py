@@ -39,6 +39,12 @@ from schedcomp.topology import Worker
 log = logging.getLogger(__name__)
 
 GroupFactory = Callable[[list[int]], dist.ProcessGroup]
+Waiter = Callable[[dist.Work], None]
+
+
+def plain_wait(work: dist.Work) -> None:
+    """Wait for a work item with no way out (the fault-free default; see `fault.membership.wait_work`)."""
+    work.wait()
 
 
 def pick_backend() -> str:
@@ -98,8 +104,11 @@ class Comm:
     """The process groups of one generation of the job, and the transfers over them."""
 
     def __init__(self, ranks: RankMap, rank: int, device: torch.device,
-                 make_group: GroupFactory | None = None) -> None:
+                 make_group: GroupFactory | None = None, wait: Waiter | None = None) -> None:
         self.ranks, self.rank, self.device = ranks, rank, device
+        # Every wait on a transfer or collective goes through `wait`: a resilient job passes one
+        # that gives up when its generation breaks (gloo cannot interrupt a blocked `wait()`).
+        self.wait: Waiter = wait or plain_wait
         self._make_group = make_group or (lambda members: dist.new_group(members))
         everyone = list(range(len(ranks.workers)))
         self._up = self._make_group(everyone)
@@ -125,9 +134,9 @@ class Comm:
         token = torch.zeros(1, device=self.device)
         for src, dst in pairs:
             if self.rank == src:
-                dist.isend(token, dst=dst, group=self._p2p_group(src, dst)).wait()
+                self.wait(dist.isend(token, dst=dst, group=self._p2p_group(src, dst)))
             elif self.rank == dst:
-                dist.irecv(token, src=src, group=self._p2p_group(src, dst)).wait()
+                self.wait(dist.irecv(token, src=src, group=self._p2p_group(src, dst)))
         self._connected |= set(pairs)
 
     def stage_group(self, workers: tuple[Worker, ...]) -> dist.ProcessGroup | None:

@@ -44,6 +44,8 @@ class Iteration:
     output_meta: tuple[TensorMeta, ...]  # what it sends on (empty at the last stage)
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
+    step: Callable[[], None] | None = None  # runs STEP instead of `stage.step` (resilient jobs: snapshot, commit)
+    ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
     # state, filled and emptied as the stream runs
     loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -75,7 +77,7 @@ class Iteration:
         pending = self.recvs.get((direction, _key(ins.op)))
         if pending is not None:
             for work in pending[1]:
-                work.wait()
+                self.comm.wait(work)
             if self.record:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -105,7 +107,7 @@ class Iteration:
     def finish(self) -> None:
         """Wait for this iteration's sends, then check the stream left nothing behind."""
         for work, _ in self.sends:
-            work.wait()
+            self.comm.wait(work)
         self.sends.clear()
         leftovers = len(self.recvs) + len(self.outgoing) + self.stage.in_flight() + len(self.stage.store.pending())
         if leftovers:
@@ -160,11 +162,19 @@ def _forward(it: Iteration, ins: Instruction) -> None:
         it.outgoing[(_ACT, _key(op))] = outputs
 
 
+def _count(it: Iteration, op: Op | None) -> None:
+    """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs)."""
+    if it.ledger is not None and op is not None:
+        it.ledger[chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)] += 1
+
+
 def _backward(it: Iteration, ins: Instruction, split: bool) -> None:
     op, stage = ins.op, it.stage
     assert op is not None
     grads = () if stage.is_last else it.take_received(_GRAD, op)
     input_grads = stage.backward(_key(op), grads, split=split)
+    if not split:
+        _count(it, op)
     if not stage.is_first:
         it.outgoing[(_GRAD, _key(op))] = input_grads
 
@@ -179,6 +189,7 @@ def _backward_fused(it: Iteration, ins: Instruction) -> None:
 
 def _backward_weight(it: Iteration, ins: Instruction) -> None:
     it.stage.backward_weight(_key(ins.op))
+    _count(it, ins.op)
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
@@ -186,12 +197,21 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
     if group is None or not it.stage.params:
         return  # the only live worker of its stage: its gradients are already the sum
     flat = it.stage.flat_grads()
-    dist.all_reduce(flat, group=group)
+    if it.ledger is not None:  # the ledger rides along: the counts summed are those of the gradients summed
+        flat = torch.cat([flat, it.ledger.to(flat.dtype)])
+    it.comm.wait(dist.all_reduce(flat, group=group, async_op=True))
+    if it.ledger is not None:
+        n = flat.numel() - it.ledger.numel()
+        it.ledger.copy_(flat[n:])
+        flat = flat[:n]
     it.stage.set_flat_grads(flat)
 
 
 def _step(it: Iteration, ins: Instruction) -> None:
-    it.stage.step()
+    if it.step is not None:
+        it.step()
+    else:
+        it.stage.step()
 
 
 HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
@@ -213,8 +233,11 @@ _WAITS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})
 Timing = list[tuple[int, float, float]]  # (instruction index, start, end) in perf_counter seconds
 
 
-def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | None = None) -> None:
+def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | None = None,
+               before: Callable[[int, Instruction], None] | None = None) -> None:
     """Run one iteration of `stream`; with `timing`, append each instruction's (index, start, end).
+
+    `before(index, instruction)` is called before each instruction (fault injection in tests).
 
     A compute op's start is taken after its inputs arrived, so waiting shows as a gap before it,
     as in the planned timeline. On a GPU the device is synchronised around each instruction, only
@@ -223,6 +246,8 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
     sync = torch.cuda.synchronize if timing is not None and it.device.type == "cuda" else None
     for index, ins in enumerate(stream):
         it.index = index
+        if before is not None:
+            before(index, ins)
         if ins.kind in _WAITS:
             it.wait_inputs(ins)
         start = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, init_distributed
+from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_stream
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
@@ -64,6 +64,10 @@ class PipelineTrainer:
     - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
     - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
     - `profile=True` records every instruction's start and end for `save_trace` / `schedcomp profile`.
+    - Resilient jobs (`schedcomp.runtime.resilient`) pass `process=(rank, size, device)` and
+      `make_group` of their generation instead of joining a default group, a `wait` that gives up
+      when the generation breaks, and `setup_collectives=False` (no replica sync and no clock
+      broadcast at start: a replacement receives its state from a replica instead).
 
     `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
@@ -74,8 +78,10 @@ class PipelineTrainer:
 
     def __init__(self, plan: Plan, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
                  make_optimizer: OptimizerFactory, *, layers_per_stage: Sequence[int] | None = None,
-                 backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None) -> None:
-        rank, size, device = init_distributed(backend)
+                 backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
+                 process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
+                 setup_collectives: bool = True) -> None:
+        rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
             raise RuntimeSetupError(f"the plan has {len(self.ranks.workers)} live workers but {size} processes run: "
@@ -86,7 +92,7 @@ class PipelineTrainer:
         module = build_module(build_stage, self.worker.stage, self.pp, layers_per_stage).to(device)
         is_last = self.worker.stage == self.pp - 1
         self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
-        self.comm = Comm(self.ranks, rank, device, make_group)
+        self.comm = Comm(self.ranks, rank, device, make_group, wait)
         self.profile = profile
         self.iteration = 0
         self.step_seconds: list[float] = []
@@ -95,8 +101,11 @@ class PipelineTrainer:
         self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
         self._boundaries: list[tuple[TensorMeta, ...]] = []
         self.use_plan(plan)
-        self._sync_replicas()
-        self._clock0 = self._common_origin()
+        if setup_collectives:
+            self.sync_replicas()
+            self._clock0 = self._common_origin()
+        else:
+            self._clock0 = time.perf_counter()
 
     # ---- plans ---------------------------------------------------------------------------------
 
@@ -130,7 +139,22 @@ class PipelineTrainer:
         log.debug("worker %s runs %s plan from iteration %d: %d instructions", self.worker, plan.family or "a",
                   self.iteration, len(self.stream))
 
-    def _sync_replicas(self) -> None:
+    def regroup(self, plan: Plan, rank: int, make_group: GroupFactory, wait: Waiter | None = None) -> None:
+        """Move to a new generation of a resilient job: new ranks, fresh groups, `plan` from now on.
+
+        Collective over the new generation's members (they build the same groups in the same
+        order). This process keeps its worker; the plan's workers are the generation's members.
+        """
+        ranks = RankMap.of(plan)
+        if ranks.worker(rank) != self.worker:
+            raise RuntimeSetupError(f"rank {rank} of the new generation is worker {ranks.worker(rank)}, "
+                                    f"not this process's {self.worker}: use the plan of this generation")
+        self.ranks, self.rank = ranks, rank
+        self.comm = Comm(ranks, rank, self.device, make_group, wait or self.comm.wait)
+        self._history = [(self.iteration, plan)]
+        self.use_plan(plan)
+
+    def sync_replicas(self) -> None:
         """Give every replica of this stage the lowest rank's parameters and buffers."""
         workers = self.plan.topology.stage_group(self.worker.stage)
         group = self.comm.stage_group(workers)
@@ -139,7 +163,7 @@ class PipelineTrainer:
         src = min(self.ranks.rank(w) for w in workers)
         with torch.no_grad():
             for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
-                dist.broadcast(t.data, src=src, group=group)
+                self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
     def _common_origin(self) -> float:
         """Rank 0's `perf_counter` now: one origin for every rank's spans.
@@ -171,7 +195,7 @@ class PipelineTrainer:
             if self.rank == src:
                 x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
                 buffer.copy_(_encode(self.stage.output_meta(tuple(t.to(self.device) for t in x))))
-            dist.broadcast(buffer, src=src, group=self.comm.control)
+            self.comm.wait(dist.broadcast(buffer, src=src, group=self.comm.control, async_op=True))
             metas = _decode(buffer)
             if len(metas) > MAX_PARTS:
                 raise RuntimeSetupError(f"stage {s} returns {len(metas)} tensors: pass at most {MAX_PARTS} "
@@ -183,6 +207,21 @@ class PipelineTrainer:
 
     def step(self, batch: tuple[Tensors, Tensors]) -> Loss:
         """Run one iteration of this worker's stream on `batch = (inputs, targets)`; see `Loss`."""
+        it = self.run_iteration(batch)
+        loss = torch.stack(it.losses).sum() if it.losses else torch.zeros((), device=self.device)
+        loss = loss.to(torch.float64)
+        work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
+        return Loss(loss, work)
+
+    def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[], None] | None = None,
+                      ledger: Tensor | None = None,
+                      before: Callable[[int, Instruction], None] | None = None) -> Iteration:
+        """Run one iteration of the stream and return its state (losses: this worker's scaled ones).
+
+        `step` replaces the optimizer step at STEP, `ledger` counts micro-batches into the
+        all-reduce and `before` runs before each instruction (see `executor`); `iteration` is
+        advanced only when the stream completes.
+        """
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
         inputs, targets = batch
@@ -197,17 +236,21 @@ class PipelineTrainer:
             output_meta=self._boundaries[s] if s < self.pp - 1 else (),
             number=self.iteration,
             record=self.profile,
+            step=step,
+            ledger=ledger,
         )
         timing: Timing | None = [] if self.profile else None
-        run_stream(it, self.stream, timing)
+        run_stream(it, self.stream, timing, before)
         if timing is not None:
             self._timings.append((self.iteration, timing, it.arrivals))
-        loss = torch.stack(it.losses).sum() if it.losses else torch.zeros((), device=self.device)
-        loss = loss.to(torch.float64)
-        work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
         self.step_seconds.append(time.perf_counter() - started)
         self.iteration += 1
-        return Loss(loss, work)
+        return it
+
+    def abandon(self) -> None:
+        """Forget the iteration in flight (its generation broke): activations, stashes, gradients."""
+        self.stage.discard()
+        self.stage.optimizer.zero_grad(set_to_none=True)
 
     # ---- measurement ------------------------------------------------------------------------------
 

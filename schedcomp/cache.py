@@ -210,6 +210,11 @@ class PlanCache:
         plan = self._canonical_plan(c.key)
         return relabel(plan, c.perm)
 
+    def preload(self) -> None:
+        """Read every plan from disk now, so a lookup at failure time only renames pipelines."""
+        for key in self.keys():
+            self._canonical_plan(key)
+
     def _canonical_plan(self, key: Key) -> Plan:
         plan = self.plans.get(key)
         if plan is not None:
@@ -235,10 +240,10 @@ class PlanCache:
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         for key in self.keys():
-            name = key_name(key) + ".json"
-            if key in self.plans:
-                (root / name).write_text(self.plans[key].to_json())
-            self.files[key] = root / name
+            path = root / (key_name(key) + ".json")
+            if key in self.plans and not (self.files.get(key) == path and path.exists()):
+                path.write_text(self.plans[key].to_json())
+            self.files[key] = path
         index = {
             "format": FORMAT, "version": VERSION, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
             "max_failures": self.max_failures, "costs": self.costs.to_dict(),
@@ -285,44 +290,56 @@ def precompile(
     jobs: int = 1,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
-    `directory` when given. `progress(done, total, name)` is called after each plan. `jobs` > 1
-    compiles in that many processes."""
-    from schedcomp.compile import compile
-
+    `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
+    total, name)` is called after each plan. `jobs` > 1 compiles in that many processes, which write
+    their plans themselves, so the parent does not parse them."""
     if max_failures < 0:
         raise SchedcompError(f"max_failures must be at least 0, got {max_failures}")
     costs = CostModel.uniform(pp) if costs is None else costs
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures)
+    root = Path(directory) if directory is not None else None
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, c.key)
-            for c in todo]
+    args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, c.key,
+             str(root / (key_name(c.key) + ".json")) if root is not None else None) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (key, text) in enumerate(pool.imap(_compile_one, args)):
-                cache.plans[key] = Plan.from_json(text)
+            for i, (key, plan) in enumerate(pool.imap(_compile_one, args)):
+                _record(cache, key, plan, root)
                 if progress:
                     progress(i + 1, len(todo), key_name(key))
     else:
-        for i, c in enumerate(todo):
-            cache.plans[c.key] = compile(pp, dp, microbatches, failed=c.failed, schedule="adaptive",
-                                         costs=canonical_costs(costs, c.perm), solver=solver, time_limit=time_limit)
+        for i, a in enumerate(args):
+            key, plan = _compile_one(a, keep=True)
+            _record(cache, key, plan, root)
             if progress:
-                progress(i + 1, len(todo), key_name(c.key))
+                progress(i + 1, len(todo), key_name(key))
     log.info("precompiled %d scenarios in %.1f s", len(todo), time.perf_counter() - began)
-    if directory is not None:
-        cache.save(directory)
+    if root is not None:
+        cache.save(root)
     return cache
 
 
-def _compile_one(args: tuple[Any, ...]) -> tuple[Key, str]:
+def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None) -> None:
+    if plan is not None:
+        cache.plans[key] = plan
+    if root is not None:
+        cache.files[key] = root / (key_name(key) + ".json")
+
+
+def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None]:
+    """Compile one scenario; write it to its file when there is one, and return the plan only when it is
+    not written (or `keep`), so worker processes send back just the key."""
     from schedcomp.compile import compile
 
-    pp, dp, microbatches, failed, costs, solver, time_limit, key = args
+    pp, dp, microbatches, failed, costs, solver, time_limit, key, path = args
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
                    time_limit=time_limit)
-    from schedcomp.serialize import plan_to_json
-
-    return key, plan_to_json(plan, indent=False)
+    if path is None:
+        return key, plan
+    Path(path).write_text(plan.to_json())
+    return key, plan if keep else None

@@ -78,6 +78,11 @@ def result(proc: subprocess.Popen, timeout: float = 100.0) -> dict:
 # ---- child side --------------------------------------------------------------------------------
 
 
+def emit(obj: dict) -> None:
+    """Print one JSON line with a single write: children sharing a pipe must not interleave."""
+    os.write(1, (json.dumps(obj) + "\n").encode())
+
+
 def _logging() -> None:
     import logging
 
@@ -165,10 +170,9 @@ def scenario_regroup(victim: str, stall: str) -> None:
     second = _check_groups(groups, values)
     regrouped = time.time()
     killed = float(store.get("killed_at"))
-    print(json.dumps({"worker": str(me), "generation": view.generation, "failed": sorted(map(str, view.failed)),
-                      "first": first, "second": second, "rank": groups.rank,
-                      "broken_after": broken - killed, "agreed_after": agreed - killed,
-                      "regroup_seconds": regrouped - agreed}))
+    emit({"worker": str(me), "generation": view.generation, "failed": sorted(map(str, view.failed)),
+          "first": first, "second": second, "rank": groups.rank,
+          "broken_after": broken - killed, "agreed_after": agreed - killed, "regroup_seconds": regrouped - agreed})
     groups.close()
 
 
@@ -236,8 +240,8 @@ def scenario_transfer() -> None:
     seconds = time.perf_counter() - started
     after = state_digest(module, optimizer)
     train_demo(module, optimizer, steps=2)  # both go on training identically
-    print(json.dumps({"worker": str(env.worker), "before": before, "after": after, "bytes": nbytes,
-                      "seconds": seconds, "trained": state_digest(module, optimizer)}))
+    emit({"worker": str(env.worker), "before": before, "after": after, "bytes": nbytes,
+          "seconds": seconds, "trained": state_digest(module, optimizer)})
     groups.close()
 
 
@@ -264,7 +268,7 @@ def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> 
     torch.set_num_threads(1)
     env = WorkerEnv.from_env()
     me, n_iterations, doomed = env.worker, int(iterations), Worker.parse(victim)
-    session = FaultSession(env, detection_time=2.0, group_timeout=20.0, agree_timeout=60.0)
+    session = FaultSession(env, detection_time=2.0, group_timeout=20.0, agree_timeout=120.0)
     session.start()
     torch.manual_seed(me.stage)
     model = nn.Linear(4, 1, bias=False).double()
@@ -321,13 +325,138 @@ def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> 
             events.append(("recovered", it, decision.rerun, time.time() - broken,
                            broken - float(session.store.get("killed_at"))))
             it = decision.rerun
-    print(json.dumps({"worker": str(me), "incarnation": env.incarnation, "weight": model.weight.flatten().tolist(),
-                      "generation": session.view.generation, "failed": sorted(map(str, session.view.failed)),
-                      "events": events}), flush=True)
+    emit({"worker": str(me), "incarnation": env.incarnation, "weight": model.weight.flatten().tolist(),
+          "generation": session.view.generation, "failed": sorted(map(str, session.view.failed)), "events": events})
     session.close()
 
 
-SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train}
+# ---- resilient training (ResilientTrainer) ---------------------------------------------------------
+
+H, ROWS = 8, 2  # hidden size, rows per micro-batch
+
+
+def chaos_stage(stage: int, pp: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(100 + stage)
+    layers = [nn.Linear(H, H), nn.Tanh()] if stage < pp - 1 else [nn.Linear(H, H)]
+    return nn.Sequential(*layers).double()
+
+
+def chaos_batch(iteration: int, chunks: int):
+    """Iteration i's global batch: the same samples whenever it is asked for again."""
+    import torch
+
+    g = torch.Generator().manual_seed(10_000 + iteration)
+    return (torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64),
+            torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64))
+
+
+class Momentum:
+    """SGD with momentum and a plain-data `state_dict` (torch.optim's first import costs seconds per process)."""
+
+    def __init__(self, params, lr: float = 0.05, momentum: float = 0.9) -> None:
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers: dict = {}
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                buf = self.buffers.get(i)
+                self.buffers[i] = buf = p.grad.clone() if buf is None else buf.mul_(self.momentum).add_(p.grad)
+                p.add_(buf, alpha=-self.lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"buffers": dict(self.buffers)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {int(k): v.clone() for k, v in state["buffers"].items()}
+
+
+def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
+    """The fault-free model, trained in one process on the same global batches."""
+    import torch
+    import torch.nn.functional as F
+
+    stages = [chaos_stage(s, pp) for s in range(pp)]
+    optimizers = [Momentum(m.parameters()) for m in stages]
+    for i in range(iterations):
+        x, y = chaos_batch(i, chunks)
+        for m in stages:
+            x = m(x)
+        F.mse_loss(x, y).backward()
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+    return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
+
+
+def parse_victims(spec: str) -> tuple[dict, dict]:
+    """`d:s@it.idx,...` (die before instruction idx of iteration it) and `d:s@rec` (die while recovering)."""
+    from schedcomp.topology import Worker
+
+    at, recovering = {}, {}
+    for item in filter(None, spec.split(",")):
+        who, _, where = item.partition("@")
+        if where == "rec":
+            recovering[Worker.parse(who)] = True
+        else:
+            it, _, idx = where.partition(".")
+            at[Worker.parse(who)] = (int(it), int(idx))
+    return at, recovering
+
+
+def scenario_resilient(iterations: str, cache_dir: str, victims: str) -> None:
+    """One worker of a resilient job (launched by `fault.launch`): train, print the stage and ledger."""
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+
+    from schedcomp.cache import PlanCache
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.fault.store import WorkerEnv
+    from schedcomp.runtime.resilient import ResilientTrainer, kill_at
+
+    _logging()
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    cache = PlanCache.load(cache_dir)
+    chunks = env.dp * cache.microbatches
+    at, recovering = parse_victims(victims)
+
+    def die_while_recovering(rerun: int) -> None:
+        if env.worker in recovering and env.incarnation == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
+    # workers are seen at once through the launcher's death notices anyway
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+                               lambda i: chaos_batch(i, chunks), session=session,
+                               before=kill_at(at, env.worker, env.incarnation), after_recovery=die_while_recovering)
+    report = trainer.run(int(iterations))
+    emit({"worker": str(env.worker), "incarnation": env.incarnation, "iterations": report.iterations,
+          "generation": report.generation, "failed": list(report.failed),
+          "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "ledger": {str(i): v for i, v in report.ledger.items()},
+          "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
+          "resumed_at": report.resumed_at, "handed_over": report.handed_over,
+          "completed_at": {str(i): t for i, t in report.completed_at.items()}})
+    trainer.close()
+
+
+SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train,
+             "resilient": scenario_resilient}
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)

@@ -75,6 +75,9 @@ def test_lookup_returns_a_valid_plan_for_the_concrete_failures(small_cache):
     cache, directory = small_cache
     loaded = PlanCache.load(directory)
     assert len(loaded) == len(cache) == len(scenarios(3, 3, 2))
+    assert not loaded.plans  # read lazily...
+    loaded.preload()
+    assert len(loaded.plans) == len(cache)  # ...or all at once
     for failed in ([], [(2, 1)], [(0, 0), (1, 2)], [(1, 0), (2, 0)], [(2, 0), (2, 2)]):
         plan = loaded.lookup(failed)
         check(plan)

@@ -40,7 +40,8 @@ class Job:
 
     def start(self, w: Worker, incarnation: int = 0) -> None:
         self.beats[w] = Heartbeat(self.address, w, incarnation, interval=0.05).start()
-        self.detectors[w] = FailureDetector(self.address, w, detection_time=DETECT, poll=0.01).start()
+        self.detectors[w] = FailureDetector(self.address, w, detection_time=DETECT, poll=0.01,
+                                            startup_time=2 * DETECT).start()
 
     def start_all(self, workers: list[Worker]) -> None:
         for w in workers:

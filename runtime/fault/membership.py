@@ -10,7 +10,8 @@ Detection, each worker in its own background threads, each with its own store cl
   (a) the launcher that reaped its process left a death notice (`dead/W` >= `inc/W`): a crash on
       a live host is seen within one poll;
   (b) its heartbeat counter has not moved for `detection_time` seconds by *this* host's clock
-      (a hung process, a dead host or a cut network: no clocks are compared across hosts);
+      (a hung process, a dead host or a cut network: no clocks are compared across hosts), or
+      it has not beaten at all within `startup_time` (slow starts are not failures);
   (c) the executor declared it failed (`declare_failed`, e.g. after an operation timed out).
   It trips its `signal` when the current generation is broken: a member failed, another worker
   proposed a newer generation (other than one that only admits replacements at an iteration
@@ -161,6 +162,7 @@ class FailureDetector:
     me: Worker
     detection_time: float = 3.0
     poll: float = 0.05
+    startup_time: float = 120.0  # how long a worker that never beat may take to start (importing torch...)
     signal: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -291,7 +293,7 @@ class FailureDetector:
                     continue
                 if count != s.count:
                     s.count, s.since = count, now
-                elif now - s.since > self.detection_time:
+                elif now - s.since > (self.detection_time if count > 0 else self.startup_time):
                     s.failed = True
                     newly.append((w, now - s.since))
         for w, silent in newly:

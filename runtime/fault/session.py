@@ -59,15 +59,16 @@ class FaultSession:
     """Membership, detection, agreement and process groups of one worker, generation after generation."""
 
     def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
-                 backend: str = "gloo", group_timeout: float = 60.0, agree_timeout: float = 120.0,
-                 lead: int = 2) -> None:
+                 startup_time: float = 120.0, backend: str = "gloo", group_timeout: float = 60.0,
+                 agree_timeout: float = 180.0, lead: int = 2) -> None:
         self.env, self.me = env, env.worker
         self.backend, self.group_timeout, self.agree_timeout, self.lead = backend, group_timeout, agree_timeout, lead
         self.store: Store = env.store.connect()
         self.commits = CommitLog(self.store)
         self.heartbeat = Heartbeat(env.store, self.me, env.incarnation,
                                    interval=heartbeat if heartbeat is not None else detection_time / 6)
-        self.detector = FailureDetector(env.store, self.me, detection_time=detection_time)
+        self.detector = FailureDetector(env.store, self.me, detection_time=detection_time,
+                                        startup_time=startup_time)
         self.graveyard = Graveyard()
         self.view: View | None = None
         self.previous: View | None = None  # the generation before the current one
@@ -129,11 +130,13 @@ class FaultSession:
     def boundary(self, completed: int) -> Switch | None:
         """Call after each completed iteration; returns a switch when replacements enter right now.
 
-        Costs one store lookup per failed worker (none in a fault-free job) plus one when a switch
-        was proposed. When a replacement waits, the first survivor to get here fixes the iteration
-        it enters at (`policy.switch_iteration`); everyone admits it at that boundary.
+        Costs nothing in a fault-free job, a few store lookups per failed worker otherwise. When a
+        replacement waits, the first survivor to get here fixes the iteration it enters at
+        (`policy.switch_iteration`); everyone admits it at that boundary.
         """
         assert self.view is not None
+        if not self.view.failed:  # only failed workers have replacements
+            return None
         switch = agreed_switch(self.store, self.view)
         if switch is None:
             joiners = pending_joins(self.store, self.view)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,30 @@ def make_batch(chunks: int, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], 
     return (x, positions), y
 
 
-def make_optimizer(params: object) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+class Momentum:
+    """SGD with momentum (as torch.optim.SGD computes it), without torch.optim: creating the first
+    torch optimizer in a process imports torch._dynamo, seconds of CPU per process on a small CI box."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.05, momentum: float = 0.9) -> None:
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers: dict[int, Tensor] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            buf = self.buffers.get(i)
+            self.buffers[i] = buf = p.grad.clone() if buf is None else buf.mul_(self.momentum).add_(p.grad)
+            p.add_(buf, alpha=-self.lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(params: Iterable[nn.Parameter]) -> Momentum:
+    return Momentum(params)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,308 @@
+"""Resilient training: `ResilientTrainer(...).run(iterations)` survives the death of any worker.
+
+    cache = PlanCache.load("plans/")                       # precompiled: `schedcomp precompile`
+    trainer = ResilientTrainer(cache, build_stage, loss_fn, make_optimizer, batch_for)
+    report = trainer.run(iterations)
+
+launched with one process per worker by `python -m schedcomp.runtime.fault.launch --pp P --dp D
+[--respawn N] -- python train.py` (see `fault.launch`). `batch_for(iteration)` returns that
+iteration's global batch `(inputs, targets)`; it must return the same samples whenever it is
+called again for the same iteration (an iteration is re-run after a failure).
+
+What happens (the integration of `fault.session`, the plan cache and `PipelineTrainer`):
+
+- Start: join generation 0 through a `FaultSession`, take the plan for its topology from the
+  cache and build the trainer on that generation's groups (ranks = the view's members, which are
+  the plan's workers). Replicas start from the lowest rank's parameters.
+- Iteration i: the executor's waits give up as soon as the generation breaks (`wait_work` on the
+  session's signal; gloo cannot interrupt a blocked wait). STEP is `snapshot.take(i)`, the
+  optimizer step, then `session.commit(i)`, with no network call in between, so the commit
+  records are final when the survivors agree.
+- Failure (`GenerationAborted`, or a transfer's `RuntimeError`): report it, drop the iteration in
+  flight (activations, weight-gradient stashes, gradients), agree on the next generation and
+  regroup, and decide from the commit records (`policy.rollback_decision`, the default policy:
+  the model trained is exactly the fault-free one). Workers that stepped the iteration being
+  re-run restore their snapshot (and record the undo), everyone switches to the cached plan for
+  the new failed set and re-runs from there. A failure during recovery starts recovery again.
+- Replacements (`--respawn`): at an iteration boundary the survivors admit them
+  (`session.boundary` / `admit`), rebuild their groups, and the stage's donor replica sends its
+  parameters and optimizer state with the iteration to resume at; the plan switches back.
+- A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
+  replaces it. A stage that lost every replica raises `RecoveryError` from the cache: restart
+  from a checkpoint (`fault.checkpoint`; not automated here).
+
+The ledger: each worker counts, per micro-batch, the weight gradients it accumulated in an
+iteration; the counts ride along in the stage's gradient all-reduce, so after STEP every replica
+holds, for its stage, how many times each micro-batch's gradient entered the update it applied.
+`Report.ledger[i]` is that vector for iteration i (all ones when every sample counted once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from schedcomp.errors import RecoveryError
+from schedcomp.ir import Instruction, Plan
+from schedcomp.runtime.data import Tensors
+from schedcomp.runtime.fault.membership import GenerationAborted, wait_work
+from schedcomp.runtime.fault.session import FaultSession
+from schedcomp.runtime.fault.store import WorkerEnv
+from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
+from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder
+from schedcomp.runtime.trainer import PipelineTrainer
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+BatchFn = Callable[[int], tuple[Tensors, Tensors]]
+PlanSource = Callable[[Topology], Plan]
+Hook = Callable[[int, int, Instruction], None]  # (iteration, instruction index, instruction)
+
+
+class _Lookup:
+    """Anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function."""
+
+    def __init__(self, source: Any) -> None:
+        self._fn: PlanSource = source.lookup if hasattr(source, "lookup") else source
+
+    def __call__(self, topology: Topology) -> Plan:
+        return self._fn(topology)
+
+
+@dataclass
+class Recovery:
+    """One recovery as this worker saw it (seconds from the moment it noticed the failure)."""
+
+    generation: int
+    failed: tuple[str, ...]
+    rerun: int
+    undone: bool
+    agreed: float  # new generation agreed and regrouped
+    ready: float  # plan switched and communication rebuilt
+
+
+@dataclass
+class Report:
+    """What one worker did: iterations completed, recoveries, the ledger of its stage."""
+
+    worker: Worker
+    iterations: int
+    generation: int
+    failed: tuple[str, ...]
+    recoveries: list[Recovery] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)  # iterations at which replacements entered
+    handed_over: int = 0  # stage states this worker sent to replacements
+    resumed_at: int | None = None  # a replacement: the iteration it started at
+    ledger: dict[int, list[float]] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)  # last stage: this worker's share of the mean loss
+    completed_at: dict[int, float] = field(default_factory=dict)  # iteration -> time.time() of its STEP
+
+
+class ResilientTrainer:
+    """Train with `PipelineTrainer` under a `FaultSession`, rolling back and re-planning after failures.
+
+    - `plans`: a `PlanCache` (or any `topology -> Plan`) with a plan for every failed set to survive.
+    - `build_stage`, `loss_fn`, `make_optimizer`: as for `PipelineTrainer`; the optimizer's state
+      must be plain data in `state_dict()` (snapshots and replica transfers never pickle).
+    - `batch_for(iteration)`: the global batch of that iteration, the same on every call.
+    - `session`: a started-or-not `FaultSession` (default: one from the launcher's environment
+      with `detection_time`).
+    - `before(iteration, index, instruction)`: called before each instruction (fault injection).
+    """
+
+    def __init__(self, plans: Any, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
+                 make_optimizer: OptimizerFactory, batch_for: BatchFn, *, session: FaultSession | None = None,
+                 detection_time: float = 3.0, before: Hook | None = None,
+                 after_recovery: Callable[[int], None] | None = None) -> None:
+        self.lookup = _Lookup(plans)
+        self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
+        self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
+        self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
+        self.trainer: PipelineTrainer | None = None
+        self.snapshot: StepSnapshot | None = None
+        self.iteration = 0
+        self.report: Report | None = None
+
+    # ---- waiting -------------------------------------------------------------------------------------
+
+    def _wait(self, work: Any) -> None:
+        wait_work(work, self.session.signal)
+
+    # ---- start -----------------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Join the job; returns the iteration to start at (0, or a replacement's resume point)."""
+        session = self.session
+        view = session.start() if session.view is None else session.view
+        plan = self.lookup(view.topology)
+        self.trainer = PipelineTrainer(plan, self.build_stage, self.loss_fn, self.make_optimizer,
+                                       process=(session.groups.rank, len(view.members), torch.device("cpu")),
+                                       make_group=session.generation.new_group, wait=self._wait,
+                                       setup_collectives=False)
+        stage = self.trainer.stage
+        self.snapshot = StepSnapshot(stage.module, stage.optimizer)
+        self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
+        if session.env.rejoining:
+            donor = session.donor_for(session.me.stage)
+            if donor is None:
+                raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
+                                    "restart the job from a checkpoint")
+            got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
+                                   src=session.groups.rank_of(donor))
+            start = int(got.info["iteration"])
+            session.commit(start - 1)  # it holds the donor's state after that step
+            self.report.resumed_at = start
+        else:
+            self.trainer.sync_replicas()
+            start = 0
+        self.trainer.iteration = self.iteration = start
+        return start
+
+    # ---- one iteration ----------------------------------------------------------------------------------
+
+    def _run(self, i: int) -> None:
+        trainer, session, report = self.trainer, self.session, self.report
+        assert trainer is not None and self.snapshot is not None and report is not None
+        chunks = trainer.dp * trainer.plan.microbatches
+        ledger = torch.zeros(chunks, dtype=torch.float64)
+
+        def step() -> None:
+            self.snapshot.take(i)
+            trainer.stage.step()
+            session.commit(i)  # nothing touches the network between the step and its record
+
+        before = None
+        if self.before is not None:
+            hook = self.before
+
+            def before(index: int, ins: Instruction) -> None:
+                hook(i, index, ins)
+
+        trainer.iteration = i
+        it = trainer.run_iteration(self.batch_for(i), step=step, ledger=ledger, before=before)
+        report.ledger[i] = ledger.tolist()
+        report.completed_at[i] = time.time()
+        if it.losses:
+            report.losses[i] = float(torch.stack(it.losses).sum())
+
+    # ---- after a failure ----------------------------------------------------------------------------------
+
+    def _recover(self, error: BaseException) -> int:
+        """Agree on the next generation, roll back, switch plans; returns the iteration to re-run."""
+        session, trainer, report = self.session, self.trainer, self.report
+        assert trainer is not None and self.snapshot is not None and report is not None
+        noticed = time.perf_counter()
+        log.warning("worker %s: generation %d broke (%s): recovering", session.me,
+                    session.view.generation if session.view else -1, error)
+        session.report(error)
+        trainer.abandon()
+        while True:
+            try:
+                view = session.recover()
+                agreed = time.perf_counter() - noticed
+                decision = session.rollback()
+                undone = session.me in decision.undo
+                if undone:
+                    self.snapshot.restore()
+                    session.commit(decision.rerun - 1)  # a second recovery must not undo it again
+                for i in [i for i in report.ledger if i >= decision.rerun]:
+                    del report.ledger[i]
+                    report.losses.pop(i, None)
+                    report.completed_at.pop(i, None)
+                if self.after_recovery is not None:
+                    self.after_recovery(decision.rerun)
+                plan = self.lookup(view.topology)
+                trainer.regroup(plan, session.groups.rank, session.generation.new_group, self._wait)
+                self._hand_over(decision.rerun)
+                report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
+                                                  decision.rerun, undone, agreed, time.perf_counter() - noticed))
+                return decision.rerun
+            except (GenerationAborted, RuntimeError) as e:  # another failure while recovering
+                log.warning("worker %s: failure during recovery (%s): recovering again", session.me, e)
+                session.report(e)
+                trainer.abandon()
+
+    def _hand_over(self, resume_at: int) -> None:
+        """After a change of generation: the donor of this stage sends its state to each replacement."""
+        session, trainer, report = self.session, self.trainer, self.report
+        assert trainer is not None and report is not None
+        stage = session.me.stage
+        for joiner in session.joiners():
+            if joiner.stage == stage and session.donor_for(stage) == session.me:
+                send_stage_state(trainer.stage.module, trainer.stage.optimizer, session.groups.world,
+                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at})
+                report.handed_over += 1
+
+    def _boundary(self, completed: int) -> None:
+        """Admit replacements due at this iteration boundary."""
+        session, trainer, report = self.session, self.trainer, self.report
+        assert trainer is not None and report is not None
+        switch = session.boundary(completed)
+        if switch is None:
+            return
+        view = session.admit(switch)
+        trainer.regroup(self.lookup(view.topology), session.groups.rank, session.generation.new_group, self._wait)
+        self._hand_over(completed + 1)
+        report.admitted.append(completed + 1)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def run(self, iterations: int) -> Report:
+        """Train until iteration `iterations - 1` is done; returns this worker's report."""
+        i = self.start()
+        assert self.report is not None
+        while True:
+            try:
+                while i < iterations:
+                    self._run(i)
+                    i += 1
+                    if i < iterations:
+                        self._boundary(i - 1)
+                # Leave together: a worker that left early could not re-run a last iteration that a
+                # failure in a slower stage rolls back.
+                self._wait(dist.all_reduce(torch.ones(1), group=self.session.groups.world, async_op=True))
+                break
+            except (GenerationAborted, RuntimeError) as e:
+                i = self._recover(e)
+        view = self.session.view
+        assert view is not None
+        self.report.iterations = i
+        self.report.generation = view.generation
+        self.report.failed = tuple(sorted(map(str, view.failed)))
+        return self.report
+
+    def state(self) -> dict[str, Tensor]:
+        """This worker's stage parameters and buffers (a state dict)."""
+        assert self.trainer is not None
+        return self.trainer.stage.module.state_dict()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def kill_at(victims: dict[Worker, tuple[int, int]], me: Worker, incarnation: int = 0) -> Hook | None:
+    """A `before` hook that SIGKILLs this process at the first instruction at or after (iteration, index).
+
+    For chaos tests: the harness picks victims and points (seeded); only the first incarnation dies.
+    """
+    target = victims.get(me)
+    if target is None or incarnation != 0:
+        return None
+
+    def hook(iteration: int, index: int, ins: Instruction) -> None:
+        if (iteration, index) >= target:
+            log.warning("worker %s: killing itself before %s (iteration %d, instruction %d)", me, ins,
+                        iteration, index)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
