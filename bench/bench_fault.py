@@ -17,8 +17,16 @@ rounds. The heartbeat path waits out `detection_time` (default 3 s) by design.
 Table 2. A live replica sends a stage (one float32 parameter + Adam state = 3x its size) to a
 replacement over gloo on loopback: seconds and GB/s, median of 3 transfers.
 
+Table 3. Training end to end (`ResilientTrainer`, pp = 4, dp = 2, 8 processes, CPU/gloo, the
+chaos-test model of `tests/fault_procs.py`): a seeded worker SIGKILLs itself at a seeded
+instruction; seconds from its death to the re-run iteration completed on every survivor
+(detection by the launcher's death notice, agreement, regroup, plan switch, rollback and the
+re-run), next to `restart`: the same job started from scratch, from launch to its first completed
+iteration, which is what a checkpoint-restart pays at least (all 8 processes restarted, before
+loading the checkpoint and re-running the iterations since it). `--table 3` runs it alone.
+
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
-launcher of `schedcomp.runtime.fault.launch`.
+launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/fault_procs.py resilient`.
 """
 
 from __future__ import annotations
@@ -163,11 +171,52 @@ def state_transfer(megabytes: float, repeats: int = 3) -> dict:
         launcher.terminate()
 
 
+def training(victims: str, iterations: int = 5) -> tuple[float, dict[str, dict]]:
+    """Launch the resilient chaos job; returns (launch time, each survivor's JSON result)."""
+    import subprocess
+    import tempfile
+
+    from schedcomp.cache import precompile
+
+    procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "fault_procs.py")
+    with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as folder:
+        precompile(4, 2, 4, 1, directory=folder, time_limit=1.0)
+        started = time.time()
+        out = subprocess.run([sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "4", "--dp", "2", "--",
+                              sys.executable, procs, "resilient", str(iterations), folder, victims],
+                             capture_output=True, text=True, timeout=300).stdout
+    results = {r["worker"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    return started, results
+
+
+def table_training(seeds: list[int]) -> None:
+    import random
+
+    print("\nTable 3: training, pp=4 dp=2 (8 processes): death -> re-run iteration completed everywhere, "
+          "vs a restart's launch -> first iteration")
+    print(f"{'seed':>4} {'victim':>10} {'recovered s':>11} {'restart s':>9} {'ratio':>6}")
+    for seed in seeds:
+        rng = random.Random(seed)
+        victim, iteration, index = f"{rng.randrange(2)}:{rng.randrange(4)}", rng.randrange(1, 4), rng.randrange(26)
+        _, results = training(f"{victim}@{iteration}.{index}")
+        killed = next(r["killed_at"] for r in results.values() if r["killed_at"] is not None)
+        rerun = min(rec["rerun"] for r in results.values() for rec in r["recoveries"])
+        recovered = max(r["completed_at"][str(rerun)] for r in results.values()) - killed
+        started, fresh = training("", iterations=1)
+        restart = max(r["completed_at"]["0"] for r in fresh.values()) - started
+        print(f"{seed:>4} {victim + '@' + str(iteration) + '.' + str(index):>10} {recovered:>11.3f} {restart:>9.3f} "
+              f"{recovered / restart:>6.3f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--detection-time", type=float, default=3.0)
+    p.add_argument("--table", type=int, choices=(1, 2, 3), help="run only this table")
     args = p.parse_args()
+    if args.table == 3:
+        table_training([0, 1] if args.quick else [0, 1, 2])
+        return
     shapes = [(2, 2)] if args.quick else [(2, 2), (4, 2)]
     print("Table 1: seconds from a worker's death (median over survivors and rounds)")
     print(f"{'procs':>5} {'detection':>9} {'rounds':>6} {'broken':>7} {'agreed':>7} {'regroup':>8} {'working':>8}")
@@ -183,6 +232,7 @@ def main() -> None:
     for mb in ([1, 16] if args.quick else [1, 16, 128]):
         t = state_transfer(mb)
         print(f"{t['bytes'] / 2**20:>8.0f} {t['seconds']:>8.3f} {t['bytes'] / t['seconds'] / 1e9:>6.2f}", flush=True)
+    table_training([0, 1] if args.quick else [0, 1, 2])
 
 
 if __name__ == "__main__":

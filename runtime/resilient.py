@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from torch import Tensor, nn
 from schedcomp.errors import RecoveryError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
-from schedcomp.runtime.fault.membership import GenerationAborted, wait_work
+from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
@@ -67,6 +68,39 @@ log = logging.getLogger(__name__)
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
 Hook = Callable[[int, int, Instruction], None]  # (iteration, instruction index, instruction)
+
+
+def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5,
+                   max_poll: float = 1e-3) -> None:
+    """`work.wait()`, but raise `GenerationAborted` as soon as `signal` is set.
+
+    `fault.membership.wait_work` polls `is_completed()`, which gloo's point-to-point work items
+    never report before `wait()` is called, and gloo's timed `wait` breaks the pair on timeout. So
+    a daemon thread makes the blocking call (it releases the GIL) and this thread watches both it
+    and the signal. An abandoned waiter ends when the broken generation's connections close or
+    its operations time out (`fault.groups.Graveyard` keeps the groups alive until then).
+    """
+    if work.is_completed():
+        work.wait()
+        return
+    done, errors = threading.Event(), []
+
+    def block() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # handed to the caller below
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=block, name="schedcomp-wait", daemon=True).start()
+    delay = first_poll
+    while not done.wait(delay):
+        if signal.is_set() and not done.is_set():  # a transfer that made it still counts
+            raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
+        delay = min(2 * delay, max_poll)
+    if errors:
+        raise errors[0]
 
 
 class _Lookup:
@@ -136,7 +170,7 @@ class ResilientTrainer:
     # ---- waiting -------------------------------------------------------------------------------------
 
     def _wait(self, work: Any) -> None:
-        wait_work(work, self.session.signal)
+        wait_abortable(work, self.session.signal)
 
     # ---- start -----------------------------------------------------------------------------------------
 
@@ -145,6 +179,7 @@ class ResilientTrainer:
         session = self.session
         view = session.start() if session.view is None else session.view
         plan = self.lookup(view.topology)
+        self._arrive()
         self.trainer = PipelineTrainer(plan, self.build_stage, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), torch.device("cpu")),
                                        make_group=session.generation.new_group, wait=self._wait,
@@ -222,6 +257,7 @@ class ResilientTrainer:
                 if self.after_recovery is not None:
                     self.after_recovery(decision.rerun)
                 plan = self.lookup(view.topology)
+                self._arrive()
                 trainer.regroup(plan, session.groups.rank, session.generation.new_group, self._wait)
                 self._hand_over(decision.rerun)
                 report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
@@ -231,6 +267,22 @@ class ResilientTrainer:
                 log.warning("worker %s: failure during recovery (%s): recovering again", session.me, e)
                 session.report(e)
                 trainer.abandon()
+
+    def _arrive(self, poll: float = 0.002) -> None:
+        """Wait until every member of the generation is here, or raise if it breaks meanwhile.
+
+        Building a gloo group waits for every member's address in the store and cannot be
+        interrupted: a member that died after the agreement would hold the others there for the
+        whole group timeout. Meeting first in the store, watching the signal, narrows that window
+        to the group construction itself.
+        """
+        session = self.session
+        assert session.view is not None
+        key = f"gen{session.view.generation}/arrived"
+        session.store.add(key, 1)
+        while session.store.add(key, 0) < len(session.view.members):
+            if session.signal.wait(poll):
+                raise GenerationAborted("a member failed before the generation's groups were built: agree again")
 
     def _hand_over(self, resume_at: int) -> None:
         """After a change of generation: the donor of this stage sends its state to each replacement."""
@@ -251,6 +303,7 @@ class ResilientTrainer:
         if switch is None:
             return
         view = session.admit(switch)
+        self._arrive()
         trainer.regroup(self.lookup(view.topology), session.groups.rank, session.generation.new_group, self._wait)
         self._hand_over(completed + 1)
         report.admitted.append(completed + 1)

@@ -10,8 +10,15 @@ for the live workers, a proven lower bound on its period, and the solver that ma
    `solvers.greedy`), each timed with the simulator's semantics, the best polished by local search
    (`solvers.improve`);
 3. "cpsat": the CP-SAT model (`solvers.cpsat`) warm-started from the greedy result, within
-   `time_limit` seconds; the better of the two is kept and CP-SAT's proven bound is reported;
+   `time_limit` nominal seconds, counted in CP-SAT's *deterministic* time; the better of the two is kept
+   and CP-SAT's proven bound is reported;
 4. "auto": CP-SAT where the model is small enough to finish within `time_limit`, greedy otherwise.
+
+Determinism: every rank of a job may compile the same plan on its own, so the result depends on the
+inputs only, never on the clock or the machine's load. The local search stops on a work budget
+(`improve.work_of`), and CP-SAT runs one worker with a fixed seed and a deterministic time limit; its
+wall-clock limit is only a safety net (`solvers.cpsat.WALL_FACTOR`), far above what the deterministic limit
+takes on a loaded machine, so it cannot change the answer in normal conditions.
 
 The bound is the larger of the work-conservation bound and CP-SAT's, so every plan carries its gap.
 The figure of merit is the steady-state period with a staggered optimizer (`synchronous=True`
@@ -22,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Op, Order
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import work_bound
@@ -44,7 +51,8 @@ ITERATIONS = 4
 CPSAT_INTERVALS_PER_SECOND = 20
 """`auto` runs CP-SAT when the model has at most this many intervals per second of `time_limit`."""
 GREEDY_POLISH_SECONDS = 1.0
-"""Most time the greedy solver spends polishing its best schedule by local search."""
+"""Local search budget of the greedy solver, in nominal seconds: converted to a fixed amount of work
+(`improve.work_of`), so a slow or loaded machine takes longer but returns the same schedule."""
 _TOL = 1e-9
 
 
@@ -87,9 +95,10 @@ def adaptive_order(
     synchronous: bool = False,
 ) -> tuple[Order, float | None, str]:
     """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used)."""
-    sol = solve(Problem(topology, microbatches, costs, split), solver=solver, time_limit=time_limit,
-                synchronous=synchronous)
-    return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
+    with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
+        sol = solve(Problem(topology, microbatches, costs, split), solver=solver, time_limit=time_limit,
+                    synchronous=synchronous)
+        return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
 
 
 def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, synchronous: bool = False) -> Solution:
@@ -98,7 +107,6 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         raise ScheduleError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0 and math.isfinite(time_limit)):
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    began = time.perf_counter()
     _ = problem.survivors  # RecoveryError when a stage has no live worker
     problem.check_memory()
     bound = work_bound(problem)
@@ -108,10 +116,11 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         return best  # (at the bound the greedy schedule is optimal: CP-SAT could not improve it)
     from schedcomp.solvers.cpsat import solve_cpsat  # imports OR-tools: only when CP-SAT runs
 
-    left = max(0.1, time_limit - (time.perf_counter() - began))
+    # Not `time_limit` minus the time spent so far: that would make the answer depend on the clock.
+    # The greedy work above is bounded and small next to CP-SAT's deterministic limit.
     hint_timing = time_sequences(problem, best.seqs, ITERATIONS, synchronous)
-    result = solve_cpsat(problem, time_limit=left, hint=best.seqs, hint_timing=hint_timing,
-                         synchronous=synchronous, num_workers=2)
+    result = solve_cpsat(problem, time_limit=time_limit, hint=best.seqs, hint_timing=hint_timing,
+                         synchronous=synchronous, num_workers=1, seed=0)
     bound = max(bound, result.bound if math.isfinite(result.bound) else 0.0)
     log.info("cpsat: %s, objective %s, bound %.4g", result.status, result.value, result.bound)
     if result.seqs is not None:
@@ -129,7 +138,10 @@ def cpsat_fits(problem: Problem, time_limit: float) -> bool:
 def greedy(
     problem: Problem, *, bound: float | None = None, synchronous: bool = False, time_budget: float = 1.0
 ) -> Solution:
-    """The best of the list-scheduler portfolio, polished by local search."""
+    """The best of the list-scheduler portfolio, polished by local search.
+
+    `time_budget` is in nominal seconds, turned into a fixed work budget (`improve.work_of`): the
+    result depends on the inputs only, not on how fast this machine runs."""
     bound = work_bound(problem) if bound is None else bound
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)

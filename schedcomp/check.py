@@ -6,10 +6,11 @@ micro-batch, stage), on one worker, in dependency order; loads; transfers (each 
 producer, each receive before its consumer, right peers, matched one to one); FIFO order per
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
-The scan is one pass over the streams into plain dicts; the deadlock check is a Kahn pass over
-the wait-for graph (stream order, send -> consumer, one node per stage's ALLREDUCE), walked
-stream by stream. A send counts as posted when its stream reaches the SEND instruction (the
-runtime posts it there), which is never earlier than its producer.
+The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
+channel ids: hashing dataclasses dominated the run); the deadlock check is a Kahn pass over the
+wait-for graph (stream order, send -> consumer, one node per stage's ALLREDUCE), walked stream by
+stream over each stream's waits and posts only. A send counts as posted when its stream reaches
+the SEND instruction (the runtime posts it there), which is never earlier than its producer.
 """
 
 from __future__ import annotations
@@ -18,22 +19,25 @@ from collections import deque
 from typing import NoReturn
 
 from schedcomp.errors import ValidationError
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import COMPUTE_KINDS, SEND_KINDS, InstrKind, Instruction, OpKind, Plan
 from schedcomp.topology import Worker
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
-Tensor = tuple[str, int, int, int]  # ("act" | "grad", pipeline, microbatch, producing stage)
+Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
 Where = tuple[Worker, int]  # (worker, instruction index)
 
 __all__ = ["check", "memory_profile", "peak_memory"]
 
 _EPS = 1e-9
 _BACKWARD = (OpKind.B, OpKind.BW)
+_KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
 
 
 def check(plan: Plan) -> None:
     """Raise `ValidationError` if `plan` breaks a rule the runtime relies on; return None if it is sound."""
-    _Checker(plan).run()
+    with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
+        _Checker(plan).run()
 
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
@@ -57,20 +61,31 @@ def _deltas(plan: Plan, stage: int) -> dict[OpKind, float]:
 
 
 class _Checker:
-    """One validation run: the scan's indexes, then one method per rule."""
+    """One validation run: the scan's indexes, then one method per rule.
+
+    Ops and tensors are keyed by integers, not by dataclasses (hashing those in Python dominated the
+    run): a slot (pipeline d, micro-batch m, stage s) is `(d * M + m) * pp + s`, an op of it
+    `slot * 4 + _KIND_ID[kind]`, and a tensor `producing slot * 2 + (0 activation | 1 gradient)`.
+    """
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.pp = plan.topology.pp
-        self.comp: dict[tuple[OpKind, Key], Where] = {}
-        self.sends: list[tuple[Worker, int, Instruction]] = []
-        self.recvs: list[tuple[Worker, int, Instruction]] = []
-        self.loads: dict[Key, Where] = {}
+        self.mbs = plan.microbatches
+        self.comp: dict[int, Where] = {}  # op id -> where it runs
+        self.sends: list[tuple[Worker, int, Instruction, int]] = []  # (worker, index, instruction, slot)
+        self.recvs: list[tuple[Worker, int, Instruction, int]] = []
+        self.loads: dict[int, Where] = {}  # slot -> its LOAD
+        self.tail: dict[Worker, tuple[list[int], list[int]]] = {}  # indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        self.sent: dict[Tensor, Where] = {}
-        self.received: dict[Tensor, tuple[Where, int]] = {}  # tensor -> (receive, its consumer's index)
-        self.out: dict[tuple[Worker, Worker], list[Tensor]] = {}  # channel -> tensors in send order
-        self.into: dict[tuple[Worker, Worker], list[tuple[Tensor, int]]] = {}  # channel -> receives in order
+        self.sent: dict[int, Where] = {}
+        self.received: dict[int, tuple[Where, int]] = {}  # tensor -> (receive, its consumer's index)
+        # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
+        self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
+        self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
+        # Per worker, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
+        # for its ALLREDUCE.
+        self.events: dict[Worker, list[tuple[int, int, int]]] = {}
 
     def run(self) -> None:
         self.scan()
@@ -90,11 +105,16 @@ class _Checker:
         message = f"{where}: {problem}" if where else problem
         raise ValidationError(message, worker, index, _grid(self.plan, worker, index))
 
+    def key_of(self, slot: int) -> Key:
+        rest, s = divmod(slot, self.pp)
+        d, m = divmod(rest, self.mbs)
+        return (d, m, s)
+
     # ---- the scan -----------------------------------------------------------------------
 
     def scan(self) -> None:
         plan, topo = self.plan, self.plan.topology
-        dp, mbs, limit = topo.dp, plan.microbatches, plan.costs.memory_limit
+        dp, mbs, pp, limit = topo.dp, plan.microbatches, self.pp, plan.costs.memory_limit
         for w in plan.streams:
             if not isinstance(w, Worker) or not topo.is_live(w):
                 who = w if isinstance(w, Worker) else None
@@ -102,63 +122,81 @@ class _Checker:
         for w in topo.live_workers:
             if w not in plan.streams:
                 self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
+        comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
+        top = limit + _EPS if limit is not None else None
+        LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
         for w in sorted(plan.streams):
-            deltas, held = _deltas(plan, w.stage), 0.0
+            ws = w.stage
+            deltas, held = _deltas(plan, ws), 0.0
+            reduce: list[int] = []
+            step: list[int] = []
+            self.tail[w] = (reduce, step)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
                 if op is None:
+                    (reduce if kind is ALLREDUCE else step).append(i)  # op-less: ALLREDUCE or STEP
                     continue
-                if op.stage != w.stage:
-                    self.fail(w, i, f"names stage {op.stage} but {w} runs stage {w.stage}")
-                if not (0 <= op.pipeline < dp and 0 <= op.microbatch < mbs):
+                d, m = op.pipeline, op.microbatch
+                if op.stage != ws:
+                    self.fail(w, i, f"names stage {op.stage} but {w} runs stage {ws}")
+                if not (0 <= d < dp and 0 <= m < mbs):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
+                slot = (d * mbs + m) * pp + ws
                 if kind in COMPUTE_KINDS:
-                    slot = (op.kind, op.key)
-                    if slot in self.comp:
-                        first = self.comp[slot]
+                    cid = slot * 4 + kid[op.kind]
+                    first = comp.get(cid)
+                    if first is not None:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
-                    self.comp[slot] = (w, i)
+                    comp[cid] = (w, i)
                     held += deltas[op.kind]
-                    if limit is not None and held > limit + _EPS and w not in self.over:
+                    if top is not None and held > top and w not in self.over:
                         self.over[w] = (i, held)
-                elif kind is InstrKind.LOAD:
-                    if op.kind is not OpKind.F or 0 < w.stage < self.pp - 1:
+                elif kind is LOAD:
+                    if op.kind is not OpKind.F or 0 < ws < pp - 1:
                         self.fail(w, i, "LOAD only feeds a forward at the first or last stage: drop it")
-                    if op.key in self.loads:
-                        self.fail(w, i, f"{op} is loaded twice (first at instruction {self.loads[op.key][1]})")
-                    self.loads[op.key] = (w, i)
+                    if slot in loads:
+                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
+                    loads[slot] = (w, i)
                 elif kind in SEND_KINDS:
-                    self.sends.append((w, i, ins))
+                    sends.append((w, i, ins, slot))
                 else:
-                    self.recvs.append((w, i, ins))
+                    recvs.append((w, i, ins, slot))
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 
     def exactly_once(self) -> None:
-        topo, get = self.plan.topology, self.comp.get
-        for d in range(topo.dp):
-            for m in range(self.plan.microbatches):
-                for s in range(self.pp):
-                    key = (d, m, s)
-                    f, b, w, bw = (get((kind, key)) for kind in (OpKind.F, OpKind.B, OpKind.W, OpKind.BW))
-                    name = f"micro-batch {m} of pipeline {d} at stage {s}"
-                    if f is None:
-                        self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
-                    if bw is not None and (b is not None or w is not None):
-                        later = max(x for x in (b, w, bw) if x is not None)
-                        self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
-                    if bw is None and (b is None or w is None):
-                        lack, after = ("B", f) if b is None else ("W", b)
-                        self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
-                    for other in (b, w, bw):
-                        if other is not None and other[0] != f[0]:
-                            self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
-                    for first, then, why in ((f, b, "a B needs its F's activations"),
-                                             (b, w, "a W needs the gradient its B computes"),
-                                             (f, bw, "a BW needs its F's activations")):
-                        if first is not None and then is not None and then[1] < first[1]:
-                            before = self.plan.streams[first[0]][first[1]]
-                            self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
+        get, streams = self.comp.get, self.plan.streams
+        for slot in range(self.plan.topology.dp * self.mbs * self.pp):  # in (pipeline, micro-batch, stage) order
+            base = slot * 4
+            f, b, w, bw = get(base), get(base + 1), get(base + 2), get(base + 3)
+            if f is not None and bw is None and b is not None and w is not None:
+                # The common, sound case, checked without building messages.
+                fw = f[0]
+                if (b[0] is fw or b[0] == fw) and (w[0] is fw or w[0] == fw) and f[1] < b[1] < w[1]:
+                    continue
+            elif (f is not None and bw is not None and b is None and w is None
+                  and (bw[0] is f[0] or bw[0] == f[0]) and f[1] < bw[1]):
+                continue
+            key = self.key_of(slot)
+            d, m, s = key
+            name = f"micro-batch {m} of pipeline {d} at stage {s}"
+            if f is None:
+                self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
+            if bw is not None and (b is not None or w is not None):
+                later = max(x for x in (b, w, bw) if x is not None)
+                self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
+            if bw is None and (b is None or w is None):
+                lack, after = ("B", f) if b is None else ("W", b)
+                self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
+            for other in (b, w, bw):
+                if other is not None and other[0] != f[0]:
+                    self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
+            for first, then, why in ((f, b, "a B needs its F's activations"),
+                                     (b, w, "a W needs the gradient its B computes"),
+                                     (f, bw, "a BW needs its F's activations")):
+                if first is not None and then is not None and then[1] < first[1]:
+                    before = streams[first[0]][first[1]]
+                    self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
 
     def missing(self, key: Key, problem: str) -> NoReturn:
         """Fail for a missing op: at the first instruction naming its slot, on the worker that has one."""
@@ -172,70 +210,96 @@ class _Checker:
                     self.fail(w, i, problem)
 
     def loads_present(self) -> None:
-        for (kind, key), (w, i) in self.comp.items():
-            if kind is OpKind.F and (key[2] == 0 or key[2] == self.pp - 1):
-                load = self.loads.get(key)
-                if load is None or load[0] != w or load[1] > i:
-                    self.fail(w, i, f"needs LOAD[{self.plan.streams[w][i]}] earlier in this stream (inputs/targets)")
-        for key, (w, i) in self.loads.items():
-            if (OpKind.F, key) not in self.comp:
+        pp, loads, comp = self.pp, self.loads, self.comp
+        for cid, (w, i) in comp.items():
+            if cid & 3 == 0:  # an F
+                slot = cid >> 2
+                s = slot % pp
+                if s == 0 or s == pp - 1:
+                    load = loads.get(slot)
+                    if load is None or (load[0] is not w and load[0] != w) or load[1] > i:
+                        ins = self.plan.streams[w][i]
+                        self.fail(w, i, f"needs LOAD[{ins}] earlier in this stream (inputs/targets)")
+        for slot, (w, i) in loads.items():
+            if slot * 4 not in comp:
                 self.fail(w, i, "loads a micro-batch no forward here uses: drop it")
 
     # ---- transfers --------------------------------------------------------------------------
 
     def transfers(self) -> None:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
-        pp, comp = self.pp, self.comp
+        pp, comp, kid = self.pp, self.comp, _KIND_ID
         sent, received, out, into = self.sent, self.received, self.out, self.into
-        F = OpKind.F
-        for w, i, ins in self.sends:
+        F, SEND_ACT, RECV_ACT = OpKind.F, InstrKind.SEND_ACT, InstrKind.RECV_ACT
+        nw = self.plan.topology.dp * pp
+        events = self.events = {w: [] for w in sorted(self.plan.streams)}
+        ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
+        ev: list[tuple[int, int, int]] = []
+        for w, i, ins, slot in self.sends:
             op, peer = ins.op, ins.peer
-            key = op.key
-            d, m, s = key
-            act = ins.kind is InstrKind.SEND_ACT
-            if act and (op.kind is not F or s == pp - 1):
+            s, opk = op.stage, op.kind
+            act = ins.kind is SEND_ACT
+            if act and (opk is not F or s == pp - 1):
                 self.fail(w, i, "SEND_ACT names the F whose output goes to the next stage (none at the last stage)")
-            if not act and (op.kind not in _BACKWARD or s == 0):
+            if not act and (opk not in _BACKWARD or s == 0):
                 self.fail(w, i, "SEND_GRAD names the B or BW whose input gradient goes back (none at stage 0)")
-            producer = comp.get((op.kind, key))
-            if producer is None or producer[0] != w or producer[1] > i:
+            producer = comp.get(slot * 4 + kid[opk])
+            if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((F, (d, m, s + 1 if act else s - 1)))
-            if target is None or target[0] != peer:
+            target = comp.get((slot + 1 if act else slot - 1) * 4)
+            if target is None or (target[0] is not peer and target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = ("act" if act else "grad", d, m, s)
+            tensor = slot * 2 if act else slot * 2 + 1
             if tensor in sent:
                 self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor][1]}): keep one")
             sent[tensor] = (w, i)
-            out.setdefault((w, peer), []).append(tensor)
-        for w, j, ins in self.recvs:
+            key = (w.pipeline * pp + w.stage) * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
+            channel = out.get(key)
+            if channel is None:
+                out[key] = [tensor]
+            else:
+                channel.append(tensor)
+            if w is not ev_of:
+                ev_of, ev = w, events[w]
+            ev.append((i, 1, tensor))
+        ev_of = None
+        for w, j, ins, slot in self.recvs:
             op, peer = ins.op, ins.peer
-            key = op.key
-            d, m, s = key
-            act = ins.kind is InstrKind.RECV_ACT
-            if act and (op.kind is not F or s == 0):
+            s, opk = op.stage, op.kind
+            act = ins.kind is RECV_ACT
+            if act and (opk is not F or s == 0):
                 self.fail(w, j, "RECV_ACT names the F that consumes the previous stage's output (none at stage 0)")
-            if not act and (op.kind not in _BACKWARD or s == pp - 1):
+            if not act and (opk not in _BACKWARD or s == pp - 1):
                 self.fail(w, j, "RECV_GRAD names the B or BW that consumes the next stage's gradient (none last)")
-            consumer = comp.get((op.kind, key))
-            if consumer is None or consumer[0] != w:
+            consumer = comp.get(slot * 4 + kid[opk])
+            if consumer is None or (consumer[0] is not w and consumer[0] != w):
                 self.fail(w, j, f"receives for {op}, which does not run on this worker")
             if consumer[1] < j:
                 self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((F, (d, m, s - 1 if act else s + 1)))
-            if source is None or source[0] != peer:
+            source = comp.get((slot - 1 if act else slot + 1) * 4)
+            if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = ("act", d, m, s - 1) if act else ("grad", d, m, s + 1)
+            tensor = (slot - 1) * 2 if act else (slot + 1) * 2 + 1
             if tensor in received:
                 self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor][0][1]})")
             received[tensor] = ((w, j), consumer[1])
-            into.setdefault((peer, w), []).append((tensor, j))
-        for (kind, (d, m, s)), (w, i) in comp.items():
-            if kind is F and s < pp - 1 and ("act", d, m, s) not in sent:
+            key = (peer.pipeline * pp + peer.stage) * nw + w.pipeline * pp + w.stage
+            channel = into.get(key)
+            if channel is None:
+                into[key] = [(tensor, j)]
+            else:
+                channel.append((tensor, j))
+            if w is not ev_of:
+                ev_of, ev = w, events[w]
+            ev.append((consumer[1], 0, tensor))
+        for cid, (w, i) in comp.items():
+            k, slot = cid & 3, cid >> 2
+            s = slot % pp
+            if k == 0 and s < pp - 1 and slot * 2 not in sent:
                 self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-            if kind in _BACKWARD and s > 0 and ("grad", d, m, s) not in sent:
+            if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
                 self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
         for tensor, (w, i) in sent.items():
             if tensor not in received:
@@ -243,8 +307,13 @@ class _Checker:
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
-        for (x, y), got in sorted(self.into.items()):
-            expected = self.out[(x, y)]
+        topo = self.plan.topology
+        nw = topo.dp * topo.pp
+        for key, got in sorted(self.into.items()):  # = sorted by (sender, receiver)
+            expected = self.out[key]
+            if [t for t, _ in got] == expected[: len(got)]:
+                continue  # the common case, in one comparison
+            x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
             for n, (tensor, j) in enumerate(got):
                 if expected[n] != tensor:
                     send = self.plan.streams[x][self.sent[expected[n]][1]]
@@ -253,10 +322,8 @@ class _Checker:
 
     def tails(self) -> None:
         for w in sorted(self.plan.streams):
-            stream = self.plan.streams[w]
-            n = len(stream)
-            reduce = [i for i, ins in enumerate(stream) if ins.kind is InstrKind.ALLREDUCE]
-            step = [i for i, ins in enumerate(stream) if ins.kind is InstrKind.STEP]
+            n = len(self.plan.streams[w])
+            reduce, step = self.tail[w]
             rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
             if not reduce or not step:
                 self.fail(w, n - 1 if n else None, f"no {'ALLREDUCE' if not reduce else 'STEP'}: {rule}")
@@ -279,32 +346,31 @@ class _Checker:
         group; it resumes when that changes. Whoever cannot finish waits on a cycle.
         """
         streams = self.plan.streams
-        inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
-        outputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
-        for tensor, ((y, _), c) in self.received.items():
-            inputs[y][c] = tensor
-        for tensor, (x, i) in self.sent.items():
-            outputs[x][i] = tensor
+        events = self.events
+        for w in streams:
+            events[w].append((self.tail[w][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
+            events[w].sort()  # one instruction is at most one event, so the index decides
         group = {s: sum(1 for w in streams if w.stage == s) for s in range(self.pp)}
-        pos = dict.fromkeys(streams, 0)
+        at = dict.fromkeys(streams, 0)  # next event of each worker
         reached: set[Tensor] = set()
         parked: dict[Tensor, Worker] = {}  # tensor -> the worker waiting for it
         arrived: dict[int, set[Worker]] = {s: set() for s in range(self.pp)}  # at each stage's ALLREDUCE
         todo = deque(sorted(streams))
         while todo:
             w = todo.popleft()
-            stream, need, give, i = streams[w], inputs[w], outputs[w], pos[w]
-            while i < len(stream):
-                tensor = need.get(i)
-                if tensor is not None and tensor not in reached:
-                    parked[tensor] = w
-                    break
-                tensor = give.get(i)
-                if tensor is not None:
+            ev, e = events[w], at[w]
+            n = len(ev)
+            while e < n:
+                _, code, tensor = ev[e]
+                if code == 0:  # a compute op needs this input
+                    if tensor not in reached:
+                        parked[tensor] = w
+                        break
+                elif code == 1:  # a send is posted
                     reached.add(tensor)
                     if tensor in parked:
                         todo.append(parked.pop(tensor))
-                elif stream[i].kind is InstrKind.ALLREDUCE:
+                else:  # ALLREDUCE
                     here = arrived[w.stage]
                     if w not in here:
                         here.add(w)
@@ -312,10 +378,14 @@ class _Checker:
                             todo.extend(v for v in here if v != w)
                     if len(here) < group[w.stage]:
                         break
-                i += 1
-            pos[w] = i
+                e += 1
+            at[w] = e
+        pos = {w: events[w][at[w]][0] if at[w] < len(events[w]) else len(streams[w]) for w in streams}
         stuck = {w for w in streams if pos[w] < len(streams[w])}
         if stuck:
+            inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
+            for tensor, ((y, _), c) in self.received.items():
+                inputs[y][c] = tensor
             self.report_cycle(stuck, pos, inputs, self.sent, arrived)
 
     def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],

@@ -33,11 +33,15 @@ class OpKind(str, Enum):
     W = "W"
     BW = "BW"
 
+    # Enum hashes in Python (hash of the name); each name equals its value, so the str hash is the same
+    # number, computed in C: the compiler hashes kinds hundreds of thousands of times per plan.
+    __hash__ = str.__hash__
+
     def __str__(self) -> str:
         return self.value
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Op:
     """One unit of compute, named by the micro-batch's home pipeline, whoever runs it."""
 
@@ -86,6 +90,8 @@ class InstrKind(str, Enum):
     ALLREDUCE = "ALLREDUCE"
     STEP = "STEP"
 
+    __hash__ = str.__hash__  # as for OpKind: names equal values, so the same hash, in C
+
     def __str__(self) -> str:
         return self.value
 
@@ -95,7 +101,7 @@ SEND_KINDS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD})
 RECV_KINDS = frozenset({InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Instruction:
     """One step of a worker's stream.
 
@@ -116,6 +122,17 @@ class Instruction:
             raise PlanFormatError(f"instruction {self.kind} has the wrong fields: op={self.op}, peer={self.peer}")
         if self.kind in COMPUTE_KINDS and self.op is not None and self.op.kind.value != self.kind.value:
             raise PlanFormatError(f"compute instruction {self.kind} carries op {self.op} of another kind")
+
+    @classmethod
+    def trusted(cls, kind: InstrKind, op: Op | None, peer: Worker | None) -> Instruction:
+        """Build without `__post_init__`'s checks, for code that makes well-formed instructions by
+        construction (`lower` makes hundreds of thousands); anything parsed or user-made goes through
+        the checked constructor."""
+        ins = object.__new__(cls)
+        _set(ins, "kind", kind)
+        _set(ins, "op", op)
+        _set(ins, "peer", peer)
+        return ins
 
     @classmethod
     def compute(cls, op: Op) -> Instruction:
@@ -156,6 +173,7 @@ class Instruction:
         return cls.compute(Op.parse(text, stage))
 
 
+_set = object.__setattr__  # how a frozen dataclass sets its own fields
 _INSTR_RE = re.compile(r"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+\d+\.\d+)(?:(?P<dir>[<>])(?P<peer>\d+:\d+))?\]")
 
 

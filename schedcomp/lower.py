@@ -20,6 +20,7 @@ from typing import Any
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.topology import Worker
 
@@ -40,6 +41,13 @@ def lower(
     meta: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Turn `order` into instruction streams; the result is checked by `schedcomp.check.check`."""
+    with paused_gc():  # hundreds of thousands of small acyclic objects: see `schedcomp.gcpause`
+        return _lower(order, costs, solver, lower_bound, meta)
+
+
+def _lower(
+    order: Order, costs: CostModel, solver: str, lower_bound: float | None, meta: Mapping[str, Any] | None
+) -> Plan:
     topology = order.topology
     pp = topology.pp
     runner = order.runner()
@@ -50,30 +58,37 @@ def lower(
             "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
         )
 
-    # Every worker's sends, in its compute order: (op producing it, tensor, receiver).
-    sends: dict[Worker, list[tuple[Op, Tensor, Worker]]] = {}
+    # Every op sends at most one tensor: per worker, per op index, (tensor, receiver) or None.
+    sends: dict[Worker, list[tuple[Tensor, Worker] | None]] = {}
+    # Per receiver, per sender: the tensors on that channel in the sender's order (FIFO per channel).
+    inbound: dict[Worker, dict[Worker, list[Tensor]]] = {w: {} for w in order.ops}
+    F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for w, ops in order.ops.items():
-        out = sends[w] = []
+        out: list[tuple[Tensor, Worker] | None] = []
+        sends[w] = out
         for op in ops:
-            d, m, s = op.key
-            if op.kind is OpKind.F and s < pp - 1:
+            kind, d, m, s = op.kind, op.pipeline, op.microbatch, op.stage
+            if kind is F and s < pp - 1:
                 tensor, to = ("act", d, m, s), (d, m, s + 1)
-            elif op.kind in (OpKind.B, OpKind.BW) and s > 0:
+            elif (kind is B or kind is BW) and s > 0:
                 tensor, to = ("grad", d, m, s), (d, m, s - 1)
             else:
+                out.append(None)
                 continue
-            if to not in runner:
+            y = runner.get(to)
+            if y is None:
                 raise missing(*to)
-            out.append((op, tensor, runner[to]))
+            out.append((tensor, y))
+            into = inbound.get(y)
+            if into is None:
+                into = inbound[y] = {}
+            lst = into.get(w)
+            if lst is None:
+                into[w] = [tensor]
+            else:
+                lst.append(tensor)
 
-    # Per channel (X, Y): the tensors in X's send order, and where each one sits in it.
-    channel: dict[tuple[Worker, Worker], list[Tensor]] = {}
-    for x, out in sends.items():
-        for _, tensor, y in out:
-            channel.setdefault((x, y), []).append(tensor)
-    position = {tensor: i for tensors in channel.values() for i, tensor in enumerate(tensors)}
-
-    streams = {w: _stream(w, ops, pp, runner, sends[w], channel, position) for w, ops in order.ops.items()}
+    streams = {w: _stream(w, ops, pp, runner, sends[w], inbound.get(w, {})) for w, ops in order.ops.items()}
     return Plan(
         topology=topology,
         costs=costs,
@@ -86,31 +101,38 @@ def lower(
     )
 
 
+_RECV = {"act": InstrKind.RECV_ACT, "grad": InstrKind.RECV_GRAD}
+_SEND = {"act": InstrKind.SEND_ACT, "grad": InstrKind.SEND_GRAD}
+
+
 def _stream(
     w: Worker,
     ops: tuple[Op, ...],
     pp: int,
     runner: Mapping[tuple[int, int, int], Worker],
-    sends: list[tuple[Op, Tensor, Worker]],
-    channel: Mapping[tuple[Worker, Worker], list[Tensor]],
-    position: Mapping[Tensor, int],
+    sends: list[tuple[Tensor, Worker] | None],
+    inbound: Mapping[Worker, list[Tensor]],
 ) -> tuple[Instruction, ...]:
     """One worker's stream (see the module docstring for where each instruction goes)."""
+    make = Instruction.trusted  # the fields are right by construction: skip re-validating each one
     # What this worker receives: tensor -> (consumer op here, sender), and per op its one input.
     consumer: dict[Tensor, tuple[Op, Worker]] = {}
     needs: list[Tensor | None] = []
+    F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for op in ops:
-        d, m, s = op.key
+        kind, d, m, s = op.kind, op.pipeline, op.microbatch, op.stage
         tensor: Tensor | None = None
-        if op.kind is OpKind.F and s > 0:
+        if kind is F and s > 0:
             tensor = ("act", d, m, s - 1)
             consumer[tensor] = (op, runner[(d, m, s - 1)])
-        elif op.kind in (OpKind.B, OpKind.BW) and s < pp - 1:
+        elif (kind is B or kind is BW) and s < pp - 1:
             tensor = ("grad", d, m, s + 1)
             consumer[tensor] = (op, runner[(d, m, s + 1)])
         needs.append(tensor)
-    for (x, y), tensors in channel.items():
-        for t in tensors if y == w else ():
+    position: dict[Tensor, int] = {}
+    for x, tensors in inbound.items():
+        for i, t in enumerate(tensors):
+            position[t] = i
             if t not in consumer:
                 what = "F" if t[0] == "act" else "B or BW"
                 stage = t[3] + 1 if t[0] == "act" else t[3] - 1
@@ -126,28 +148,25 @@ def _stream(
         if tensor is None:
             return
         x = consumer[tensor][1]
-        tensors = channel[(x, w)]
         done, upto = posted.get(x, 0), position[tensor]
-        for t in tensors[done : upto + 1]:  # earlier-sent tensors first: FIFO per channel
-            op_here = consumer[t][0]
-            kind = InstrKind.RECV_ACT if t[0] == "act" else InstrKind.RECV_GRAD
-            out.append(Instruction(kind, op_here, x))
-        posted[x] = max(done, upto + 1)
-
-    sends_of: dict[Op, list[tuple[Tensor, Worker]]] = {}
-    for op, tensor, y in sends:
-        sends_of.setdefault(op, []).append((tensor, y))
+        if upto < done:
+            return
+        for t in inbound[x][done : upto + 1]:  # earlier-sent tensors first: FIFO per channel
+            out.append(make(_RECV[t[0]], consumer[t][0], x))
+        posted[x] = upto + 1
 
     if ops:
         post(needs[0])
+    last = len(ops) - 1
     for j, op in enumerate(ops):
-        if j + 1 < len(ops):
+        if j < last:
             post(needs[j + 1])  # early: overlaps this op
-        if op.kind is OpKind.F and (op.stage == 0 or op.stage == pp - 1):
-            out.append(Instruction(InstrKind.LOAD, op))
-        out.append(Instruction(_COMPUTE[op.kind], op))
-        for tensor, y in sends_of.get(op, ()):
-            kind = InstrKind.SEND_ACT if tensor[0] == "act" else InstrKind.SEND_GRAD
-            out.append(Instruction(kind, op, y))
+        kind = op.kind
+        if kind is F and (op.stage == 0 or op.stage == pp - 1):
+            out.append(make(InstrKind.LOAD, op, None))
+        out.append(make(_COMPUTE[kind], op, None))
+        sent = sends[j]
+        if sent is not None:
+            out.append(make(_SEND[sent[0][0]], op, sent[1]))
     out += [_ALLREDUCE, _STEP]
     return tuple(out)

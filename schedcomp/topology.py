@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from schedcomp.errors import TopologyError
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Worker:
     """One process of the job: stage `stage` of data-parallel pipeline `pipeline`."""
 

@@ -384,7 +384,6 @@ class Momentum:
 
 def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
     """The fault-free model, trained in one process on the same global batches."""
-    import torch
     import torch.nn.functional as F
 
     stages = [chaos_stage(s, pp) for s in range(pp)]
@@ -415,14 +414,19 @@ def parse_victims(spec: str) -> tuple[dict, dict]:
     return at, recovering
 
 
-def scenario_resilient(iterations: str, cache_dir: str, victims: str) -> None:
-    """One worker of a resilient job (launched by `fault.launch`): train, print the stage and ledger."""
+def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str = "-1") -> None:
+    """One worker of a resilient job (launched by `fault.launch`): train, print the stage and ledger.
+
+    `victims`: see `parse_victims`. `hold`: at the start of that iteration, while some worker is
+    failed, wait until its replacement has announced itself (so that it is admitted in time).
+    """
     import functools
 
     import torch
     import torch.nn.functional as F
 
     from schedcomp.cache import PlanCache
+    from schedcomp.runtime.fault.agreement import pending_joins
     from schedcomp.runtime.fault.session import FaultSession
     from schedcomp.runtime.fault.store import WorkerEnv
     from schedcomp.runtime.resilient import ResilientTrainer, kill_at
@@ -441,9 +445,21 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str) -> None:
     # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
     # workers are seen at once through the launcher's death notices anyway
     session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
+    kill = kill_at(at, env.worker, env.incarnation)
+
+    def before(iteration: int, index: int, ins) -> None:
+        if iteration == int(hold) and index == 0 and session.view.failed:
+            deadline = time.monotonic() + 60
+            while not pending_joins(session.store, session.view) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if kill is not None:
+            if (iteration, index) >= at[env.worker] and not session.store.check(["killed_at"]):
+                session.store.set("killed_at", repr(time.time()))  # for the benchmark's recovery times
+            kill(iteration, index, ins)
+
     trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
-                               lambda i: chaos_batch(i, chunks), session=session,
-                               before=kill_at(at, env.worker, env.incarnation), after_recovery=die_while_recovering)
+                               lambda i: chaos_batch(i, chunks), session=session, before=before,
+                               after_recovery=die_while_recovering)
     report = trainer.run(int(iterations))
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "iterations": report.iterations,
           "generation": report.generation, "failed": list(report.failed),
@@ -451,7 +467,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str) -> None:
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
           "resumed_at": report.resumed_at, "handed_over": report.handed_over,
-          "completed_at": {str(i): t for i, t in report.completed_at.items()}})
+          "completed_at": {str(i): t for i, t in report.completed_at.items()},
+          "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None})
     trainer.close()
 
 

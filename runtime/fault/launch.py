@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError, SchedcompError
+from schedcomp.runtime.fault.agreement import latest_view
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, serve_store
 from schedcomp.topology import Topology, Worker
@@ -96,6 +97,7 @@ class Launcher:
         self._events = -1
         self._next_view = 0  # the first generation whose outcome we have not read yet
         self._finished = False  # some worker completed its training: no more replacements
+        self._retired = False  # replacements that can no longer be admitted were stopped
 
     # ---- running ---------------------------------------------------------------------------------------
 
@@ -131,6 +133,8 @@ class Launcher:
                 self._spawn(slot)
         if self.fence:
             self._fence()
+        if self._finished and not self._retired:
+            self._retire_waiting_replacements()
         return any(s.proc is not None or (s.respawn_at is not None and not self._finished) for s in self.slots)
 
     def exit_code(self) -> int:
@@ -177,6 +181,22 @@ class Launcher:
             slot.respawns_left -= 1
             slot.incarnation += 1
             slot.respawn_at = now + self.respawn_delay
+
+    def _retire_waiting_replacements(self) -> None:
+        """Once a worker finished training, stop replacements not yet admitted: none ever will be.
+
+        Workers leave only together (after the last iteration every member meets), so the newest
+        generation is the last one; a replacement that is not a member of it, admitted after it
+        started, would otherwise wait out its agreement timeout.
+        """
+        self._retired = True
+        view = latest_view(self.store)
+        for slot in self.slots:
+            if slot.proc is None or slot.incarnation == 0:
+                continue
+            if view is None or view.generation <= slot.spawned_after or slot.worker not in view.members:
+                log.warning("stopping replacement %s: training finished before it was admitted", slot.worker)
+                slot.proc.kill()
 
     def _fence(self) -> None:
         """Kill local workers that a sealed generation declared failed after having admitted them."""

@@ -37,6 +37,17 @@ from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import Timing
 
 _SCALES = (1, 2, 4, 5, 8, 10, 16, 20, 25, 40, 50, 100, 200, 250, 500, 1000)
+DETERMINISTIC_PER_SECOND = 0.4
+"""CP-SAT's deterministic time units per nominal second of `time_limit`, measured with one worker on the
+2-core dev machine (one unit took about 2.3 s of CPU there), so a `time_limit` of T stops after about T
+seconds on that machine, and after the same search, with the same answer, on any other."""
+WALL_FACTOR = 10.0
+WALL_SLACK = 60.0
+"""The search stops after `time_limit * DETERMINISTIC_PER_SECOND` units of CP-SAT's deterministic time,
+so its answer is the same on every machine (with one worker and a fixed seed). The wall-clock limit,
+`WALL_FACTOR * time_limit + WALL_SLACK` seconds, is only a safety net against a pathological stall: it
+is far above what the deterministic limit takes even on a loaded machine, so it is not reached in
+normal conditions and cannot change the answer there."""
 OBJECTIVES = ("period", "makespan")
 
 
@@ -73,7 +84,8 @@ def solve_cpsat(
     num_workers: int = 1,
     seed: int = 0,
 ) -> CpResult:
-    """Solve `problem` with CP-SAT within `time_limit` seconds, warm-started from `hint` (op sequences)
+    """Solve `problem` with CP-SAT within `time_limit` nominal seconds, counted in deterministic time
+    (see `DETERMINISTIC_PER_SECOND`; reproducible when `num_workers` is 1), warm-started from `hint` (op sequences)
     and `hint_timing` (their timing, whose last iteration gives the hinted start times)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -201,7 +213,10 @@ def solve_cpsat(
                   {"start": start, "end": end, "chosen": chosen, "first": first, "last": last, "period": period})
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit))
+    # Deterministic stopping (see WALL_FACTOR); with num_workers=1 and a fixed seed the whole search is
+    # reproducible. Several workers race each other, which is faster but not reproducible.
+    solver.parameters.max_deterministic_time = max(0.01, float(time_limit) * DETERMINISTIC_PER_SECOND)
+    solver.parameters.max_time_in_seconds = WALL_FACTOR * max(0.01, float(time_limit)) + WALL_SLACK
     solver.parameters.num_workers = max(1, int(num_workers))
     solver.parameters.random_seed = seed
     status = solver.solve(m)

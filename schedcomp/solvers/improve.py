@@ -9,18 +9,29 @@ stages below it. This pass fixes what that costs, by moves that keep every slot'
 - move a re-routed slot (its F, B and W together) to another live worker of its stage;
 
 keeping a move when the period (then the one-iteration makespan) does not get worse and memory stays
-within the limit. Moves are drawn from a seeded generator, so results are reproducible. The evaluator
-here is a plain-Python event loop that is faster than `timing.time_sequences` on small schedules.
+within the limit. Moves are drawn from a seeded generator and the search stops on a *work* budget (op
+evaluations of the timer), never on the clock, so every rank compiling the same job gets the same
+schedule however loaded its machine is. The evaluator here is a plain-Python event loop that is faster
+than `timing.time_sequences` on small schedules.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Mapping, Sequence
 
 from schedcomp.solvers.problem import Problem, period_from_ends
+
+OP_STEPS_PER_SECOND = 1_500_000
+"""Nominal speed of `FastTimer.score` (ops timed per second, measured on the 2-core dev machine): turns a
+budget given in seconds into a deterministic amount of work. A slower machine takes longer, never
+returns a different schedule."""
+
+
+def work_of(seconds: float) -> int:
+    """The deterministic work budget (timed ops) standing for `seconds` of local search."""
+    return max(0, int(seconds * OP_STEPS_PER_SECOND))
 
 
 class FastTimer:
@@ -138,6 +149,7 @@ def improve(
     seqs: Mapping[int, Sequence[int]],
     *,
     time_budget: float = 1.0,
+    work: int | None = None,
     max_moves: int = 4000,
     seed: int = 0,
     iterations: int = 4,
@@ -145,9 +157,10 @@ def improve(
     bound: float = 0.0,
     patience: int = 2000,
 ) -> tuple[dict[int, list[int]], tuple[float, float]]:
-    """Hill-climb from `seqs` for at most `time_budget` seconds or `max_moves` tries, stopping early at
-    the lower bound `bound` or after `patience` tries without a strict gain; returns the best sequences
-    and their (period, makespan)."""
+    """Hill-climb from `seqs` for at most `work` timed ops (default `work_of(time_budget)`: the work
+    `time_budget` seconds stand for on the reference machine, not a clock) or `max_moves` tries,
+    stopping early at the lower bound `bound` or after `patience` tries without a strict gain; returns
+    the best sequences and their (period, makespan). Deterministic for given inputs and `seed`."""
     timer = FastTimer(problem, iterations, synchronous)
     rng = random.Random(seed)
     cur = {w: list(v) for w, v in seqs.items()}
@@ -157,14 +170,16 @@ def improve(
     peers = {s: [problem.worker_id(w) for w in group] for s, group in enumerate(problem.survivors)}
     orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[slot % pp]) > 1]
     where = {op // nk: w for w, ops in cur.items() for op in ops}
-    deadline = time.perf_counter() + time_budget
+    budget = work_of(time_budget) if work is None else work
+    cost = timer.n_ops * iterations  # ops timed by one `score`
+    spent = cost
     moves = ["w", "swap", "swap"] + (["reroute"] if orphans else [])
     last_gain = 0
     for tries in range(max_moves):
         if best[0] <= bound * (1 + 1e-9) or tries - last_gain > patience:
             break
-        if tries % 16 == 0 and time.perf_counter() > deadline:
-            break
+        if spent + cost > budget:
+            break  # out of work (a count, not the clock: the result must not depend on machine speed)
         kind = rng.choice(moves)
         if kind == "reroute":
             slot = rng.choice(orphans)
@@ -182,6 +197,7 @@ def improve(
             if not timer.memory_ok(new_dst):
                 continue
             cur[src], cur[dst] = new_src, new_dst
+            spent += cost
             score = timer.score(cur)
             if score <= best:
                 last_gain = tries if score < best else last_gain
@@ -213,6 +229,7 @@ def improve(
         if not timer.memory_ok(new):
             continue
         cur[w] = new
+        spent += cost
         score = timer.score(cur)
         if score <= best:
             last_gain = tries if score < best else last_gain

@@ -1,0 +1,62 @@
+"""Unit tests of the resilient trainer's pieces that need no processes: abortable waits, kill hooks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.resilient import kill_at, wait_abortable
+from schedcomp.topology import Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeWork:
+    """A work item that completes when `release` is set (or fails with `error`), never reporting early."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release, self.error, self.waited = threading.Event(), error, 0
+
+    def is_completed(self) -> bool:
+        return False  # like gloo's p2p work before wait()
+
+    def wait(self) -> bool:
+        self.waited += 1
+        self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_wait_returns_once_the_work_completes() -> None:
+    work, signal = FakeWork(), threading.Event()
+    threading.Timer(0.05, work.release.set).start()
+    wait_abortable(work, signal)
+    assert work.waited == 1
+
+
+def test_wait_raises_generation_aborted_when_the_signal_trips() -> None:
+    work, signal = FakeWork(), threading.Event()
+    threading.Timer(0.05, signal.set).start()
+    with pytest.raises(GenerationAborted):
+        wait_abortable(work, signal)
+    work.release.set()  # let the abandoned waiter thread end
+
+
+def test_wait_raises_the_transfer_error() -> None:
+    work, signal = FakeWork(RuntimeError("Connection closed by peer")), threading.Event()
+    work.release.set()
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        wait_abortable(work, signal)
+
+
+def test_kill_hook_only_for_the_first_incarnation_of_a_victim() -> None:
+    victims = {Worker(1, 2): (3, 4)}
+    assert kill_at(victims, Worker(0, 2)) is None
+    assert kill_at(victims, Worker(1, 2), incarnation=1) is None
+    hook = kill_at(victims, Worker(1, 2))
+    assert hook is not None
+    hook(3, 3, None)  # before the point: nothing happens (the test process lives on)
+    hook(2, 99, None)
