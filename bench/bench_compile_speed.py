@@ -23,7 +23,7 @@ from typing import Any
 
 from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.lower import lower
 from schedcomp.schedules import fault_free_order

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable
 
 from schedcomp.check import check
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.ir import Plan
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 
 FAMILIES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SHAPES = ((4, 8), (4, 16), (8, 16), (8, 32), (16, 64), (32, 128))

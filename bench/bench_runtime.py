@@ -93,7 +93,7 @@ def theirs(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Cal
 
 
 def ours(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Callable[[], None]:
-    from schedcomp.compile import compile
+    from schedcomp.compiler import compile
     from schedcomp.runtime import PipelineTrainer
 
     plan = compile(pp, 1, microbatches=microbatches, schedule=kind)

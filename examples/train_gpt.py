@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from schedcomp.cli.common import worker
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.runtime import PipelineTrainer
 from schedcomp.runtime.gpt import GPTConfig, gpt, lm_loss, synthetic_batch
 

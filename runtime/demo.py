@@ -4,7 +4,7 @@
     python -m schedcomp.runtime.demo --pp 4 --dp 2 --failed 0:2 --iterations 20 --trace trace.json
     python -m schedcomp.runtime.demo --failed --schedule zb-h1   # no failure: a fault-free family
 
-It compiles the plan (`schedcomp.compile`), draws it (`schedcomp show`), saves it, and launches
+It compiles the plan (`schedcomp.compiler`), draws it (`schedcomp show`), saves it, and launches
 one process per live worker with `torchrun --standalone` (CPU and gloo unless every process has a
 GPU). Rank 0 prints the loss and throughput of each iteration; the loss of iteration i is printed
 once iteration i+1 has started, so reading it never holds the pipeline back. `--trace` writes the
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def compile_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from schedcomp.compile import compile
+    from schedcomp.compiler import compile
 
     failed = [Worker(args.dp - 1, args.pp - 1)] if args.failed is None else args.failed
     schedule = "adaptive" if failed else args.schedule

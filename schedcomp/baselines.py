@@ -22,7 +22,7 @@ from schedcomp.errors import RecoveryError, ScheduleError
 from schedcomp.ir import Op, OpKind, Order, Plan
 from schedcomp.lower import lower
 from schedcomp.schedules.one_f_one_b import stage_order
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Topology, Worker
 
 STRATEGIES = (

@@ -224,7 +224,7 @@ class PlanCache:
             n = len(key[0])
             raise RecoveryError(
                 f"no precompiled plan for this failure set ({n} failed worker{'s' if n != 1 else ''}; the cache covers "
-                f"up to {self.max_failures}): precompile with --max-failures {n} or compile it with schedcomp.compile"
+                f"up to {self.max_failures}): precompile with --max-failures {n} or compile it with schedcomp.compiler"
             )
         try:
             plan = Plan.from_json(path.read_text())
@@ -334,7 +334,7 @@ def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None) ->
 def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None]:
     """Compile one scenario; write it to its file when there is one, and return the plan only when it is
     not written (or `keep`), so worker processes send back just the key."""
-    from schedcomp.compile import compile
+    from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, key, path = args
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,

@@ -1,6 +1,6 @@
 """The simulator's view of a plan: each stream flattened into arrays, every send matched to its receive.
 
-Split out of `schedcomp.simulate` so the engine there reads as the semantics it implements.
+Split out of `schedcomp.simulator` so the engine there reads as the semantics it implements.
 Broken transfers (a send without a receive, a receive after its consumer, a peer without a
 stream) are found here and raised as `ValidationError` before any time is simulated.
 """

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from schedcomp.adaptive import adaptive_order, cpsat_fits, solve
 from schedcomp.baselines import rerouted_1f1b_order
 from schedcomp.check import check
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, RecoveryError, ScheduleError, ValidationError
 from schedcomp.ir import OpKind, Plan
 from schedcomp.lower import lower
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.solvers.problem import Problem
 from schedcomp.topology import Topology, Worker
 

@@ -11,7 +11,7 @@ from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.cli.compile import SOLVERS as CLI_SOLVERS
 from schedcomp.ir import Plan
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 
 
 def test_compile_writes_a_valid_plan_and_prints_json(tmp_path, capsys):

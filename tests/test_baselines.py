@@ -13,7 +13,7 @@ from schedcomp.cli import main
 from schedcomp.cli.compare import STRATEGIES as CLI_STRATEGIES
 from schedcomp.costs import CostModel
 from schedcomp.lower import lower
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Topology
 
 

@@ -14,7 +14,7 @@ from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Topology, Worker
 
 

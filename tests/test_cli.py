@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from schedcomp.cli import main
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.draw import read_chrome_trace
 from schedcomp.ir import Plan
 

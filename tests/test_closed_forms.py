@@ -25,9 +25,9 @@ from fractions import Fraction
 
 import pytest
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 
 ITERATIONS = 4
 

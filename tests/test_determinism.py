@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 
 # Local search runs (and improves the list scheduler's result) on this job.

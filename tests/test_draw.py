@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.draw import (
     Panel,
@@ -21,7 +21,7 @@ from schedcomp.draw import (
     write_chrome_trace,
 )
 from schedcomp.errors import PlanFormatError, SchedcompError
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.timeline import timeline_metrics
 from schedcomp.topology import Worker
 

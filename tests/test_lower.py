@@ -8,7 +8,7 @@ import types
 import pytest
 
 from schedcomp.check import check
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError, ScheduleError, TopologyError
 from schedcomp.ir import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, InstrKind, Op, OpKind, Order, Plan

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from schedcomp.cli import main
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.draw.trace import write_chrome_trace
 from schedcomp.errors import CostModelError
 from schedcomp.profile import MS, profile_costs
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
 

@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schedcomp.check import check, peak_memory
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, InstrKind, Instruction, Plan
 from schedcomp.schedules import FAMILIES
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
 times = st.floats(0.1, 5.0, allow_nan=False)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError
 from schedcomp.ir import Instruction, Op, OpKind, Plan
@@ -24,7 +24,7 @@ from schedcomp.serialize import (
     plan_to_torch_csv,
     read_plan,
 )
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.topology import Topology, Worker
 
 FAMILIES = ["gpipe", "1f1b", "zb-h1", "zb-h2"]

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import ValidationError
 from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.simulate import Simulation, simulate
+from schedcomp.simulator import Simulation, simulate
 from schedcomp.timeline import timeline_metrics
 from schedcomp.topology import Topology, Worker
 

@@ -15,7 +15,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, RecoveryError
 from schedcomp.lower import lower
 from schedcomp.route import assign_orphans, balanced_quota
-from schedcomp.simulate import simulate
+from schedcomp.simulator import simulate
 from schedcomp.solvers.bounds import work_bound
 from schedcomp.solvers.cpsat import solve_cpsat
 from schedcomp.solvers.improve import FastTimer, improve

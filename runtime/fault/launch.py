@@ -191,10 +191,12 @@ class Launcher:
         """
         self._retired = True
         view = latest_view(self.store)
+        if view is None:  # the workers do not agree on generations: nothing says who would be admitted
+            return
         for slot in self.slots:
             if slot.proc is None or slot.incarnation == 0:
                 continue
-            if view is None or view.generation <= slot.spawned_after or slot.worker not in view.members:
+            if view.generation <= slot.spawned_after or slot.worker not in view.members:
                 log.warning("stopping replacement %s: training finished before it was admitted", slot.worker)
                 slot.proc.kill()
 

@@ -128,7 +128,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     missing = [f"--{f}" for f in ("schedule", "pp", "microbatches") if getattr(args, f) is None]
     if missing:
         raise ArgumentError(f"give a plan file, or --schedule, --pp and --microbatches (missing {', '.join(missing)})")
-    from schedcomp.compile import compile
+    from schedcomp.compiler import compile
 
     return compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
                    costs=load_costs(args.costs, args.pp), memory_limit=args.memory_limit, solver=args.solver,

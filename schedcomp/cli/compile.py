@@ -64,8 +64,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schedcomp.compile import compile
-    from schedcomp.simulate import simulate
+    from schedcomp.compiler import compile
+    from schedcomp.simulator import simulate
 
     costs = load_costs(args.costs, args.pp)
     began = time.perf_counter()

@@ -20,7 +20,7 @@ from schedcomp.cli.common import (
 from schedcomp.timeline import Span, timeline_metrics
 
 if TYPE_CHECKING:
-    from schedcomp.simulate import Simulation
+    from schedcomp.simulator import Simulation
 
 
 def register(subparsers: Any) -> None:
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schedcomp.simulate import simulate
+    from schedcomp.simulator import simulate
 
     if args.draw_iterations > args.iterations:
         raise ArgumentError(f"--draw-iterations {args.draw_iterations} is more than --iterations {args.iterations}")

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schedcomp.simulate import simulate
+    from schedcomp.simulator import simulate
 
     plan = load_plan(args.plan)
     sim = simulate(plan, iterations=args.iterations, synchronous_optimizer=args.sync_optimizer)

@@ -1,6 +1,6 @@
 """Drawing timelines: in the terminal, as a Gantt chart (PNG/SVG), and as Chrome/Perfetto traces.
 
-Every drawing takes `Span`s, simulated (`schedcomp.simulate`) or measured (the runtime), so a
+Every drawing takes `Span`s, simulated (`schedcomp.simulator`) or measured (the runtime), so a
 plan and a run of it are drawn alike. matplotlib is imported only when a chart is drawn.
 """
 

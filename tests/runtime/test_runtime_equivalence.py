@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from schedcomp import CostModel, Op, OpKind, Order, Plan, Topology, Worker
 from schedcomp.check import check
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.errors import ScheduleError
 from schedcomp.ir import InstrKind
 from schedcomp.lower import lower

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from schedcomp.compile import compile
+from schedcomp.compiler import compile
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import RankMap
 from schedcomp.runtime.data import chunk_index, micro_batch
