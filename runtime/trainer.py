@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -128,6 +129,7 @@ class PipelineTrainer:
                                     f"pp={self.pp}, dp={self.dp}: compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
+        self._check_same_plan(plan)
         self.comm.prepare_stage_groups([plan.topology.stage_group(s) for s in range(self.pp)])
         self.comm.connect((w, i.peer) for w, stream in plan.streams.items() for i in stream
                           if i.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD) and i.peer is not None)
@@ -138,6 +140,17 @@ class PipelineTrainer:
         self._signature = None  # the shape probe's source workers may have changed
         log.debug("worker %s runs %s plan from iteration %d: %d instructions", self.worker, plan.family or "a",
                   self.iteration, len(self.stream))
+
+    def _check_same_plan(self, plan: Plan) -> None:
+        """Refuse to run unless every rank holds the same plan (ranks that compiled different plans
+        would exchange mismatched tensors or hang). One small all-gather of a digest, at switch time only."""
+        digest = torch.frombuffer(bytearray(hashlib.sha256(plan.to_text().encode()).digest()), dtype=torch.uint8)
+        gathered = [torch.empty_like(digest) for _ in range(len(self.ranks.workers))]
+        self.comm.wait(dist.all_gather(gathered, digest, group=self.comm.control, async_op=True))
+        differ = [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
+        if differ:
+            raise RuntimeSetupError(f"ranks {differ} hold a different plan from rank 0: compile once and give every "
+                                    "rank the same plan file (or compile with identical arguments and costs)")
 
     def regroup(self, plan: Plan, rank: int, make_group: GroupFactory, wait: Waiter | None = None) -> None:
         """Move to a new generation of a resilient job: new ranks, fresh groups, `plan` from now on.
