@@ -18,7 +18,7 @@ Table 2. A live replica sends a stage (one float32 parameter + Adam state = 3x i
 replacement over gloo on loopback: seconds and GB/s, median of 3 transfers.
 
 Table 3. Training end to end (`ResilientTrainer`, pp = 4, dp = 2, 8 processes, CPU/gloo, the
-chaos-test model of `tests/fault_procs.py`): a seeded worker SIGKILLs itself at a seeded
+chaos-test model of `tests/resilient_procs.py`): a seeded worker SIGKILLs itself at a seeded
 instruction; seconds from its death to the re-run iteration completed on every survivor
 (detection by the launcher's death notice, agreement, regroup, plan switch, rollback and the
 re-run), next to `restart`: the same job started from scratch, from launch to its first completed
@@ -26,7 +26,7 @@ iteration, which is what a checkpoint-restart pays at least (all 8 processes res
 loading the checkpoint and re-running the iterations since it). `--table 3` runs it alone.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
-launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/fault_procs.py resilient`.
+launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/resilient_procs.py resilient`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def training(victims: str, iterations: int = 5) -> tuple[float, dict[str, dict]]
 
     from schedcomp.cache import precompile
 
-    procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "fault_procs.py")
+    procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "resilient_procs.py")
     with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as folder:
         precompile(4, 2, 4, 1, directory=folder, time_limit=1.0)
         started = time.time()

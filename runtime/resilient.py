@@ -40,12 +40,8 @@ holds, for its stage, how many times each micro-batch's gradient entered the upd
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,52 +51,20 @@ from torch import Tensor, nn
 from schedcomp.errors import RecoveryError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
-from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.inject import Hook
+from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
+from schedcomp.runtime.fault.report import Recovery, Report
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder
 from schedcomp.runtime.trainer import PipelineTrainer
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
-Hook = Callable[[int, int, Instruction], None]  # (iteration, instruction index, instruction)
-
-
-def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5,
-                   max_poll: float = 1e-3) -> None:
-    """`work.wait()`, but raise `GenerationAborted` as soon as `signal` is set.
-
-    `fault.membership.wait_work` polls `is_completed()`, which gloo's point-to-point work items
-    never report before `wait()` is called, and gloo's timed `wait` breaks the pair on timeout. So
-    a daemon thread makes the blocking call (it releases the GIL) and this thread watches both it
-    and the signal. An abandoned waiter ends when the broken generation's connections close or
-    its operations time out (`fault.groups.Graveyard` keeps the groups alive until then).
-    """
-    if work.is_completed():
-        work.wait()
-        return
-    done, errors = threading.Event(), []
-
-    def block() -> None:
-        try:
-            work.wait()
-        except BaseException as e:  # handed to the caller below
-            errors.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=block, name="schedcomp-wait", daemon=True).start()
-    delay = first_poll
-    while not done.wait(delay):
-        if signal.is_set() and not done.is_set():  # a transfer that made it still counts
-            raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
-        delay = min(2 * delay, max_poll)
-    if errors:
-        raise errors[0]
 
 
 class _Lookup:
@@ -111,35 +75,6 @@ class _Lookup:
 
     def __call__(self, topology: Topology) -> Plan:
         return self._fn(topology)
-
-
-@dataclass
-class Recovery:
-    """One recovery as this worker saw it (seconds from the moment it noticed the failure)."""
-
-    generation: int
-    failed: tuple[str, ...]
-    rerun: int
-    undone: bool
-    agreed: float  # new generation agreed and regrouped
-    ready: float  # plan switched and communication rebuilt
-
-
-@dataclass
-class Report:
-    """What one worker did: iterations completed, recoveries, the ledger of its stage."""
-
-    worker: Worker
-    iterations: int
-    generation: int
-    failed: tuple[str, ...]
-    recoveries: list[Recovery] = field(default_factory=list)
-    admitted: list[int] = field(default_factory=list)  # iterations at which replacements entered
-    handed_over: int = 0  # stage states this worker sent to replacements
-    resumed_at: int | None = None  # a replacement: the iteration it started at
-    ledger: dict[int, list[float]] = field(default_factory=dict)
-    losses: dict[int, float] = field(default_factory=dict)  # last stage: this worker's share of the mean loss
-    completed_at: dict[int, float] = field(default_factory=dict)  # iteration -> time.time() of its STEP
 
 
 class ResilientTrainer:
@@ -341,21 +276,3 @@ class ResilientTrainer:
 
     def close(self) -> None:
         self.session.close()
-
-
-def kill_at(victims: dict[Worker, tuple[int, int]], me: Worker, incarnation: int = 0) -> Hook | None:
-    """A `before` hook that SIGKILLs this process at the first instruction at or after (iteration, index).
-
-    For chaos tests: the harness picks victims and points (seeded); only the first incarnation dies.
-    """
-    target = victims.get(me)
-    if target is None or incarnation != 0:
-        return None
-
-    def hook(iteration: int, index: int, ins: Instruction) -> None:
-        if (iteration, index) >= target:
-            log.warning("worker %s: killing itself before %s (iteration %d, instruction %d)", me, ins,
-                        iteration, index)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fault_procs import chaos_reference
+from resilient_procs import chaos_reference
 from test_fault_chaos import DP, MICROBATCHES, PP, cache_dir, check, launch, precompile_plan, reference
 
 from schedcomp.topology import Worker

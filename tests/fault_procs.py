@@ -83,7 +83,7 @@ def emit(obj: dict) -> None:
     os.write(1, (json.dumps(obj) + "\n").encode())
 
 
-def _logging() -> None:
+def setup_logging() -> None:
     import logging
 
     worker = os.environ.get("SCHEDCOMP_WORKER")
@@ -97,7 +97,7 @@ def _setup(detection_time: float = 2.0):
     from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat
     from schedcomp.runtime.fault.store import WorkerEnv
 
-    _logging()
+    setup_logging()
     torch.set_num_threads(1)
     env = WorkerEnv.from_env()
     store = env.store.connect()
@@ -264,7 +264,7 @@ def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> 
     from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
     from schedcomp.topology import Worker
 
-    _logging()
+    setup_logging()
     torch.set_num_threads(1)
     env = WorkerEnv.from_env()
     me, n_iterations, doomed = env.worker, int(iterations), Worker.parse(victim)
@@ -330,150 +330,7 @@ def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> 
     session.close()
 
 
-# ---- resilient training (ResilientTrainer) ---------------------------------------------------------
-
-H, ROWS = 8, 2  # hidden size, rows per micro-batch
-
-
-def chaos_stage(stage: int, pp: int):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(100 + stage)
-    layers = [nn.Linear(H, H), nn.Tanh()] if stage < pp - 1 else [nn.Linear(H, H)]
-    return nn.Sequential(*layers).double()
-
-
-def chaos_batch(iteration: int, chunks: int):
-    """Iteration i's global batch: the same samples whenever it is asked for again."""
-    import torch
-
-    g = torch.Generator().manual_seed(10_000 + iteration)
-    return (torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64),
-            torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64))
-
-
-class Momentum:
-    """SGD with momentum and a plain-data `state_dict` (torch.optim's first import costs seconds per process)."""
-
-    def __init__(self, params, lr: float = 0.05, momentum: float = 0.9) -> None:
-        self.params, self.lr, self.momentum = list(params), lr, momentum
-        self.buffers: dict = {}
-
-    def step(self) -> None:
-        import torch
-
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if p.grad is None:
-                    continue
-                buf = self.buffers.get(i)
-                self.buffers[i] = buf = p.grad.clone() if buf is None else buf.mul_(self.momentum).add_(p.grad)
-                p.add_(buf, alpha=-self.lr)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self) -> dict:
-        return {"buffers": dict(self.buffers)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.buffers = {int(k): v.clone() for k, v in state["buffers"].items()}
-
-
-def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
-    """The fault-free model, trained in one process on the same global batches."""
-    import torch.nn.functional as F
-
-    stages = [chaos_stage(s, pp) for s in range(pp)]
-    optimizers = [Momentum(m.parameters()) for m in stages]
-    for i in range(iterations):
-        x, y = chaos_batch(i, chunks)
-        for m in stages:
-            x = m(x)
-        F.mse_loss(x, y).backward()
-        for o in optimizers:
-            o.step()
-            o.zero_grad()
-    return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
-
-
-def parse_victims(spec: str) -> tuple[dict, dict]:
-    """`d:s@it.idx,...` (die before instruction idx of iteration it) and `d:s@rec` (die while recovering)."""
-    from schedcomp.topology import Worker
-
-    at, recovering = {}, {}
-    for item in filter(None, spec.split(",")):
-        who, _, where = item.partition("@")
-        if where == "rec":
-            recovering[Worker.parse(who)] = True
-        else:
-            it, _, idx = where.partition(".")
-            at[Worker.parse(who)] = (int(it), int(idx))
-    return at, recovering
-
-
-def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str = "-1") -> None:
-    """One worker of a resilient job (launched by `fault.launch`): train, print the stage and ledger.
-
-    `victims`: see `parse_victims`. `hold`: at the start of that iteration, while some worker is
-    failed, wait until its replacement has announced itself (so that it is admitted in time).
-    """
-    import functools
-
-    import torch
-    import torch.nn.functional as F
-
-    from schedcomp.cache import PlanCache
-    from schedcomp.runtime.fault.agreement import pending_joins
-    from schedcomp.runtime.fault.session import FaultSession
-    from schedcomp.runtime.fault.store import WorkerEnv
-    from schedcomp.runtime.resilient import ResilientTrainer, kill_at
-
-    _logging()
-    torch.set_num_threads(1)
-    env = WorkerEnv.from_env()
-    cache = PlanCache.load(cache_dir)
-    chunks = env.dp * cache.microbatches
-    at, recovering = parse_victims(victims)
-
-    def die_while_recovering(rerun: int) -> None:
-        if env.worker in recovering and env.incarnation == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
-    # workers are seen at once through the launcher's death notices anyway
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
-    kill = kill_at(at, env.worker, env.incarnation)
-
-    def before(iteration: int, index: int, ins) -> None:
-        if iteration == int(hold) and index == 0 and session.view.failed:
-            deadline = time.monotonic() + 60
-            while not pending_joins(session.store, session.view) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        if kill is not None:
-            if (iteration, index) >= at[env.worker] and not session.store.check(["killed_at"]):
-                session.store.set("killed_at", repr(time.time()))  # for the benchmark's recovery times
-            kill(iteration, index, ins)
-
-    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
-                               lambda i: chaos_batch(i, chunks), session=session, before=before,
-                               after_recovery=die_while_recovering)
-    report = trainer.run(int(iterations))
-    emit({"worker": str(env.worker), "incarnation": env.incarnation, "iterations": report.iterations,
-          "generation": report.generation, "failed": list(report.failed),
-          "state": {k: v.tolist() for k, v in trainer.state().items()},
-          "ledger": {str(i): v for i, v in report.ledger.items()},
-          "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
-          "resumed_at": report.resumed_at, "handed_over": report.handed_over,
-          "completed_at": {str(i): t for i, t in report.completed_at.items()},
-          "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None})
-    trainer.close()
-
-
-SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train,
-             "resilient": scenario_resilient}
+SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train}
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from fault_procs import HERE, chaos_reference
+from resilient_procs import HERE, chaos_reference
 
 from schedcomp.cache import precompile
 from schedcomp.topology import Worker

@@ -312,3 +312,36 @@ def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2
             raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
         delay = min(2 * delay, max_poll)
     work.wait()  # raises the transfer's own error, if it failed
+
+
+def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5,
+                   max_poll: float = 1e-3) -> None:
+    """`work.wait()`, but raise `GenerationAborted` as soon as `signal` is set.
+
+    `fault.membership.wait_work` polls `is_completed()`, which gloo's point-to-point work items
+    never report before `wait()` is called, and gloo's timed `wait` breaks the pair on timeout. So
+    a daemon thread makes the blocking call (it releases the GIL) and this thread watches both it
+    and the signal. An abandoned waiter ends when the broken generation's connections close or
+    its operations time out (`fault.groups.Graveyard` keeps the groups alive until then).
+    """
+    if work.is_completed():
+        work.wait()
+        return
+    done, errors = threading.Event(), []
+
+    def block() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # handed to the caller below
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=block, name="schedcomp-wait", daemon=True).start()
+    delay = first_poll
+    while not done.wait(delay):
+        if signal.is_set() and not done.is_set():  # a transfer that made it still counts
+            raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
+        delay = min(2 * delay, max_poll)
+    if errors:
+        raise errors[0]

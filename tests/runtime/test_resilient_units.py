@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from schedcomp.runtime.fault.membership import GenerationAborted
-from schedcomp.runtime.resilient import kill_at, wait_abortable
+from schedcomp.runtime.fault.inject import kill_at
+from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
 from schedcomp.topology import Worker
 
 pytestmark = pytest.mark.timeout(30)

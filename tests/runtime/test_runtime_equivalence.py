@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from momentum import Momentum
 from torch import Tensor, nn
 
 from schedcomp import CostModel, Op, OpKind, Order, Plan, Topology, Worker
@@ -63,28 +64,6 @@ def make_batch(chunks: int, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], 
     positions = torch.randint(0, SEQ, (chunks * ROWS, SEQ), generator=g)
     y = torch.randn(chunks * ROWS, SEQ, H, generator=g, dtype=dtype)
     return (x, positions), y
-
-
-class Momentum:
-    """SGD with momentum (as torch.optim.SGD computes it), without torch.optim: creating the first
-    torch optimizer in a process imports torch._dynamo, seconds of CPU per process on a small CI box."""
-
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 0.05, momentum: float = 0.9) -> None:
-        self.params, self.lr, self.momentum = list(params), lr, momentum
-        self.buffers: dict[int, Tensor] = {}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            buf = self.buffers.get(i)
-            self.buffers[i] = buf = p.grad.clone() if buf is None else buf.mul_(self.momentum).add_(p.grad)
-            p.add_(buf, alpha=-self.lr)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
 
 def make_optimizer(params: Iterable[nn.Parameter]) -> Momentum:
