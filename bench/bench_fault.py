@@ -1,10 +1,11 @@
 """Fault-tolerance groundwork on CPU/gloo: time from a worker's death to a working new generation, and
 replica-recovery time against the stage's size.
 
-Reproduce (about 2 minutes on a 2-core machine):
+Reproduce (about 2 minutes on a 2-core machine, plus about 2 minutes per Table 3 row):
 
     python bench/bench_fault.py            # 4 and 8 processes, both detection paths, 3 state sizes
-    python bench/bench_fault.py --quick    # 4 processes, smallest sizes
+    python bench/bench_fault.py --quick    # 4 processes, smallest sizes, 2 rows of Table 3
+    python bench/bench_fault.py --table 3 --quick   # only Table 3 (recovery vs checkpoint-restart)
 
 Table 1. Survivors spin all-reduces over the world group; the bench kills one worker per round
 (SIGKILL, reaped by the launcher, which leaves a death notice: "notice"), or stops it (SIGSTOP: no
@@ -18,12 +19,19 @@ Table 2. A live replica sends a stage (one float32 parameter + Adam state = 3x i
 replacement over gloo on loopback: seconds and GB/s, median of 3 transfers.
 
 Table 3. Training end to end (`ResilientTrainer`, pp = 4, dp = 2, 8 processes, CPU/gloo, the
-chaos-test model of `tests/resilient_procs.py`): a seeded worker SIGKILLs itself at a seeded
-instruction; seconds from its death to the re-run iteration completed on every survivor
+chaos-test model of `tests/resilient_procs.py`, an asynchronous checkpoint after every iteration):
+a seeded worker SIGKILLs itself at a seeded instruction, and the same job runs twice with the same
+death. `ours`: seconds from the death to the re-run iteration completed on every survivor
 (detection by the launcher's death notice, agreement, regroup, plan switch, rollback and the
-re-run), next to `restart`: the same job started from scratch, from launch to its first completed
-iteration, which is what a checkpoint-restart pays at least (all 8 processes restarted, before
-loading the checkpoint and re-running the iterations since it). `--table 3` runs it alone.
+re-run). `restart`: the job with `CheckpointPolicy(on_failure="restart")`, i.e. a real
+checkpoint-restart: every survivor asks for a restart, the launcher stops all of them and starts 8
+fresh processes, which restore the latest complete checkpoint and re-run the iterations since it;
+seconds from the death to the same point of training (the iteration in flight at the death, or
+the one after the restored checkpoint if later) completed on every worker. `lost`: the iterations
+the restart threw away (highest commit minus the restored checkpoint); ours loses none (only the
+iteration in flight is re-run). `relaunch`: the part of `restart` until the last fresh process was
+up with torch imported (teardown, process start, imports), before it joins, restores and re-runs.
+`--table 3` runs it alone.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
 launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/resilient_procs.py resilient`.
@@ -171,41 +179,52 @@ def state_transfer(megabytes: float, repeats: int = 3) -> dict:
         launcher.terminate()
 
 
-def training(victims: str, iterations: int = 5) -> tuple[float, dict[str, dict]]:
-    """Launch the resilient chaos job; returns (launch time, each survivor's JSON result)."""
+def training(plans: str, victims: str, on_failure: str, iterations: int = 5) -> dict[str, dict]:
+    """Launch the chaos job with a checkpoint every iteration; returns each last-run worker's JSON result."""
     import subprocess
     import tempfile
 
-    from schedcomp.cache import precompile
-
     procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "resilient_procs.py")
-    with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as folder:
-        precompile(4, 2, 4, 1, directory=folder, time_limit=1.0)
-        started = time.time()
-        out = subprocess.run([sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "4", "--dp", "2", "--",
-                              sys.executable, procs, "resilient", str(iterations), folder, victims],
-                             capture_output=True, text=True, timeout=300).stdout
-    results = {r["worker"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
-    return started, results
+    with tempfile.TemporaryDirectory(prefix="schedcomp-ckpt-") as ckpt:
+        run = subprocess.run([sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "4", "--dp", "2",
+                              "--max-restarts", "1", "--", sys.executable, procs, "restart", str(iterations), plans,
+                              ckpt, victims, on_failure], capture_output=True, text=True, timeout=400)
+    results = {r["worker"]: r for r in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    if run.returncode != 0 or not results:
+        raise RuntimeError(f"the job failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    return results
 
 
 def table_training(seeds: list[int]) -> None:
     import random
+    import tempfile
 
-    print("\nTable 3: training, pp=4 dp=2 (8 processes): death -> re-run iteration completed everywhere, "
-          "vs a restart's launch -> first iteration")
-    print(f"{'seed':>4} {'victim':>10} {'recovered s':>11} {'restart s':>9} {'ratio':>6}")
-    for seed in seeds:
-        rng = random.Random(seed)
-        victim, iteration, index = f"{rng.randrange(2)}:{rng.randrange(4)}", rng.randrange(1, 4), rng.randrange(26)
-        _, results = training(f"{victim}@{iteration}.{index}")
-        killed = next(r["killed_at"] for r in results.values() if r["killed_at"] is not None)
-        rerun = min(rec["rerun"] for r in results.values() for rec in r["recoveries"])
-        recovered = max(r["completed_at"][str(rerun)] for r in results.values()) - killed
-        started, fresh = training("", iterations=1)
-        restart = max(r["completed_at"]["0"] for r in fresh.values()) - started
-        print(f"{seed:>4} {victim + '@' + str(iteration) + '.' + str(index):>10} {recovered:>11.3f} {restart:>9.3f} "
-              f"{recovered / restart:>6.3f}", flush=True)
+    from schedcomp.cache import precompile
+
+    print("\nTable 3: training, pp=4 dp=2 (8 processes), checkpoint every iteration: death -> re-run iteration "
+          "completed everywhere, ours vs checkpoint-restart")
+    print(f"{'seed':>4} {'victim':>10} {'ours s':>7} {'restart s':>9} {'relaunch s':>10} {'ours/restart':>12} "
+          f"{'lost':>4}")
+    with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as plans:
+        precompile(4, 2, 4, 1, directory=plans, time_limit=1.0)
+        for seed in seeds:
+            rng = random.Random(seed)
+            victim, iteration, index = f"{rng.randrange(2)}:{rng.randrange(4)}", rng.randrange(1, 4), rng.randrange(26)
+            spec = f"{victim}@{iteration}.{index}"
+            ours = training(plans, spec, "replan")
+            killed = next(r["killed_at"] for r in ours.values() if r["killed_at"] is not None)
+            rerun = min(rec["rerun"] for r in ours.values() for rec in r["recoveries"])
+            recovered = max(r["completed_at"][str(rerun)] for r in ours.values()) - killed
+            again = training(plans, spec, "restart")
+            assert all(r["run"] == 1 for r in again.values()), "the job was not restarted"
+            killed = next(r["killed_at"] for r in again.values() if r["killed_at"] is not None)
+            restored = next(iter(again.values()))["restored_from"]
+            target = max(iteration, restored + 1 if restored is not None else 0)
+            restarted = max(r["completed_at"][str(target)] for r in again.values()) - killed
+            relaunch = max(r["started_at"] for r in again.values()) - killed
+            lost = next(iter(again.values()))["iterations_lost"]
+            print(f"{seed:>4} {spec:>10} {recovered:>7.3f} {restarted:>9.3f} {relaunch:>10.3f} "
+                  f"{recovered / restarted:>12.3f} {lost:>4}", flush=True)
 
 
 def main() -> None:

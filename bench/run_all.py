@@ -20,6 +20,7 @@ BENCHES = [
     ("bench_runtime.py", ["--repeats", "1"]),
     ("bench_split_backward.py", []),
     ("bench_fault.py", ["--quick"]),
+    ("bench_rejoin.py", ["--quick"]),
 ]
 
 

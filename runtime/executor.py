@@ -11,7 +11,7 @@ next iteration starts at once (staggered optimizer).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,14 +44,15 @@ class Iteration:
     output_meta: tuple[TensorMeta, ...]  # what it sends on (empty at the last stage)
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
-    step: Callable[[], None] | None = None  # runs STEP instead of `stage.step` (resilient jobs: snapshot, commit)
+    step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
     ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
     # state, filled and emptied as the stream runs
     loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
     outgoing: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)
     sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
-    losses: list[Tensor] = field(default_factory=list)
+    sent: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)  # kept to send again (lossy)
+    losses: dict[Key, Tensor] = field(default_factory=dict)  # last stage: each micro-batch's scaled loss
     arrivals: dict[int, float] = field(default_factory=dict)  # RECV index -> when its consumer saw it complete
     index: int = 0  # of the instruction being run
 
@@ -91,11 +92,13 @@ class Iteration:
             raise RuntimeSetupError(f"{op} on worker {self.worker} has no earlier {what}: the plan is malformed, "
                                     "run `schedcomp check` on it") from None
 
-    def post_sends(self, direction: int, ins: Instruction) -> None:
+    def post_sends(self, direction: int, ins: Instruction, again: bool = False) -> None:
+        """Post the sends of a produced tensor (`again`: the same tensors once more, on a new generation)."""
         assert ins.op is not None and ins.peer is not None
-        tensors = self.outgoing.pop((direction, _key(ins.op)))
+        key = (direction, _key(ins.op))
+        tensors = self.sent[key] if again else tuple(t.contiguous() for t in self.outgoing.pop(key))
+        self.sent[key] = tensors
         for part, t in enumerate(tensors):
-            t = t.contiguous()
             self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins.op, direction, part)), t))
 
     def post_recvs(self, direction: int, ins: Instruction, metas: tuple[TensorMeta, ...]) -> None:
@@ -103,6 +106,17 @@ class Iteration:
         buffers = tuple(m.empty(self.device) for m in metas)
         works = [self.comm.irecv(b, ins.peer, self.tag(ins.op, direction, part)) for part, b in enumerate(buffers)]
         self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
+
+    def drop(self, lost: Iterable[Key]) -> None:
+        """Forget everything held for these micro-batches (lossy recovery: they are skipped)."""
+        lost = frozenset(lost)
+        for table in (self.recvs, self.outgoing, self.sent):
+            for k in [k for k in table if k[1] in lost]:
+                del table[k]
+        for key in lost:
+            self.loaded.pop(key, None)
+            self.losses.pop(key, None)
+            self.stage.discard(key)
 
     def finish(self) -> None:
         """Wait for this iteration's sends, then check the stream left nothing behind."""
@@ -157,7 +171,7 @@ def _forward(it: Iteration, ins: Instruction) -> None:
         inputs = it.take_received(_ACT, op)
     outputs = stage.forward(_key(op), inputs, targets, scale=1.0 / it.chunks)
     if stage.is_last:
-        it.losses.append(outputs[0])
+        it.losses[_key(op)] = outputs[0]
     else:
         it.outgoing[(_ACT, _key(op))] = outputs
 
@@ -209,7 +223,7 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
 
 def _step(it: Iteration, ins: Instruction) -> None:
     if it.step is not None:
-        it.step()
+        it.step(it)
     else:
         it.stage.step()
 
@@ -256,4 +270,26 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
             if sync is not None:
                 sync()
             timing.append((index, start, time.perf_counter()))
+    it.index = len(stream)  # every instruction done (the progress a lossy recovery reads)
     it.finish()
+
+
+def run_residual(it: Iteration, resend: Sequence[Instruction], repost: Sequence[Instruction],
+                 rest: tuple[Instruction, ...], lost: Iterable[Key]) -> None:
+    """Finish an iteration a failure interrupted, on the new generation's `it.comm` (lossy policy).
+
+    The broken generation's transfers are given up (the graveyard keeps their groups alive); the
+    lost micro-batches' state is dropped; receives not consumed are posted again, and sends whose
+    receiver had not consumed them are posted again from the kept tensors; then `rest` runs. See
+    `fault.residual` for why both sides then agree on every channel.
+    """
+    it.sends.clear()
+    it.drop(lost)
+    for ins in repost:
+        if ins.kind is InstrKind.RECV_ACT:
+            _recv_act(it, ins)
+        else:
+            _recv_grad(it, ins)
+    for ins in resend:
+        it.post_sends(_ACT if ins.kind is InstrKind.SEND_ACT else _GRAD, ins, again=True)
+    run_stream(it, rest)

@@ -28,8 +28,9 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   (`session.boundary` / `admit`), rebuild their groups, and the stage's donor replica sends its
   parameters and optimizer state with the iteration to resume at; the plan switches back.
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
-  replaces it. A stage that lost every replica raises `RecoveryError` from the cache: restart
-  from a checkpoint (`fault.checkpoint`; not automated here).
+  replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
+  restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
+  taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP).
 
 The ledger: each worker counts, per micro-batch, the weight gradients it accumulated in an
 iteration; the counts ride along in the stage's gradient all-reduce, so after STEP every replica
@@ -51,18 +52,23 @@ from torch import Tensor, nn
 from schedcomp.errors import RecoveryError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
+from schedcomp.runtime.executor import Iteration
+from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
 from schedcomp.runtime.fault.report import Recovery, Report
+from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
+from schedcomp.runtime.lossy import finish_interrupted, lossy_scale
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
 
+POLICIES = ("rollback", "lossy")
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
 
@@ -87,16 +93,25 @@ class ResilientTrainer:
     - `session`: a started-or-not `FaultSession` (default: one from the launcher's environment
       with `detection_time`).
     - `before(iteration, index, instruction)`: called before each instruction (fault injection).
+    - `policy`: "rollback" (default: re-run the interrupted iteration, exactly the fault-free model)
+      or "lossy" (finish it without the lost micro-batches, rescaled; `runtime.lossy`).
+    - `checkpoint`: `CheckpointPolicy(directory, every)`: asynchronous checkpoints after STEP, resume
+      from the latest complete one at start, restart the job from it when a stage is lost (`fault.restart`).
     """
 
     def __init__(self, plans: Any, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
                  make_optimizer: OptimizerFactory, batch_for: BatchFn, *, session: FaultSession | None = None,
                  detection_time: float = 3.0, before: Hook | None = None,
-                 after_recovery: Callable[[int], None] | None = None) -> None:
+                 after_recovery: Callable[[int], None] | None = None,
+                 checkpoint: CheckpointPolicy | None = None, policy: str = "rollback") -> None:
+        if policy not in POLICIES:
+            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.lookup = _Lookup(plans)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
+        self.last_resort = LastResort(checkpoint, self.session)  # checkpoints, restart when a stage is lost
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
         self.iteration = 0
@@ -119,6 +134,7 @@ class ResilientTrainer:
                                        process=(session.groups.rank, len(view.members), torch.device("cpu")),
                                        make_group=session.generation.new_group, wait=self._wait,
                                        setup_collectives=False)
+        self.trainer.keep_recent = self.policy == "lossy"
         stage = self.trainer.stage
         self.snapshot = StepSnapshot(stage.module, stage.optimizer)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -134,23 +150,37 @@ class ResilientTrainer:
             self.report.resumed_at = start
         else:
             self.trainer.sync_replicas()
-            start = 0
+            resumed = self.last_resort.resume(stage.module, stage.optimizer)
+            start = resumed.start
+            if start > 0:
+                session.commit(start - 1)  # it holds the checkpoint's state after that step
+            self.report.run, self.report.restored_from = session.env.run, resumed.restored_from
+            self.report.iterations_lost = resumed.iterations_lost
         self.trainer.iteration = self.iteration = start
         return start
 
     # ---- one iteration ----------------------------------------------------------------------------------
 
-    def _run(self, i: int) -> None:
-        trainer, session, report = self.trainer, self.session, self.report
-        assert trainer is not None and self.snapshot is not None and report is not None
-        chunks = trainer.dp * trainer.plan.microbatches
-        ledger = torch.zeros(chunks, dtype=torch.float64)
+    def _step(self, i: int) -> Callable[[Iteration], None]:
+        """STEP of iteration i: rescale (lossy), snapshot, optimizer step, commit record, checkpoint."""
+        trainer, session, snapshot = self.trainer, self.session, self.snapshot
+        assert trainer is not None and snapshot is not None
 
-        def step() -> None:
-            self.snapshot.take(i)
+        def step(it: Iteration) -> None:
+            scale = lossy_scale(it.ledger)  # 1 unless micro-batches were lost (lossy policy)
+            if scale != 1.0:
+                trainer.stage.scale_grads(scale)
+            snapshot.take(i)
             trainer.stage.step()
             session.commit(i)  # nothing touches the network between the step and its record
+            self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
 
+        return step
+
+    def _run(self, i: int) -> None:
+        trainer, report = self.trainer, self.report
+        assert trainer is not None and report is not None
+        ledger = torch.zeros(trainer.dp * trainer.plan.microbatches, dtype=torch.float64)
         before = None
         if self.before is not None:
             hook = self.before
@@ -159,11 +189,11 @@ class ResilientTrainer:
                 hook(i, index, ins)
 
         trainer.iteration = i
-        it = trainer.run_iteration(self.batch_for(i), step=step, ledger=ledger, before=before)
+        it = trainer.run_iteration(self.batch_for(i), step=self._step(i), ledger=ledger, before=before)
         report.ledger[i] = ledger.tolist()
         report.completed_at[i] = time.time()
         if it.losses:
-            report.losses[i] = float(torch.stack(it.losses).sum())
+            report.losses[i] = float(torch.stack(list(it.losses.values())).sum())
 
     # ---- after a failure ----------------------------------------------------------------------------------
 
@@ -175,12 +205,24 @@ class ResilientTrainer:
         log.warning("worker %s: generation %d broke (%s): recovering", session.me,
                     session.view.generation if session.view else -1, error)
         session.report(error)
-        trainer.abandon()
+        if self.policy != "lossy":  # lossy finishes the iteration from this state
+            trainer.abandon()
         while True:
             try:
                 view = session.recover()
                 agreed = time.perf_counter() - noticed
                 decision = session.rollback()
+                if self.policy == "lossy":
+                    if self.after_recovery is not None:
+                        self.after_recovery(decision.rerun)
+                    finished = finish_interrupted(self, decision)
+                    if finished is not None:
+                        report.completed_at[decision.rerun] = time.time()
+                        report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
+                                                          decision.rerun, False, agreed,
+                                                          time.perf_counter() - noticed, "lossy"))
+                        return finished
+                    trainer.abandon()  # rollback instead (see `lossy`)
                 undone = session.me in decision.undo
                 if undone:
                     self.snapshot.restore()
@@ -261,7 +303,15 @@ class ResilientTrainer:
                 self._wait(dist.all_reduce(torch.ones(1), group=self.session.groups.world, async_op=True))
                 break
             except (GenerationAborted, RuntimeError) as e:
-                i = self._recover(e)
+                if self.last_resort.restart_on_any_failure:
+                    self.last_resort.give_up(e)
+                try:
+                    i = self._recover(e)
+                except Evicted:
+                    raise
+                except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint
+                    self.last_resort.give_up(lost)
+        self.last_resort.close()
         view = self.session.view
         assert view is not None
         self.report.iterations = i

@@ -70,8 +70,12 @@ class WeightGradStore:
         return tuple(self._pending)
 
     def clear(self) -> None:
-        """Drop every stash (an aborted iteration; issue 5)."""
+        """Drop every stash (an aborted iteration)."""
         self._pending.clear()
+
+    def drop(self, key: Key) -> None:
+        """Drop one micro-batch's stash (it was lost to a failure; lossy recovery)."""
+        self._pending.pop(key, None)
 
     @torch.no_grad()
     def flush(self, key: Key) -> None:

@@ -185,7 +185,18 @@ class Stage:
         """Micro-batches whose forward ran and whose backward has not (activation memory held)."""
         return len(self._saved)
 
-    def discard(self) -> None:
-        """Forget every in-flight micro-batch and deferred weight gradient (an aborted iteration)."""
-        self._saved.clear()
-        self.store.clear()
+    def discard(self, key: Key | None = None) -> None:
+        """Forget in-flight micro-batch `key` and its deferred weight gradient (None: all; an aborted iteration)."""
+        if key is None:
+            self._saved.clear()
+            self.store.clear()
+        else:
+            self._saved.pop(key, None)
+            self.store.drop(key)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient by `factor` (lossy recovery: the mean over the micro-batches held)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)

@@ -16,7 +16,8 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_stream
+from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
+from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
 from schedcomp.timeline import Span
@@ -101,6 +102,8 @@ class PipelineTrainer:
         self._timings: list[tuple[int, Timing, dict[int, float]]] = []
         self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
         self._boundaries: list[tuple[TensorMeta, ...]] = []
+        self.keep_recent = False  # keep the last two iterations' state (a lossy recovery needs it)
+        self.recent: dict[int, Iteration] = {}
         self.use_plan(plan)
         if setup_collectives:
             self.sync_replicas()
@@ -221,12 +224,12 @@ class PipelineTrainer:
     def step(self, batch: tuple[Tensors, Tensors]) -> Loss:
         """Run one iteration of this worker's stream on `batch = (inputs, targets)`; see `Loss`."""
         it = self.run_iteration(batch)
-        loss = torch.stack(it.losses).sum() if it.losses else torch.zeros((), device=self.device)
+        loss = torch.stack(list(it.losses.values())).sum() if it.losses else torch.zeros((), device=self.device)
         loss = loss.to(torch.float64)
         work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
         return Loss(loss, work)
 
-    def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[], None] | None = None,
+    def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[Iteration], None] | None = None,
                       ledger: Tensor | None = None,
                       before: Callable[[int, Instruction], None] | None = None) -> Iteration:
         """Run one iteration of the stream and return its state (losses: this worker's scaled ones).
@@ -237,9 +240,20 @@ class PipelineTrainer:
         """
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
-        inputs, targets = batch
-        self._probe_shapes(inputs)
+        self._probe_shapes(batch[0])
         started = time.perf_counter()
+        it = self._iteration(batch, step, ledger)
+        timing: Timing | None = [] if self.profile else None
+        run_stream(it, self.stream, timing, before)
+        if timing is not None:
+            self._timings.append((self.iteration, timing, it.arrivals))
+        self.step_seconds.append(time.perf_counter() - started)
+        self.iteration += 1
+        return it
+
+    def _iteration(self, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
+                   ledger: Tensor | None) -> Iteration:
+        inputs, targets = batch
         s = self.worker.stage
         it = Iteration(
             plan=self.plan, worker=self.worker, stage=self.stage, comm=self.comm,
@@ -252,16 +266,37 @@ class PipelineTrainer:
             step=step,
             ledger=ledger,
         )
-        timing: Timing | None = [] if self.profile else None
-        run_stream(it, self.stream, timing, before)
-        if timing is not None:
-            self._timings.append((self.iteration, timing, it.arrivals))
-        self.step_seconds.append(time.perf_counter() - started)
-        self.iteration += 1
+        if self.keep_recent:  # a lossy recovery finishes an interrupted iteration from this state
+            self.recent = {n: r for n, r in self.recent.items() if n >= self.iteration - 1}
+            self.recent[self.iteration] = it
+        return it
+
+    @property
+    def knows_shapes(self) -> bool:
+        """Whether this worker knows what crosses its stage boundaries (it ran an iteration before)."""
+        return self.pp == 1 or bool(self._boundaries)
+
+    def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
+               step: Callable[[Iteration], None], ledger: Tensor) -> Iteration:
+        """Finish iteration `number`, interrupted by a failure, on the current generation (lossy policy).
+
+        Starts from this worker's state of that iteration (or a fresh one if it had not started
+        it) and runs `residual` (`fault.residual`); call after `regroup`. `ledger` is used only
+        for a fresh start: an interrupted iteration keeps counting in its own.
+        """
+        it = self.recent.get(number)
+        if it is None:
+            saved, self.iteration = self.iteration, number
+            it = self._iteration(batch, step, ledger)
+            self.iteration = saved
+        it.comm, it.plan, it.step = self.comm, self.plan, step
+        run_residual(it, residual.resend, residual.repost, residual.rest, residual.lost)
+        self.iteration = number + 1
         return it
 
     def abandon(self) -> None:
         """Forget the iteration in flight (its generation broke): activations, stashes, gradients."""
+        self.recent.clear()
         self.stage.discard()
         self.stage.optimizer.zero_grad(set_to_none=True)
 

@@ -57,6 +57,38 @@ def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
 
 
+def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[int, set[int]]]) -> list[dict]:
+    """The model the lossy policy trains: stage s's update in iteration i is the mean gradient over the
+    global-batch chunks in `held[i][s]` (all chunks for iterations not in `held`), one process."""
+    import torch
+    import torch.nn.functional as F
+
+    stages = [chaos_stage(s, pp) for s in range(pp)]
+    optimizers = [Momentum(m.parameters()) for m in stages]
+    for i in range(iterations):
+        x, y = chaos_batch(i, chunks)
+        rows = x.shape[0] // chunks
+        keep = held.get(i, {})
+        sums = [[torch.zeros_like(p) for p in m.parameters()] for m in stages]
+        for c in range(chunks):
+            out = x[c * rows:(c + 1) * rows]
+            for m in stages:
+                out = m(out)
+            F.mse_loss(out, y[c * rows:(c + 1) * rows]).backward()
+            for s, m in enumerate(stages):
+                for acc, p in zip(sums[s], m.parameters(), strict=True):
+                    if c in keep.get(s, range(chunks)):
+                        acc += p.grad
+                    p.grad = None
+        for s, (m, o) in enumerate(zip(stages, optimizers, strict=True)):
+            n = len(keep.get(s, range(chunks)))
+            for acc, p in zip(sums[s], m.parameters(), strict=True):
+                p.grad = acc / n
+            o.step()
+            o.zero_grad()
+    return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
+
+
 def parse_victims(spec: str) -> tuple[dict, dict]:
     """`d:s@it.idx,...` (die before instruction idx of iteration it) and `d:s@rec` (die while recovering)."""
     from schedcomp.topology import Worker
@@ -85,9 +117,10 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     from schedcomp.cache import PlanCache
     from schedcomp.runtime.fault.agreement import pending_joins
+    from schedcomp.runtime.fault.inject import kill_at
     from schedcomp.runtime.fault.session import FaultSession
     from schedcomp.runtime.fault.store import WorkerEnv
-    from schedcomp.runtime.resilient import ResilientTrainer, kill_at
+    from schedcomp.runtime.resilient import ResilientTrainer
 
     setup_logging()
     torch.set_num_threads(1)
@@ -117,9 +150,11 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
-                               after_recovery=die_while_recovering)
+                               after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"))
     report = trainer.run(int(iterations))
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "iterations": report.iterations,
+          "skipped": {str(i): v for i, v in report.skipped.items()},
+          "skipped_samples": {str(i): v for i, v in report.skipped_samples.items()},
           "generation": report.generation, "failed": list(report.failed),
           "state": {k: v.tolist() for k, v in trainer.state().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
@@ -130,9 +165,74 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     trainer.close()
 
 
-SCENARIOS = {"resilient": scenario_resilient}
+def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, on_failure: str = "replan",
+                     settle: str = "0") -> None:
+    """One worker of a job with checkpoints every iteration (`fault.restart`); victims die in run 0 only.
+
+    `settle` = "1": each victim first waits for its own checkpoint in flight, for the other
+    victims to reach their point, and for every other worker to commit the victims' iteration,
+    so that what the restart finds (checkpoints, commits) does not depend on timing.
+    """
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+
+    from schedcomp.cache import PlanCache
+    from schedcomp.runtime.fault.inject import kill_at
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, get_int
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    started = time.time()  # the process is up and torch imported (the benchmark's relaunch time)
+    setup_logging()
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
+    cache = PlanCache.load(cache_dir)
+    at, _ = parse_victims(victims)
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
+    kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
+
+    def before(iteration: int, index: int, ins) -> None:
+        if kill is None or (iteration, index) < at[env.worker]:
+            return
+        if settle == "1":
+            trainer.last_resort.close()
+            root.add("victims_ready", 1)
+            others = [w for w in session.view.members if w not in at]
+            deadline = time.monotonic() + 60
+            def settled() -> bool:
+                return root.add("victims_ready", 0) >= len(at) and all(
+                    get_int(session.store, Keys.commit(w)) >= iteration for w in others)
+
+            while not settled() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if not root.check(["killed_at"]):
+            root.set("killed_at", repr(time.time()))
+        kill(iteration, index, ins)
+
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+                               lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session,
+                               before=before, checkpoint=CheckpointPolicy(ckpt_dir, every=1, on_failure=on_failure))
+    report = trainer.run(int(iterations))
+    previous = session.store.get(Keys.previous_run()).decode() if session.store.check([Keys.previous_run()]) else None
+    emit({"worker": str(env.worker), "run": report.run, "iterations": report.iterations,
+          "restored_from": report.restored_from, "iterations_lost": report.iterations_lost,
+          "previous": previous, "generation": report.generation, "failed": list(report.failed),
+          "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "ledger": {str(i): v for i, v in report.ledger.items()},
+          "recoveries": [r.__dict__ for r in report.recoveries],
+          "completed_at": {str(i): t for i, t in report.completed_at.items()}, "started_at": started,
+          "killed_at": float(root.get("killed_at")) if root.check(["killed_at"]) else None})
+    trainer.close()
+
+
+SCENARIOS = {"resilient": scenario_resilient, "restart": scenario_restart}
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)
     faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -50,10 +50,10 @@ def launch(cache_dir: str, victims: str, iterations: int = ITERATIONS, respawn: 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:  # the launcher stops its workers when it is terminated
-            proc.terminate()
-            proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:  # workers dump their stacks after CHILD_DEADLINE: show them
+        proc.terminate()  # the launcher stops its workers
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the job did not finish in {timeout} s:\n{err[-12000:]}") from None
     assert proc.returncode == 0, err[-6000:]
     results: dict[str, dict] = {}
     for line in out.splitlines():

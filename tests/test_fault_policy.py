@@ -8,18 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError
-from schedcomp.ir import Instruction, Op, OpKind, Plan
 from schedcomp.runtime.fault.policy import (
     Rollback,
-    lossy_decision,
     rollback_decision,
-    runners,
     switch_iteration,
 )
 from schedcomp.runtime.fault.transfer import StepSnapshot
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import Worker
 
 # ---- rollback ------------------------------------------------------------------------------------
 
@@ -115,62 +111,6 @@ def test_undo_and_rerun_reproduces_the_fault_free_model(stepped_before_failure: 
     for o, r in zip(opts, ref_opts, strict=True):
         for p, q in zip(o.state.values(), r.state.values(), strict=True):
             assert all(torch.equal(p[k], q[k]) for k in q)
-
-
-# ---- lossy forward -------------------------------------------------------------------------------------
-
-
-def _home_runner(pp: int, dp: int, m: int) -> dict[tuple[int, int, int], Worker]:
-    return {(p, i, s): Worker(p, s) for p in range(dp) for i in range(m) for s in range(pp)}
-
-
-def test_lossy_skips_the_failed_pipelines_microbatches_and_rescales_per_stage() -> None:
-    runner = _home_runner(pp=2, dp=2, m=2)
-    decision = lossy_decision(runner, [Worker(1, 1)], accumulated=[(1, 0, 0)], microbatch_size=8)
-    assert decision.skipped == {(1, 0), (1, 1)}
-    assert decision.skipped_samples == 16
-    # stage 0 already accumulated micro-batch (1, 0) on a survivor: it keeps it
-    assert decision.contributors == {0: 3, 1: 2}
-    assert decision.scale == {0: 4 / 3, 1: 2.0}
-
-
-def test_lossy_counts_rerouted_microbatches_by_who_ran_them() -> None:
-    runner = _home_runner(pp=2, dp=2, m=2)
-    runner[(1, 1, 1)] = Worker(0, 1)  # re-routed: (1, 1) never touches the failed worker... except at stage 0
-    decision = lossy_decision(runner, [Worker(1, 0)])
-    assert decision.skipped == {(1, 0), (1, 1)}
-    runner[(1, 1, 0)] = Worker(0, 0)
-    assert lossy_decision(runner, [Worker(1, 0)]).skipped == {(1, 0)}
-
-
-def test_lossy_refuses_a_stage_left_with_no_gradient() -> None:
-    with pytest.raises(RecoveryError, match="rollback"):
-        lossy_decision(_home_runner(pp=2, dp=1, m=2), [Worker(0, 1)])
-
-
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.data())
-def test_lossy_properties(pp: int, dp: int, m: int, data: st.DataObject) -> None:
-    runner = _home_runner(pp, dp, m)
-    workers = Topology.of(pp, dp).workers
-    failed = set(data.draw(st.lists(st.sampled_from(workers), max_size=dp - 1 if dp > 1 else 0)))
-    accumulated = data.draw(st.lists(st.sampled_from(sorted(runner)), max_size=6))
-    decision = lossy_decision(runner, failed, accumulated)
-    assert decision.skipped == {(p, i) for (p, i, _), w in runner.items() if w in failed}
-    for s in range(pp):
-        assert decision.contributors[s] * decision.scale[s] == pytest.approx(dp * m)
-        assert dp * m - len(decision.skipped) <= decision.contributors[s] <= dp * m
-    if not failed:
-        assert decision.skipped == frozenset() and set(decision.scale.values()) == {1.0}
-
-
-def test_runners_reads_who_runs_each_slot_from_a_plan() -> None:
-    topo = Topology.of(2, 1)
-    streams = {
-        Worker(0, 0): tuple(Instruction.compute(Op(k, 0, 0, 0)) for k in (OpKind.F, OpKind.BW)),
-        Worker(0, 1): tuple(Instruction.compute(Op(k, 0, 0, 1)) for k in (OpKind.F, OpKind.BW)),
-    }
-    plan = Plan(topo, CostModel.uniform(2), 1, streams)
-    assert runners(plan) == {(0, 0, 0): Worker(0, 0), (0, 0, 1): Worker(0, 1)}
 
 
 def test_switch_iteration_leaves_room_for_the_workers_ahead() -> None:

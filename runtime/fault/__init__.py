@@ -11,19 +11,24 @@ training loop around it):
 - `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead.
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
 - `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles.
-- `policy`: rollback, lossy-forward and switch decisions (pure functions).
+- `restart`: checkpoints while training and a restart of the whole job when a stage is lost
+  (`CheckpointPolicy`, passed to `ResilientTrainer(checkpoint=...)`).
+- `policy`: rollback and switch decisions; `residual`: what survivors finish under the lossy
+  policy (pure functions).
 """
 
 from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job
 from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import FailureDetector, GenerationAborted, Heartbeat, View, wait_work
-from schedcomp.runtime.fault.policy import Lossy, Rollback, lossy_decision, rollback_decision, switch_iteration
+from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
+from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv, serve_store
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
 
 __all__ = [
     "AgreementTimeout",
+    "CheckpointPolicy",
     "CommitLog",
     "Evicted",
     "FailureDetector",
@@ -33,7 +38,6 @@ __all__ = [
     "Graveyard",
     "Groups",
     "Heartbeat",
-    "Lossy",
     "Rollback",
     "StepSnapshot",
     "StoreAddress",
@@ -41,7 +45,6 @@ __all__ = [
     "WorkerEnv",
     "agree",
     "join_job",
-    "lossy_decision",
     "recv_stage_state",
     "regroup",
     "rollback_decision",

@@ -77,10 +77,19 @@ class AsyncCheckpointer:
         return True
 
     def save(self, iteration: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> Future:
-        """Start saving; the state is copied before this returns, so training may go on at once."""
+        """Start saving; the state is copied before this returns, so training may go on at once.
+
+        A complete checkpoint of (`iteration`, stage) is never rewritten: the call does nothing.
+        """
         self.wait()  # one save at a time: the next one would overtake a slow disk otherwise
-        skeleton, tensors = flatten(stage_state(module, optimizer))
         path = checkpoint_dir(self.directory, iteration, self.stage)
+        if (path / MANIFEST).is_file():
+            # Iteration re-run after a rollback (or after a restart): the complete checkpoint there holds
+            # the same state (see `restart`), and rewriting it in place could tear it.
+            done: Future = Future()
+            done.set_result(iteration)
+            return done
+        skeleton, tensors = flatten(stage_state(module, optimizer))
         path.mkdir(parents=True, exist_ok=True)
         manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage, "skeleton": skeleton,
                     "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}

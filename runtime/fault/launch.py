@@ -21,6 +21,17 @@ on an address the others can reach; `--bind` is the address this host's workers 
     host B (10.0.0.2): python -m schedcomp.runtime.fault.launch --pp 4 --dp 2 --pipelines 1 \\
                            --store 10.0.0.1:29400 --bind 10.0.0.2 -- python train.py
 
+Restart from a checkpoint (`--max-restarts N`, default 3): when a stage has lost every replica,
+re-planning cannot go on; the survivors of a job trained with checkpoints (`ResilientTrainer(...,
+checkpoint=CheckpointPolicy(dir, every))`) record a restart request in the store and exit. Every
+launcher sees it, lets its workers leave (killing those still there after `restart_grace`
+seconds), and starts all of them again as the job's next run: SCHEDCOMP_RUN = k, a fresh key
+namespace `run{k}/` in the same store (nothing of the old run's generations, commits or death
+notices is seen), the old run's request copied to `restart/previous`. The new run resumes from
+the latest complete checkpoint (see `restart`). Each run is a fresh job: its workers start as
+incarnation 0 and the respawn budget (`--respawn`) starts over, so a job starts at most
+(1 + max restarts) x (1 + respawn) processes per worker.
+
 (`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
 the store must outlive the job: put it where failures are least likely, or give it no workers.
 A whole host lost is detected by heartbeats (`detection_time`), since no launcher is left there
@@ -29,9 +40,11 @@ host with `--workers ... --store ... --incarnation 1`.
 
 Each worker finds its identity in the environment (`WorkerEnv.from_env()`): SCHEDCOMP_STORE,
 SCHEDCOMP_WORKER (d:s), SCHEDCOMP_SHAPE (pp,dp), SCHEDCOMP_INCARNATION (0, then 1, 2, ... for
-replacements), SCHEDCOMP_BIND, plus LOCAL_RANK / LOCAL_WORLD_SIZE to pick a GPU. A training
-script uses `FaultSession` (see `session`). The launcher exits 0 when some worker finished its
-training (exit 0) and every other one either finished or was lost; 1 otherwise; 2 on bad usage.
+replacements), SCHEDCOMP_BIND, SCHEDCOMP_RUN (0, then 1, 2, ... after restarts), plus LOCAL_RANK /
+LOCAL_WORLD_SIZE to pick a GPU. A training script uses `FaultSession` (see `session`). The
+launcher exits 0 when some worker finished its training (exit 0) in the last run and every other
+one either finished or was lost; 1 otherwise (e.g. a restart was requested with no restart left);
+2 on bad usage.
 """
 
 from __future__ import annotations
@@ -51,7 +64,8 @@ from torch.distributed import Store
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.runtime.fault.agreement import latest_view
 from schedcomp.runtime.fault.membership import View
-from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, serve_store
+from schedcomp.runtime.fault.restart import RestartRequest, restart_requested
+from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, run_store, serve_store
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -77,7 +91,7 @@ class Launcher:
     def __init__(self, command: Sequence[str], pp: int, dp: int, workers: Sequence[Worker] | None = None, *,
                  store: StoreAddress | None = None, serve: StoreAddress | None = None, bind: str = LOOPBACK,
                  respawn: int = 0, respawn_delay: float = 0.0, fence: bool = True, incarnation: int = 0,
-                 poll: float = 0.02) -> None:
+                 max_restarts: int = 3, restart_grace: float = 5.0, poll: float = 0.02) -> None:
         if not command:
             raise RecoveryError("no worker command given: put it after `--`, e.g. -- python train.py")
         topology = Topology.of(pp, dp)
@@ -92,8 +106,12 @@ class Launcher:
         if store is None:  # this launcher serves the job's store
             self.server, store = serve_store(*((serve.host, serve.port) if serve else (LOOPBACK, 0)))
         self.address = store
-        self.store: Store = store.connect()
+        self.root: Store = store.connect()  # every run's keys, under `run{k}/` (`store.run_store`)
+        self.run_number, self.restarts_left, self.restart_grace = 0, max_restarts, restart_grace
+        self.store: Store = run_store(self.root, 0)  # the current run's keys
+        self.respawn = respawn
         self.slots = [Slot(w, incarnation, respawns_left=respawn) for w in workers]
+        self._request: RestartRequest | None = None  # the current run asked for a restart
         self._events = -1
         self._next_view = 0  # the first generation whose outcome we have not read yet
         self._finished = False  # some worker completed its training: no more replacements
@@ -124,7 +142,9 @@ class Launcher:
             self.terminate()
 
     def step(self) -> bool:
-        """One round of watching: reap, notify, fence, replace. False once nothing is left to watch."""
+        """One round of watching: restart, reap, notify, fence, replace. False once nothing is left to watch."""
+        if self._restart_due():
+            self.restart()
         now = time.monotonic()
         for slot in self.slots:
             if slot.proc is not None and slot.proc.poll() is not None:
@@ -136,6 +156,44 @@ class Launcher:
         if self._finished and not self._retired:
             self._retire_waiting_replacements()
         return any(s.proc is not None or (s.respawn_at is not None and not self._finished) for s in self.slots)
+
+    def _restart_due(self) -> bool:
+        if self._request is not None:
+            return False  # this run's request was seen; with no restart left, it just ends
+        self._request = restart_requested(self.store)
+        if self._request is None:
+            return False
+        if self.restarts_left <= 0:
+            log.error("run %d asked for a restart (%s) but no restart is left: stopping", self.run_number,
+                      self._request.reason)
+            return False
+        return True
+
+    def restart(self) -> None:
+        """Stop this run's workers and start every one of them again as the job's next run."""
+        request = self._request or RestartRequest("restart requested by the launcher", -1, self.run_number)
+        log.warning("run %d ended (%s; iteration %d reached): restarting every worker as run %d",
+                    self.run_number, request.reason, request.reached, self.run_number + 1)
+        self._drain(self.restart_grace)
+        self.run_number += 1
+        self.restarts_left -= 1
+        self.store = run_store(self.root, self.run_number)
+        self.store.add(Keys.events(), 0)
+        self.store.set(Keys.previous_run(), request.to_json())
+        self.slots = [Slot(s.worker, 0, respawns_left=self.respawn) for s in self.slots]
+        self._request, self._events, self._next_view = None, -1, 0
+        self._finished = self._retired = False
+        self.start()
+
+    def _drain(self, grace: float) -> None:
+        """Let the workers leave by themselves (a save in flight ends on disk), then stop the rest."""
+        deadline = time.monotonic() + grace
+        while any(s.proc is not None and s.proc.poll() is None for s in self.slots) and time.monotonic() < deadline:
+            time.sleep(self.poll)
+        self.terminate(grace=1.0)
+        for slot in self.slots:
+            if slot.proc is not None:
+                slot.returncode, slot.proc = slot.proc.poll(), None
 
     def exit_code(self) -> int:
         codes = [s.returncode for s in self.slots]
@@ -157,7 +215,7 @@ class Launcher:
     # ---- one worker --------------------------------------------------------------------------------------
 
     def _spawn(self, slot: Slot) -> None:
-        env = WorkerEnv(self.address, slot.worker, self.pp, self.dp, slot.incarnation, self.bind)
+        env = WorkerEnv(self.address, slot.worker, self.pp, self.dp, slot.incarnation, self.bind, self.run_number)
         local = self.slots.index(slot)
         child_env = {**os.environ, **env.to_env(), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(self.slots))}
         slot.proc = subprocess.Popen(self.command, env=child_env)
@@ -172,6 +230,9 @@ class Launcher:
             self._finished = True
             log.info("worker %s finished", slot.worker)
             return
+        if self._request is not None or restart_requested(self.store) is not None:
+            log.info("worker %s left (exit status %s): its run asked for a restart", slot.worker, code)
+            return  # no notice, no replacement: the whole job restarts (or ends, with no restart left)
         # Tell the survivors at once: their detectors read this on their next poll.
         self.store.set(Keys.dead(slot.worker), str(slot.incarnation))
         self.store.add(Keys.events(), 1)
@@ -255,6 +316,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--bind", default=LOOPBACK, help="address this host's workers listen on")
     p.add_argument("--respawn", type=int, default=0, help="replacements per worker (default 0)")
     p.add_argument("--respawn-delay", type=float, default=0.0, help="seconds before starting a replacement")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of the whole job from its latest checkpoint when a stage is lost (default 3)")
     p.add_argument("--incarnation", type=int, default=0, help="first incarnation (1+: these are replacements)")
     p.add_argument("--no-fence", action="store_true", help="do not kill workers the others declared failed")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -270,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RecoveryError("give --store (join a store) or --serve-store (serve it), not both")
         launcher = Launcher(command, args.pp, args.dp, _workers(args), store=args.store, serve=args.serve_store,
                             bind=args.bind, respawn=args.respawn, respawn_delay=args.respawn_delay,
-                            fence=not args.no_fence, incarnation=args.incarnation)
+                            fence=not args.no_fence, incarnation=args.incarnation, max_restarts=args.max_restarts)
         print(f"schedcomp launch: store at {launcher.address}", file=sys.stderr, flush=True)
         return launcher.run()
     except SchedcompError as e:

@@ -42,6 +42,7 @@ from schedcomp.topology import Topology, Worker
 log = logging.getLogger(__name__)
 
 VIEW_FORMAT = 1
+WAITER_THREAD = "schedcomp-wait"  # threads blocked in a gloo wait for `wait_abortable`
 
 
 class GenerationAborted(RecoveryError):
@@ -337,7 +338,7 @@ def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: floa
         finally:
             done.set()
 
-    threading.Thread(target=block, name="schedcomp-wait", daemon=True).start()
+    threading.Thread(target=block, name=WAITER_THREAD, daemon=True).start()
     delay = first_poll
     while not done.wait(delay):
         if signal.is_set() and not done.is_set():  # a transfer that made it still counts

@@ -1,4 +1,4 @@
-"""What to do after a failure, as pure functions: undo, re-run, skip, and when replacements enter.
+"""What to do after a failure, as pure functions: undo, re-run, and when replacements enter.
 
 ## Rollback (the default): undo half-applied steps, re-run the iteration on the new plan
 
@@ -26,10 +26,8 @@ stepped -> they undo, re-run i; after every stage stepped i -> nothing to undo, 
 
 ## Lossy forward (option, Nicolae et al., CCGrid 2022)
 
-Finish the iteration on the survivors without the micro-batches that ran through a failed
-worker, and rescale each stage's gradient to the mean over the micro-batches it does hold
-(`lossy_decision`). Weight gradients a survivor already accumulated for a lost micro-batch cannot
-be taken out, so they stay and count at that stage. The samples skipped are reported.
+`ResilientTrainer(policy="lossy")` finishes the interrupted iteration instead of re-running it:
+see `residual` (what each survivor still runs) and `runtime.lossy` (running it, rescaling).
 
 ## Replacements
 
@@ -39,11 +37,10 @@ boundary so that no survivor has started it yet.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schedcomp.errors import RecoveryError
-from schedcomp.ir import OpKind, Plan
 from schedcomp.topology import Worker
 
 Slot = tuple[int, int, int]  # (home pipeline, microbatch, stage)
@@ -72,50 +69,6 @@ def rollback_decision(commits: Mapping[Worker, int]) -> Rollback:
         raise RecoveryError(f"workers {', '.join(ahead)} stepped iteration {high} while others are at {low}: "
                             "only one step can be undone; restart from the latest checkpoint")
     return Rollback(low + 1, frozenset(w for w, c in commits.items() if c > low))
-
-
-@dataclass(frozen=True)
-class Lossy:
-    """Finish the iteration without `skipped`; multiply stage s's reduced gradient by `scale[s]`."""
-
-    skipped: frozenset[MicroBatch]
-    contributors: Mapping[int, int]  # stage -> micro-batches whose gradients that stage holds
-    scale: Mapping[int, float]
-    skipped_samples: int
-
-
-def runners(plan: Plan) -> dict[Slot, Worker]:
-    """Who runs each (home pipeline, microbatch, stage) in `plan` (its F, and so its B and W)."""
-    return {op.key: w for w in plan.workers for op in plan.compute_ops(w) if op.kind is OpKind.F}
-
-
-def lossy_decision(runner: Mapping[Slot, Worker], failed: Iterable[Worker], accumulated: Iterable[Slot] = (),
-                   microbatch_size: int = 1) -> Lossy:
-    """Which micro-batches the iteration in flight loses, and how to rescale each stage's gradient.
-
-    - `runner`: who runs each slot in the plan of the iteration in flight (`runners(plan)`).
-    - `failed`: the workers lost in it.
-    - `accumulated`: slots whose weight gradient (W or BW) a survivor had already accumulated.
-    A micro-batch is lost when any of its slots ran on a failed worker (its activations, input
-    gradients or weight gradients died there). Gradients are assumed scaled by 1 / (all
-    micro-batches) before the all-reduce, so `scale[s] = all / contributors[s]` makes stage s's
-    gradient the mean over the micro-batches it holds.
-    """
-    failed = frozenset(failed)
-    done = frozenset(accumulated)
-    batches = {(p, m) for p, m, _ in runner}
-    stages = sorted({s for _, _, s in runner})
-    lost = frozenset((p, m) for (p, m, _s), w in runner.items() if w in failed)
-    contributors, scale = {}, {}
-    for s in stages:
-        held = [(p, m) for p, m in batches
-                if (p, m) not in lost or ((p, m, s) in done and runner.get((p, m, s)) not in failed)]
-        if not held:
-            raise RecoveryError(f"stage {s} holds no gradient after losing {len(lost)} micro-batches: "
-                                "use the rollback policy for this failure")
-        contributors[s] = len(held)
-        scale[s] = len(batches) / len(held)
-    return Lossy(lost, contributors, scale, len(lost) * microbatch_size)
 
 
 def switch_iteration(completed: int, lead: int = 2) -> int:

@@ -13,10 +13,11 @@ class Recovery:
 
     generation: int
     failed: tuple[str, ...]
-    rerun: int
+    rerun: int  # the iteration re-run (rollback) or finished without the lost micro-batches (lossy)
     undone: bool
     agreed: float  # new generation agreed and regrouped
-    ready: float  # plan switched and communication rebuilt
+    ready: float  # plan switched and communication rebuilt (lossy: and the iteration finished)
+    policy: str = "rollback"
 
 
 @dataclass
@@ -34,3 +35,8 @@ class Report:
     ledger: dict[int, list[float]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)  # last stage: this worker's share of the mean loss
     completed_at: dict[int, float] = field(default_factory=dict)  # iteration -> time.time() of its STEP
+    skipped: dict[int, list[int]] = field(default_factory=dict)  # lossy: iteration -> global-batch chunks lost
+    skipped_samples: dict[int, int] = field(default_factory=dict)  # lossy: iteration -> samples lost
+    run: int = 0  # restarts of the job from a checkpoint before this run
+    restored_from: int | None = None  # the checkpoint this run started from (None: none, from scratch)
+    iterations_lost: int | None = None  # a restarted run: iterations the restart threw away

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from torch.distributed import Store
 
@@ -47,7 +48,7 @@ from schedcomp.runtime.fault.agreement import (
     sealed_before,
 )
 from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
-from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat, View
+from schedcomp.runtime.fault.membership import WAITER_THREAD, FailureDetector, Heartbeat, View
 from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
 from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.topology import Worker
@@ -179,8 +180,21 @@ class FaultSession:
         log.info("worker %s: generation %d, rank %d of %d", self.me, view.generation, self.groups.rank,
                  len(view.members))
 
-    def close(self) -> None:
+    def close(self, linger: float = 10.0) -> None:
+        """Leave the job. Call it once training is over on every member (after `run` returns).
+
+        Waits abandoned in broken generations may still block daemon threads inside gloo, and a
+        daemon thread inside a C++ call when the interpreter exits aborts the process. Destroying
+        every group we hold closes our end of those pairs; the peers' blocked waits then fail and
+        return, and so do ours when they close theirs: wait up to `linger` seconds for them.
+        """
         if self.groups is not None:
-            self.groups.close(self.graveyard)
+            self.groups.close()
+            self.groups = None
+        self.graveyard.sweep(now=float("inf"))
+        deadline = time.monotonic() + linger
+        for thread in threading.enumerate():
+            if thread.name == WAITER_THREAD:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.detector.stop()
         self.heartbeat.stop()

@@ -7,7 +7,13 @@ listening socket itself and hands it over (`master_listen_fd`).
 Every thread that talks to the store opens its own client (`StoreAddress.connect`): a heartbeat
 thread must not queue behind a main thread blocked in a long `wait`.
 
-Keys (one flat namespace, all written through `Keys`, so the layout is in one place):
+Runs: a job restarted from a checkpoint (`launch --max-restarts`) is a new run of every worker,
+and run k > 0 keeps its keys under `run{k}/` (`run_store`), so nothing of an older run (its
+generations, commit records, death notices) is ever seen by a newer one. Run 0 uses the bare
+names. A worker learns its run from SCHEDCOMP_RUN; `WorkerEnv` scopes its store address to it,
+so every client it opens (`StoreAddress.connect`) is already in the run's namespace.
+
+Keys (one namespace per run, all written through `Keys`, so the layout is in one place):
 - `hb/W`        heartbeat counter of worker W (`add`: no clocks are compared across hosts)
 - `inc/W`       the incarnation of W that is running now (the launcher numbers them 0, 1, ...)
 - `dead/W`      the highest incarnation of W known dead (written by the launcher that reaped it)
@@ -16,6 +22,9 @@ Keys (one flat namespace, all written through `Keys`, so the layout is in one pl
 - `gen/G/ack`   how many members of view G acknowledged it; `gen/G/outcome`: sealed or superseded
 - `join/W`      a replacement for W asks to be admitted (its incarnation)
 - `commit/W`    the last iteration whose optimizer step W applied
+- `restart/request`   a worker asks the launchers to restart the job from its checkpoint (JSON,
+  first writer wins, see `restart`); `restart/previous`: the request that ended the run before
+  (copied there by the launcher); `restart/restored`: the checkpoint this run resumed from
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from schedcomp.errors import RecoveryError
 from schedcomp.topology import Worker
@@ -37,6 +46,18 @@ ENV_WORKER = "SCHEDCOMP_WORKER"  # d:s
 ENV_SHAPE = "SCHEDCOMP_SHAPE"  # pp,dp
 ENV_INCARNATION = "SCHEDCOMP_INCARNATION"  # 0 for the first process of a worker, then 1, 2, ...
 ENV_BIND = "SCHEDCOMP_BIND"  # the address this worker's process groups listen on
+ENV_RUN = "SCHEDCOMP_RUN"  # 0 for the job's first run, then 1, 2, ... after each restart from a checkpoint
+
+
+def run_prefix(run: int) -> str:
+    """The key prefix of run `run` ("" for run 0, so a job that never restarts keeps the bare names)."""
+    return f"run{run}" if run > 0 else ""
+
+
+def run_store(store: Store, run: int) -> Store:
+    """`store` seen from inside run `run`'s namespace."""
+    prefix = run_prefix(run)
+    return PrefixStore(prefix, store) if prefix else store
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,7 @@ class StoreAddress:
 
     host: str
     port: int
+    prefix: str = ""  # the run's namespace (`run_prefix`); not part of the address's text
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -56,9 +78,14 @@ class StoreAddress:
             raise RecoveryError(f"bad store address {text!r}: write it as HOST:PORT, e.g. 127.0.0.1:29400")
         return cls(host, int(port))
 
-    def connect(self, timeout: float = 30.0) -> TCPStore:
-        """A new client of the store (one per thread that uses it)."""
-        return TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout))
+    def connect(self, timeout: float = 30.0) -> Store:
+        """A new client of the store (one per thread that uses it), inside this address's run namespace."""
+        client = TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        return PrefixStore(self.prefix, client) if self.prefix else client
+
+    def scoped(self, run: int) -> StoreAddress:
+        """The same store, with clients inside run `run`'s namespace."""
+        return StoreAddress(self.host, self.port, run_prefix(run))
 
 
 def serve_store(host: str = LOOPBACK, port: int = 0, timeout: float = 30.0) -> tuple[TCPStore, StoreAddress]:
@@ -122,8 +149,20 @@ class Keys:
     def commit(w: Worker) -> str:
         return f"commit/{w}"
 
+    @staticmethod
+    def restart() -> str:
+        return "restart/request"
 
-def get_int(store: TCPStore, key: str, default: int = -1) -> int:
+    @staticmethod
+    def previous_run() -> str:
+        return "restart/previous"
+
+    @staticmethod
+    def restored() -> str:
+        return "restart/restored"
+
+
+def get_int(store: Store, key: str, default: int = -1) -> int:
     """An integer key's value, or `default` when it is not set (never blocks)."""
     if not store.check([key]):
         return default
@@ -140,6 +179,10 @@ class WorkerEnv:
     dp: int
     incarnation: int
     bind: str = LOOPBACK
+    run: int = 0  # restarts from a checkpoint so far: the store namespace is this run's
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store", self.store.scoped(self.run))  # every client lands in the run's keys
 
     @property
     def rejoining(self) -> bool:
@@ -155,8 +198,8 @@ class WorkerEnv:
                                 "`python -m schedcomp.runtime.fault.launch`")
         pp, _, dp = env[ENV_SHAPE].partition(",")
         return cls(StoreAddress.parse(env[ENV_STORE]), Worker.parse(env[ENV_WORKER]), int(pp), int(dp),
-                   int(env.get(ENV_INCARNATION, "0")), env.get(ENV_BIND, LOOPBACK))
+                   int(env.get(ENV_INCARNATION, "0")), env.get(ENV_BIND, LOOPBACK), int(env.get(ENV_RUN, "0")))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_STORE: str(self.store), ENV_WORKER: str(self.worker), ENV_SHAPE: f"{self.pp},{self.dp}",
-                ENV_INCARNATION: str(self.incarnation), ENV_BIND: self.bind}
+                ENV_INCARNATION: str(self.incarnation), ENV_BIND: self.bind, ENV_RUN: str(self.run)}

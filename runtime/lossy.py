@@ -1,0 +1,137 @@
+"""The lossy-forward recovery of `ResilientTrainer(policy="lossy")`: finish the interrupted iteration.
+
+Rollback (the default) re-runs the iteration a failure hit, so the model trained is exactly the
+fault-free one. Lossy forward (Nicolae et al., CCGrid 2022) trades samples for time: the
+survivors finish that iteration from where each stopped, on the new generation, without the
+micro-batches the failure took; nothing is undone or re-run. `fault.residual` decides what each
+survivor still runs; this module gathers what it needs and runs it:
+
+1. Claim: lossy finishing is tried once per iteration. The first survivor to claim iteration i
+   writes its generation into the store (`compare_set`: every survivor reads the same value);
+   a later generation finding another's claim (a failure while finishing) falls back to rollback,
+   which is always correct: whoever stepped in the unfinished attempt restores its snapshot and
+   the iteration is re-run in full. Rollback is also used when the new generation admits
+   replacements (they hold no state of the iteration) or when some survivor never learned the
+   stage-boundary shapes (a failure during the very first iteration's shape probe).
+2. Progress: every survivor publishes how many instructions of iteration i it completed and a
+   digest of the plan it ran; all wait for all (abortable), so all compute the same residuals.
+3. Regroup onto the cached plan for the new failed set, plus the old plan's channels among
+   survivors (the residual's transfers follow the old plan).
+4. Stages whose live replicas had partly stepped: the stepped one sends its state (and ledger).
+5. Run the residual (`PipelineTrainer.resume`). At STEP each stage scales its reduced gradient by
+   `chunks / contributors`, contributors being the micro-batches its ledger counts, so the update
+   is the mean gradient over the micro-batches that stage holds (`lossy_scale`).
+
+The next iteration then runs on the new plan. `Report.skipped[i]` lists the global-batch chunks
+lost in iteration i, `Report.skipped_samples[i]` their samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from schedcomp.ir import InstrKind, Plan
+from schedcomp.runtime.data import as_tuple
+from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.policy import Rollback
+from schedcomp.runtime.fault.residual import residuals, skipped_chunks
+from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
+from schedcomp.topology import Worker
+
+if TYPE_CHECKING:
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+log = logging.getLogger(__name__)
+
+
+def lossy_scale(ledger: Tensor | None) -> float:
+    """`chunks / contributors` for a reduced ledger (1.0 when every micro-batch counted, or no ledger)."""
+    if ledger is None:
+        return 1.0
+    held = int(torch.count_nonzero(ledger))
+    return ledger.numel() / held if 0 < held < ledger.numel() else 1.0
+
+
+def plan_digest(plan: Plan) -> str:
+    return hashlib.sha256(plan.to_text().encode()).hexdigest()[:16]
+
+
+def finish_interrupted(rt: ResilientTrainer, decision: Rollback) -> int | None:
+    """Finish iteration `decision.rerun` without the lost micro-batches; returns the next iteration.
+
+    Returns None (use rollback) in the cases of the module docstring; raises
+    `GenerationAborted` / `RuntimeError` if the generation breaks meanwhile (recovery starts over).
+    """
+    session, trainer, report = rt.session, rt.trainer, rt.report
+    assert trainer is not None and report is not None and session.view is not None and rt.snapshot is not None
+    i, view = decision.rerun, session.view
+    claim = session.store.compare_set(f"lossy/{i}", "", str(view.generation)).decode()
+    if claim != str(view.generation) or session.joiners():
+        return None
+    current = trainer.recent.get(i)
+    plan = current.plan if current is not None else trainer.plan
+    mine = {"progress": current.index if current is not None else 0, "plan": plan_digest(plan),
+            "shapes": trainer.knows_shapes}
+    records = _exchange(rt, f"gen{view.generation}/progress", mine)
+    if len({r["plan"] for r in records.values()}) > 1 or not all(r["shapes"] for r in records.values()):
+        return None
+    failed = [w for w in plan.workers if w not in view.members]
+    plans = residuals(plan, {w: r["progress"] for w, r in records.items()}, failed)
+    residual = plans[session.me]
+    if any(n > i for n in trainer.recent):  # it had begun iteration i + 1: nothing of it was stepped anywhere
+        trainer.recent = {i: current} if current is not None else {}
+        trainer.stage.discard()
+        trainer.stage.optimizer.zero_grad(set_to_none=True)
+    rt._arrive()
+    trainer.regroup(rt.lookup(view.topology), session.groups.rank, session.generation.new_group, rt._wait)
+    trainer.comm.connect((w, ins.peer) for w, stream in plan.streams.items() if w in view.members
+                         for ins in stream if ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD)
+                         and ins.peer in view.members)
+    ledger = current.ledger if current is not None and current.ledger is not None else \
+        torch.zeros(trainer.dp * plan.microbatches, dtype=torch.float64)
+    stage = trainer.stage
+    if residual.donor is not None:  # its replica stepped: take that state (and what it counted) instead
+        rt.snapshot.take(i)
+        got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
+                               src=session.groups.rank_of(residual.donor))
+        ledger.copy_(torch.tensor(got.info["ledger"], dtype=torch.float64))
+        stage.optimizer.zero_grad(set_to_none=True)
+        session.commit(i)
+    for recipient in residual.recipients:
+        send_stage_state(stage.module, stage.optimizer, session.groups.world, [session.groups.rank_of(recipient)],
+                         info={"ledger": report.ledger.get(i, ledger.tolist())})
+    batch = rt.batch_for(i)
+    it = trainer.resume(i, batch, residual, step=rt._step(i), ledger=ledger)
+    lost = skipped_chunks(residual.lost, plan.microbatches)
+    report.ledger[i] = it.ledger.tolist() if it.ledger is not None else ledger.tolist()
+    report.skipped[i] = list(lost)
+    report.skipped_samples[i] = len(lost) * _rows(batch, trainer.dp * plan.microbatches)
+    if it.losses:
+        report.losses[i] = float(torch.stack(list(it.losses.values())).sum())
+    log.warning("worker %s: finished iteration %d without %d lost micro-batches (%d samples)", session.me, i,
+                len(lost), report.skipped_samples[i])
+    return i + 1
+
+
+def _rows(batch: tuple, chunks: int) -> int:
+    """Samples per micro-batch: the global batch's leading dimension over the chunks."""
+    return int(as_tuple(batch[0])[0].shape[0]) // chunks
+
+
+def _exchange(rt: ResilientTrainer, prefix: str, record: dict, poll: float = 0.002) -> dict[Worker, dict]:
+    """Publish this worker's record under `prefix` and read every member's (gives up if the generation breaks)."""
+    session = rt.session
+    assert session.view is not None
+    store, members = session.store, session.view.members
+    store.set(f"{prefix}/{session.me}", json.dumps(record))
+    keys = [f"{prefix}/{w}" for w in members]
+    while not store.check(keys):
+        if session.signal.wait(poll):
+            raise GenerationAborted("a member failed while the survivors exchanged their progress: agree again")
+    return {w: json.loads(store.get(k)) for w, k in zip(members, keys, strict=True)}
