@@ -1,9 +1,10 @@
 """Rejoin time against parameter size, end to end: a replacement process joins a training job.
 
-Reproduce (about 2 minutes on a 2-core machine):
+Reproduce (about 4 minutes on a busy 2-core machine, the 384 MB job most of it):
 
     python bench/bench_rejoin.py            # stages of 3, 48 and 384 MB of float32 parameters
-    python bench/bench_rejoin.py --quick    # 3 and 48 MB
+    python bench/bench_rejoin.py --quick    # 3 and 48 MB (about 1 minute)
+    python bench/bench_rejoin.py --sizes 96 # any stage sizes, MB of parameters
 
 The job: `ResilientTrainer` (`schedcomp.runtime.resilient`) on CPU/gloo, pp = 2, dp = 2 (4
 processes), started by `python -m schedcomp.runtime.fault.launch --pp 2 --dp 2 --respawn 1 -- python
@@ -226,6 +227,9 @@ def measure(results: dict[str, dict], iterations: int) -> dict[str, float]:
                            "session.announce_join or resilient.recv_stage_state been renamed?")
     if not all(r["admitted"] == [at] for r in survivors):
         raise RuntimeError(f"survivors admitted at {[r['admitted'] for r in survivors]}, replacement resumed at {at}")
+    if sum(r["handed_over"] for r in survivors) != 1 or any(r["failed"] for r in results.values()):
+        raise RuntimeError("the job did not end on the fault-free plan with one hand-over: "
+                           f"{[(w, r['handed_over'], r['failed']) for w, r in results.items()]}")
     first = new["completed_at"][str(at)]
     normal = statistics.median(x for r in survivors for x in intervals(r["completed_at"], range(at + 1, iterations)))
     # degraded iterations: after the re-run of the killed one, before the rejoin, less the hold

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from schedcomp.errors import RecoveryError
 from schedcomp.ir import InstrKind, Plan
 from schedcomp.runtime.data import as_tuple
 from schedcomp.runtime.fault.membership import GenerationAborted
@@ -82,8 +83,12 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback) -> int | None:
     if len({r["plan"] for r in records.values()}) > 1 or not all(r["shapes"] for r in records.values()):
         return None
     failed = [w for w in plan.workers if w not in view.members]
-    plans = residuals(plan, {w: r["progress"] for w, r in records.items()}, failed)
-    residual = plans[session.me]
+    try:
+        residual = residuals(plan, {w: r["progress"] for w, r in records.items()}, failed)[session.me]
+    except RecoveryError as e:  # every survivor computes the same: all fall back together
+        log.warning("worker %s: cannot finish iteration %d without the lost micro-batches (%s): rolling back",
+                    session.me, i, e)
+        return None
     if any(n > i for n in trainer.recent):  # it had begun iteration i + 1: nothing of it was stepped anywhere
         trainer.recent = {i: current} if current is not None else {}
         trainer.stage.discard()

@@ -170,8 +170,9 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
     """One worker of a job with checkpoints every iteration (`fault.restart`); victims die in run 0 only.
 
     `settle` = "1": each victim first waits for its own checkpoint in flight, for the other
-    victims to reach their point, and for every other worker to commit the victims' iteration,
-    so that what the restart finds (checkpoints, commits) does not depend on timing.
+    victims of its iteration to reach their point, and for every worker that is no victim to
+    commit that iteration, so that what the restart finds (checkpoints, commits) does not depend
+    on timing.
     """
     import functools
 
@@ -200,11 +201,13 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
             return
         if settle == "1":
             trainer.last_resort.close()
-            root.add("victims_ready", 1)
+            ready, peers = f"victims_ready/{iteration}", [w for w, (it, _) in at.items() if it == iteration]
+            root.add(ready, 1)
             others = [w for w in session.view.members if w not in at]
             deadline = time.monotonic() + 60
+
             def settled() -> bool:
-                return root.add("victims_ready", 0) >= len(at) and all(
+                return root.add(ready, 0) >= len(peers) and all(
                     get_int(session.store, Keys.commit(w)) >= iteration for w in others)
 
             while not settled() and time.monotonic() < deadline:

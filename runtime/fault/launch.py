@@ -187,6 +187,9 @@ class Launcher:
 
     def _drain(self, grace: float) -> None:
         """Let the workers leave by themselves (a save in flight ends on disk), then stop the rest."""
+        for slot in self.slots:  # replacements not admitted yet hold nothing to save and wait for nobody
+            if slot.proc is not None and slot.incarnation > 0 and slot.admitted is None:
+                slot.proc.kill()
         deadline = time.monotonic() + grace
         while any(s.proc is not None and s.proc.poll() is None for s in self.slots) and time.monotonic() < deadline:
             time.sleep(self.poll)
