@@ -29,7 +29,9 @@ fresh processes, which restore the latest complete checkpoint and re-run the ite
 seconds from the death to the same point of training (the iteration in flight at the death, or
 the one after the restored checkpoint if later) completed on every worker. `lost`: the iterations
 the restart threw away (highest commit minus the restored checkpoint); ours loses none (only the
-iteration in flight is re-run). `relaunch`: the part of `restart` until the last fresh process was
+iteration in flight is re-run). `lossy s`: the same death under `policy="lossy"`: seconds to the
+interrupted iteration finished on every survivor without the lost micro-batches (no re-run; `skipped`:
+the samples it dropped, of 16). `relaunch`: the part of `restart` until the last fresh process was
 up with torch imported (teardown, process start, imports), before it joins, restores and re-runs.
 `--table 3` runs it alone.
 
@@ -179,7 +181,8 @@ def state_transfer(megabytes: float, repeats: int = 3) -> dict:
         launcher.terminate()
 
 
-def training(plans: str, victims: str, on_failure: str, iterations: int = 5) -> dict[str, dict]:
+def training(plans: str, victims: str, on_failure: str, iterations: int = 5, policy: str = "rollback"
+             ) -> dict[str, dict]:
     """Launch the chaos job with a checkpoint every iteration; returns each last-run worker's JSON result."""
     import subprocess
     import tempfile
@@ -188,7 +191,8 @@ def training(plans: str, victims: str, on_failure: str, iterations: int = 5) -> 
     with tempfile.TemporaryDirectory(prefix="schedcomp-ckpt-") as ckpt:
         run = subprocess.run([sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "4", "--dp", "2",
                               "--max-restarts", "1", "--", sys.executable, procs, "restart", str(iterations), plans,
-                              ckpt, victims, on_failure], capture_output=True, text=True, timeout=400)
+                              ckpt, victims, on_failure], capture_output=True, text=True, timeout=400,
+                             env={**os.environ, "CHAOS_POLICY": policy})
     results = {r["worker"]: r for r in (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
     if run.returncode != 0 or not results:
         raise RuntimeError(f"the job failed ({run.returncode}):\n{run.stderr[-3000:]}")
@@ -203,8 +207,8 @@ def table_training(seeds: list[int]) -> None:
 
     print("\nTable 3: training, pp=4 dp=2 (8 processes), checkpoint every iteration: death -> re-run iteration "
           "completed everywhere, ours vs checkpoint-restart")
-    print(f"{'seed':>4} {'victim':>10} {'ours s':>7} {'restart s':>9} {'relaunch s':>10} {'ours/restart':>12} "
-          f"{'lost':>4}")
+    print(f"{'seed':>4} {'victim':>10} {'ours s':>7} {'lossy s':>7} {'skipped':>7} {'restart s':>9} "
+          f"{'relaunch s':>10} {'ours/restart':>12} {'lossy/restart':>13} {'lost':>4}")
     with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as plans:
         precompile(4, 2, 4, 1, directory=plans, time_limit=1.0)
         for seed in seeds:
@@ -215,6 +219,11 @@ def table_training(seeds: list[int]) -> None:
             killed = next(r["killed_at"] for r in ours.values() if r["killed_at"] is not None)
             rerun = min(rec["rerun"] for r in ours.values() for rec in r["recoveries"])
             recovered = max(r["completed_at"][str(rerun)] for r in ours.values()) - killed
+            lossy = training(plans, spec, "replan", policy="lossy")
+            killed = next(r["killed_at"] for r in lossy.values() if r["killed_at"] is not None)
+            (finished,) = {rec["rerun"] for r in lossy.values() for rec in r["recoveries"] if rec["policy"] == "lossy"}
+            lossy_s = max(r["completed_at"][str(finished)] for r in lossy.values()) - killed
+            skipped = next(iter(lossy.values()))["skipped_samples"].get(str(finished), 0)
             again = training(plans, spec, "restart")
             assert all(r["run"] == 1 for r in again.values()), "the job was not restarted"
             killed = next(r["killed_at"] for r in again.values() if r["killed_at"] is not None)
@@ -223,8 +232,9 @@ def table_training(seeds: list[int]) -> None:
             restarted = max(r["completed_at"][str(target)] for r in again.values()) - killed
             relaunch = max(r["started_at"] for r in again.values()) - killed
             lost = next(iter(again.values()))["iterations_lost"]
-            print(f"{seed:>4} {spec:>10} {recovered:>7.3f} {restarted:>9.3f} {relaunch:>10.3f} "
-                  f"{recovered / restarted:>12.3f} {lost:>4}", flush=True)
+            print(f"{seed:>4} {spec:>10} {recovered:>7.3f} {lossy_s:>7.3f} {skipped:>7} {restarted:>9.3f} "
+                  f"{relaunch:>10.3f} {recovered / restarted:>12.3f} {lossy_s / restarted:>13.3f} {lost:>4}",
+                  flush=True)
 
 
 def main() -> None:

@@ -218,7 +218,8 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
 
     trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session,
-                               before=before, checkpoint=CheckpointPolicy(ckpt_dir, every=1, on_failure=on_failure))
+                               before=before, checkpoint=CheckpointPolicy(ckpt_dir, every=1, on_failure=on_failure),
+                               policy=os.environ.get("CHAOS_POLICY", "rollback"))
     report = trainer.run(int(iterations))
     previous = session.store.get(Keys.previous_run()).decode() if session.store.check([Keys.previous_run()]) else None
     emit({"worker": str(env.worker), "run": report.run, "iterations": report.iterations,
@@ -227,6 +228,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
           "state": {k: v.tolist() for k, v in trainer.state().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries],
+          "skipped_samples": {str(i): n for i, n in report.skipped_samples.items()},
           "completed_at": {str(i): t for i, t in report.completed_at.items()}, "started_at": started,
           "killed_at": float(root.get("killed_at")) if root.check(["killed_at"]) else None})
     trainer.close()
