@@ -23,7 +23,7 @@ from its live replica 0:1 and the job switches back to the fault-free plan.
 Columns (seconds, all `time.time()` on one host; one run per size):
 - `death->start`: victim's death (it stamps the time just before SIGKILL) -> its replacement's
   process start (from /proc: fork time, 10 ms resolution); the launcher's reaping and respawn.
-- `start->ann`: replacement process start -> announced (`announce_join`): Python, torch and
+- `start->ann`: replacement process start -> announced (`Report.rejoined.announced_at`): Python, torch and
   schedcomp imports, store connect, and a throw-away Adam: the first torch optimizer of a process
   imports torch._dynamo (about 1.5 s), which would otherwise land after admission, inside the
   survivors' stall.
@@ -103,8 +103,6 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
     import torch.nn.functional as F
     from torch import nn
 
-    import schedcomp.runtime.fault.session as session_module
-    import schedcomp.runtime.resilient as resilient_module
     from schedcomp.cache import PlanCache
     from schedcomp.runtime.fault.agreement import pending_joins
     from schedcomp.runtime.fault.inject import kill_at
@@ -117,25 +115,6 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
     env = WorkerEnv.from_env()
     width, chunks = width_for(float(megabytes)), env.dp * MICROBATCHES
     marks: dict[str, float] = {"process": process_start(), "began": BEGAN}
-    received: dict[str, int] = {}
-
-    def timed(module, name: str, key: str) -> None:
-        """Stamp when `module.name` is entered and left, in this process (the library is not changed)."""
-        inner = getattr(module, name)
-
-        def wrapper(*args, **kwargs):
-            marks[key + "_begin"] = time.time()
-            result = inner(*args, **kwargs)
-            marks[key + "_end"] = time.time()
-            if hasattr(result, "nbytes"):
-                received["nbytes"] = int(result.nbytes)
-            return result
-
-        setattr(module, name, wrapper)
-
-    if env.rejoining:
-        timed(session_module, "announce_join", "announce")
-        timed(resilient_module, "recv_stage_state", "recv")
     # Adam's first construction in a process imports torch._dynamo: do it before announcing.
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])
     marks["imported"] = time.time()
@@ -186,7 +165,8 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
             "failed": list(report.failed), "admitted": report.admitted, "resumed_at": report.resumed_at,
             "handed_over": report.handed_over, "recoveries": len(report.recoveries),
             "completed_at": {str(i): t for i, t in report.completed_at.items()},
-            "marks": marks, "nbytes": received.get("nbytes"), "killed_at": killed}
+            "marks": marks, "killed_at": killed,
+            "rejoined": report.rejoined.__dict__ if report.rejoined is not None else None}
     os.write(1, (json.dumps(line) + "\n").encode())  # one write: workers share the pipe
     trainer.close()
 
@@ -220,11 +200,10 @@ def intervals(completed: dict[str, float], iterations: range) -> list[float]:
 def measure(results: dict[str, dict], iterations: int) -> dict[str, float]:
     """The table's row from the workers' lines (see the module docstring)."""
     new = results[VICTIM]
-    m, at = new["marks"], new["resumed_at"]
+    m, at, joined = new["marks"], new["resumed_at"], new["rejoined"]
     survivors = [r for w, r in results.items() if w != VICTIM]
-    if any(k not in m for k in ("announce_end", "recv_begin", "recv_end")) or new["nbytes"] is None:
-        raise RuntimeError("the replacement's announce or transfer was not timed: has "
-                           "session.announce_join or resilient.recv_stage_state been renamed?")
+    if joined is None:
+        raise RuntimeError("the replacement reported no rejoin (Report.rejoined)")
     if not all(r["admitted"] == [at] for r in survivors):
         raise RuntimeError(f"survivors admitted at {[r['admitted'] for r in survivors]}, replacement resumed at {at}")
     if sum(r["handed_over"] for r in survivors) != 1 or any(r["failed"] for r in results.values()):
@@ -238,13 +217,14 @@ def measure(results: dict[str, dict], iterations: int) -> dict[str, float]:
             for x in intervals(r["completed_at"], range(j, j + 1))]
     degraded = statistics.median(slow) if slow else math.nan
     boundary = max(intervals(r["completed_at"], range(at, at + 1))[0] for r in survivors)
-    xfer = m["recv_end"] - m["recv_begin"]
+    xfer = joined["loaded_at"] - joined["received_at"]
     return {
-        "state MB": new["nbytes"] / 2**20, "it s": normal, "deg it": degraded,
-        "death->start": m["process"] - new["killed_at"], "start->ann": m["announce_end"] - m["process"],
-        "ann->adm": m["admitted"] - m["announce_end"], "build": m["build_end"] - m["build_begin"],
-        "xfer s": xfer, "GB/s": new["nbytes"] / xfer / 1e9, "1st it": first - m["recv_end"],
-        "adm->1st": first - m["admitted"],
+        "state MB": joined["received_bytes"] / 2**20, "it s": normal, "deg it": degraded,
+        "death->start": m["process"] - new["killed_at"], "start->ann": joined["announced_at"] - m["process"],
+        "ann->adm": joined["admitted_at"] - joined["announced_at"], "build": m["build_end"] - m["build_begin"],
+        "xfer s": xfer, "GB/s": joined["received_bytes"] / xfer / 1e9,
+        "1st it": first - joined["loaded_at"],
+        "adm->1st": first - joined["admitted_at"],
         "total": first - m["process"], "stall": boundary - normal, "stall x": boundary / normal,
     }
 

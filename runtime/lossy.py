@@ -11,8 +11,9 @@ survivor still runs; this module gathers what it needs and runs it:
    a later generation finding another's claim (a failure while finishing) falls back to rollback,
    which is always correct: whoever stepped in the unfinished attempt restores its snapshot and
    the iteration is re-run in full. Rollback is also used when the new generation admits
-   replacements (they hold no state of the iteration) or when some survivor never learned the
-   stage-boundary shapes (a failure during the very first iteration's shape probe).
+   replacements (they hold no state of the iteration), when some survivor never learned the
+   stage-boundary shapes (a failure during the very first iteration's shape probe), or when the
+   residuals cannot be computed (survivors ran different plans; see `fault.residual`).
 2. Progress: every survivor publishes how many instructions of iteration i it completed and a
    digest of the plan it ran; all wait for all (abortable), so all compute the same residuals.
 3. Regroup onto the cached plan for the new failed set, plus the old plan's channels among
@@ -22,8 +23,10 @@ survivor still runs; this module gathers what it needs and runs it:
    `chunks / contributors`, contributors being the micro-batches its ledger counts, so the update
    is the mean gradient over the micro-batches that stage holds (`lossy_scale`).
 
-The next iteration then runs on the new plan. `Report.skipped[i]` lists the global-batch chunks
-lost in iteration i, `Report.skipped_samples[i]` their samples.
+The next iteration then runs on the new plan. A finished iteration is not checkpointed (a second
+failure could still roll it back; the next iteration's checkpoint is taken as usual).
+`Report.skipped[i]` lists the global-batch chunks lost in iteration i, `Report.skipped_samples[i]`
+their samples.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback) -> int | None:
         send_stage_state(stage.module, stage.optimizer, session.groups.world, [session.groups.rank_of(recipient)],
                          info={"ledger": report.ledger.get(i, ledger.tolist())})
     batch = rt.batch_for(i)
-    it = trainer.resume(i, batch, residual, step=rt._step(i), ledger=ledger)
+    it = trainer.resume(i, batch, residual, step=rt._step(i, checkpoint=False), ledger=ledger)
     lost = skipped_chunks(residual.lost, plan.microbatches)
     report.ledger[i] = it.ledger.tolist() if it.ledger is not None else ledger.tolist()
     report.skipped[i] = list(lost)

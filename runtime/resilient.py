@@ -56,7 +56,7 @@ from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.report import Recovery, Report
+from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
@@ -143,8 +143,12 @@ class ResilientTrainer:
             if donor is None:
                 raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
                                     "restart the job from a checkpoint")
+            receiving = time.time()
             got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
                                    src=session.groups.rank_of(donor))
+            assert session.announced_at is not None and session.admitted_at is not None
+            self.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(),
+                                            got.nbytes)
             start = int(got.info["iteration"])
             session.commit(start - 1)  # it holds the donor's state after that step
             self.report.resumed_at = start
@@ -161,8 +165,12 @@ class ResilientTrainer:
 
     # ---- one iteration ----------------------------------------------------------------------------------
 
-    def _step(self, i: int) -> Callable[[Iteration], None]:
-        """STEP of iteration i: rescale (lossy), snapshot, optimizer step, commit record, checkpoint."""
+    def _step(self, i: int, checkpoint: bool = True) -> Callable[[Iteration], None]:
+        """STEP of iteration i: rescale (lossy), snapshot, optimizer step, commit record, checkpoint.
+
+        A lossy finish passes `checkpoint=False`: a second failure may still roll that step back
+        and re-run the iteration in full, and a checkpoint is never rewritten (`fault.restart`).
+        """
         trainer, session, snapshot = self.trainer, self.session, self.snapshot
         assert trainer is not None and snapshot is not None
 
@@ -173,7 +181,8 @@ class ResilientTrainer:
             snapshot.take(i)
             trainer.stage.step()
             session.commit(i)  # nothing touches the network between the step and its record
-            self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
+            if checkpoint:
+                self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
 
         return step
 

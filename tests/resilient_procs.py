@@ -160,6 +160,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
           "resumed_at": report.resumed_at, "handed_over": report.handed_over,
+          "rejoined": report.rejoined.__dict__ if report.rejoined is not None else None,
           "completed_at": {str(i): t for i, t in report.completed_at.items()},
           "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None})
     trainer.close()

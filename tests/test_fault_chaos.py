@@ -140,6 +140,10 @@ def test_rejoin_then_a_second_failure(cache_dir) -> None:
     check(results, chaos_reference(PP, DP * MICROBATCHES, iterations), {a, b}, iterations, rejoined={a})
     joined = results[str(a)]
     assert joined["incarnation"] == 1 and joined["resumed_at"] == 6
+    way_in = joined["rejoined"]
+    assert way_in["announced_at"] <= way_in["admitted_at"] <= way_in["received_at"] <= way_in["loaded_at"]
+    assert way_in["received_bytes"] > 0
+    assert all(r["rejoined"] is None for w, r in results.items() if w != str(a))
     assert all(r["failed"] == [str(b)] for r in results.values())
     assert all(6 in r["admitted"] for w, r in results.items() if w != str(a))
 

@@ -21,6 +21,17 @@ class Recovery:
 
 
 @dataclass
+class Rejoined:
+    """A replacement's way in (`time.time()` stamps, comparable across the processes of one host)."""
+
+    announced_at: float  # it told the survivors it is here
+    admitted_at: float  # the generation admitting it was sealed and its groups built
+    received_at: float  # its stage's state started arriving from the donor (waiting for it included)
+    loaded_at: float  # the state is in its module and optimizer
+    received_bytes: int
+
+
+@dataclass
 class Report:
     """What one worker did: iterations completed, recoveries, the ledger of its stage."""
 
@@ -32,6 +43,7 @@ class Report:
     admitted: list[int] = field(default_factory=list)  # iterations at which replacements entered
     handed_over: int = 0  # stage states this worker sent to replacements
     resumed_at: int | None = None  # a replacement: the iteration it started at
+    rejoined: Rejoined | None = None  # a replacement: when it announced itself, entered, got its state
     ledger: dict[int, list[float]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)  # last stage: this worker's share of the mean loss
     completed_at: dict[int, float] = field(default_factory=dict)  # iteration -> time.time() of its STEP

@@ -74,6 +74,8 @@ class FaultSession:
         self.view: View | None = None
         self.previous: View | None = None  # the generation before the current one
         self.groups: Groups | None = None
+        self.announced_at: float | None = None  # a replacement: when it announced itself
+        self.admitted_at: float | None = None  # when `start` returned (joined or admitted)
 
     # ---- joining -------------------------------------------------------------------------------------
 
@@ -83,11 +85,13 @@ class FaultSession:
         self.detector.start()
         if self.env.rejoining:
             announce_join(self.store, self.me, self.env.incarnation)
+            self.announced_at = time.time()
             known = latest_view(self.store) or View(-1, View.initial(self.env.pp, self.env.dp).topology)
             view = agree(self.store, known, self.me, self.detector, propose=False, timeout=self.agree_timeout)
         else:
             view = join_job(self.store, self.env.pp, self.env.dp, self.me, self.detector, timeout=self.agree_timeout)
         self._enter(view)
+        self.admitted_at = time.time()
         return view
 
     @property
