@@ -34,20 +34,20 @@ Columns (seconds, all `time.time()` on one host; one run per size):
   ahead), so the replacement waits out the iteration in flight and two more, here three whole
   degraded iterations (the survivors held at the start of iteration 2), plus the admission's
   agreement and group construction. `deg it`: a degraded iteration (median, hold excluded).
-- `build`: building the stage and its optimizer on the replacement, after admission (the
-  trainer is built once the generation is known).
+- `build`: building the stage's module on the replacement; `ResilientTrainer.start` does it
+  before announcing, so it is part of `start->ann`, not of the survivors' stall.
 - `xfer s`, `GB/s`: `recv_stage_state` as the replacement sees it (wait for the donor, receive
   state MB over gloo on loopback, load it into the module and Adam). Compare Table 2 of
   `bench/bench_fault.py`, the raw transfer alone.
 - `1st it`: state loaded -> the replacement's first iteration completed (with the survivors,
   who start it once the donor has sent; it includes the first `StepSnapshot` of the stage).
-- `adm->1st`: admitted -> the replacement's first completed iteration: `build`, `xfer s`,
-  `1st it`, and the rest waiting for the survivors (they leave the agreement, arrive, rebuild
+- `adm->1st`: admitted -> the replacement's first completed iteration: its optimizer and
+  groups, `xfer s`, `1st it`, and the rest waiting for the survivors (they leave the agreement, arrive, rebuild
   their groups, switch plans, and the donor serialises its state before sending).
 - `total`: replacement process start -> its first completed iteration.
 - `stall`, `stall x`: the survivors' stall at the admission boundary: from finishing the
   boundary iteration to finishing the next one (admission, regroup, plan switch, the donor's
-  send, the replacement's build and first iteration), minus a normal iteration (`it s`: median
+  send, the replacement's first iteration), minus a normal iteration (`it s`: median
   of the fault-free iterations after the rejoin in the same run); `stall x` is that interval over
   a normal iteration. The worst survivor.
 """
@@ -155,8 +155,6 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
             session.store.set("killed_at", repr(time.time()))
             kill(iteration, index, ins)
 
-    session.start()  # a replacement: announces itself and waits here until it is admitted
-    marks["admitted"] = time.time()
     trainer = ResilientTrainer(PlanCache.load(cache_dir), build_stage, F.mse_loss, make_optimizer, batch_for,
                                session=session, before=before)
     report = trainer.run(int(iterations))

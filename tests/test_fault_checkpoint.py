@@ -20,6 +20,9 @@ from schedcomp.runtime.fault.checkpoint import (
 )
 from schedcomp.topology import Topology, Worker
 
+# per-stage checkpoints are single-process DCP saves by design; DCP warns about that
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
+
 
 def test_async_checkpoint_holds_the_state_at_save_time_while_training_goes_on(tmp_path: Path) -> None:
     module, optimizer = demo_stage(seed=0)
