@@ -127,12 +127,11 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
             layers.append(nn.Linear(width, width))
             if i < LAYERS - 1 or stage < env.pp - 1:
                 layers.append(nn.Tanh())
+        marks["build_end"] = time.time()
         return nn.Sequential(*layers)
 
     def make_optimizer(params) -> torch.optim.Optimizer:
-        optimizer = torch.optim.Adam(params, lr=1e-4)
-        marks["build_end"] = time.time()
-        return optimizer
+        return torch.optim.Adam(params, lr=1e-4)
 
     def batch_for(iteration: int):
         g = torch.Generator().manual_seed(10_000 + iteration)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from fault_procs import CHILD_DEADLINE, emit, setup_logging
-from momentum import Momentum
 
 HERE = Path(__file__).resolve()
 
@@ -43,6 +42,7 @@ def chaos_batch(iteration: int, chunks: int):
 def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
     """The fault-free model, trained in one process on the same global batches."""
     import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
     stages = [chaos_stage(s, pp) for s in range(pp)]
     optimizers = [Momentum(m.parameters()) for m in stages]
@@ -62,6 +62,7 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
     global-batch chunks in `held[i][s]` (all chunks for iterations not in `held`), one process."""
     import torch
     import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
     stages = [chaos_stage(s, pp) for s in range(pp)]
     optimizers = [Momentum(m.parameters()) for m in stages]
@@ -114,6 +115,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     import torch
     import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
     from schedcomp.cache import PlanCache
     from schedcomp.runtime.fault.agreement import pending_joins
@@ -179,6 +181,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
 
     import torch
     import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
     from schedcomp.cache import PlanCache
     from schedcomp.runtime.fault.inject import kill_at
