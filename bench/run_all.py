@@ -1,6 +1,6 @@
 """Run every benchmark in bench/, one after the other, printing each one's tables.
 
-Reproduce:  make bench            (everything: about 25 minutes on a 2-core machine)
+Reproduce:  make bench            (everything: about 35 minutes on a 2-core machine)
             python bench/run_all.py --quick     (the smaller variants, a few minutes)
 """
 
