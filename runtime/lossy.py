@@ -23,6 +23,10 @@ survivor still runs; this module gathers what it needs and runs it:
    `chunks / contributors`, contributors being the micro-batches its ledger counts, so the update
    is the mean gradient over the micro-batches that stage holds (`lossy_scale`).
 
+Cost when nothing fails: each worker keeps the tensors it sent in the previous iteration (the
+activations and gradients crossing its stage boundaries) until the current one ends, because a
+failure may catch a receiver that never consumed them after their sender moved on.
+
 The next iteration then runs on the new plan. A finished iteration is not checkpointed (a second
 failure could still roll it back; the next iteration's checkpoint is taken as usual).
 `Report.skipped[i]` lists the global-batch chunks lost in iteration i, `Report.skipped_samples[i]`
