@@ -46,6 +46,7 @@ class Iteration:
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
     ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
+    keep_sent: bool = False  # keep every sent tensor until the iteration is dropped (lossy recovery)
     # state, filled and emptied as the stream runs
     loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -97,7 +98,8 @@ class Iteration:
         assert ins.op is not None and ins.peer is not None
         key = (direction, _key(ins.op))
         tensors = self.sent[key] if again else tuple(t.contiguous() for t in self.outgoing.pop(key))
-        self.sent[key] = tensors
+        if self.keep_sent:
+            self.sent[key] = tensors
         for part, t in enumerate(tensors):
             self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins.op, direction, part)), t))
 
@@ -108,8 +110,16 @@ class Iteration:
         self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
 
     def drop(self, lost: Iterable[Key]) -> None:
-        """Forget everything held for these micro-batches (lossy recovery: they are skipped)."""
+        """Forget everything held for these micro-batches (lossy recovery: they are skipped).
+
+        A lost micro-batch whose B ran here gets its W now: B already added the gradients of the
+        layers that do not defer theirs, so completing it keeps `.grad` and the ledger in step.
+        """
         lost = frozenset(lost)
+        for key in self.stage.store.pending():
+            if key in lost:
+                self.stage.backward_weight(key)
+                self.count(key)
         for table in (self.recvs, self.outgoing, self.sent):
             for k in [k for k in table if k[1] in lost]:
                 del table[k]
@@ -117,6 +127,11 @@ class Iteration:
             self.loaded.pop(key, None)
             self.losses.pop(key, None)
             self.stage.discard(key)
+
+    def count(self, key: Key) -> None:
+        """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs)."""
+        if self.ledger is not None:
+            self.ledger[chunk_index(key[0], key[1], self.plan.microbatches)] += 1
 
     def finish(self) -> None:
         """Wait for this iteration's sends, then check the stream left nothing behind."""
@@ -177,9 +192,8 @@ def _forward(it: Iteration, ins: Instruction) -> None:
 
 
 def _count(it: Iteration, op: Op | None) -> None:
-    """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs)."""
-    if it.ledger is not None and op is not None:
-        it.ledger[chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)] += 1
+    if op is not None:
+        it.count(_key(op))
 
 
 def _backward(it: Iteration, ins: Instruction, split: bool) -> None:

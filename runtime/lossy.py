@@ -11,17 +11,22 @@ survivor still runs; this module gathers what it needs and runs it:
    a later generation finding another's claim (a failure while finishing) falls back to rollback,
    which is always correct: whoever stepped in the unfinished attempt restores its snapshot and
    the iteration is re-run in full. Rollback is also used when the new generation admits
-   replacements (they hold no state of the iteration), when some survivor never learned the
-   stage-boundary shapes (a failure during the very first iteration's shape probe), or when the
+   replacements (they hold no state of the iteration), when some survivor already dropped its
+   state (an earlier attempt to recover failed before this claim), when nothing of the iteration
+   had run anywhere (re-running it loses nothing), after the last iteration, or when the
    residuals cannot be computed (survivors ran different plans; see `fault.residual`).
 2. Progress: every survivor publishes how many instructions of iteration i it completed and a
    digest of the plan it ran; all wait for all (abortable), so all compute the same residuals.
 3. Regroup onto the cached plan for the new failed set, plus the old plan's channels among
    survivors (the residual's transfers follow the old plan).
 4. Stages whose live replicas had partly stepped: the stepped one sends its state (and ledger).
-5. Run the residual (`PipelineTrainer.resume`). At STEP each stage scales its reduced gradient by
+5. Run the residual (`PipelineTrainer.resume`). A lost micro-batch whose B already ran on a
+   survivor gets its W there too (no communication needed): B already put the gradients of the
+   layers that do not defer theirs (norms, embeddings) into `.grad`, so the whole micro-batch
+   counts at that stage, as its ledger says. At STEP each stage scales its reduced gradient by
    `chunks / contributors`, contributors being the micro-batches its ledger counts, so the update
-   is the mean gradient over the micro-batches that stage holds (`lossy_scale`).
+   is the mean gradient over the micro-batches that stage holds (`lossy_scale`); a stage left
+   with none skips its optimizer step.
 
 Cost when nothing fails: each worker keeps the tensors it sent in the previous iteration (the
 activations and gradients crossing its stage boundaries) until the current one ends, because a
@@ -70,25 +75,32 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(plan.to_text().encode()).hexdigest()[:16]
 
 
-def finish_interrupted(rt: ResilientTrainer, decision: Rollback) -> int | None:
+def finish_interrupted(rt: ResilientTrainer, decision: Rollback, intact: bool) -> int | None:
     """Finish iteration `decision.rerun` without the lost micro-batches; returns the next iteration.
 
-    Returns None (use rollback) in the cases of the module docstring; raises
+    `intact`: this worker still holds its state of the interrupted iteration (it was not abandoned
+    by an earlier attempt to recover). Returns None (use rollback) in the cases of the module
+    docstring; raises
     `GenerationAborted` / `RuntimeError` if the generation breaks meanwhile (recovery starts over).
     """
     session, trainer, report = rt.session, rt.trainer, rt.report
     assert trainer is not None and report is not None and session.view is not None and rt.snapshot is not None
     i, view = decision.rerun, session.view
+    if i >= rt.iterations:  # the failure hit after the last iteration was stepped everywhere
+        return None
     claim = session.store.compare_set(f"lossy/{i}", "", str(view.generation)).decode()
     if claim != str(view.generation) or session.joiners():
         return None
     current = trainer.recent.get(i)
     plan = current.plan if current is not None else trainer.plan
-    mine = {"progress": current.index if current is not None else 0, "plan": plan_digest(plan),
-            "shapes": trainer.knows_shapes}
+    mine = {"progress": current.index if current is not None else 0, "plan": plan_digest(plan), "intact": intact}
     records = _exchange(rt, f"gen{view.generation}/progress", mine)
-    if len({r["plan"] for r in records.values()}) > 1 or not all(r["shapes"] for r in records.values()):
+    if len({r["plan"] for r in records.values()}) > 1 or not all(r["intact"] for r in records.values()):
         return None
+    if not any(r["progress"] for r in records.values()):  # nothing of it ran: re-running loses nothing
+        return None
+    if any(records[w]["progress"] != len(plan.streams[w]) for w in decision.undo):
+        return None  # a worker that stepped must have finished its stream: records inconsistent
     failed = [w for w in plan.workers if w not in view.members]
     try:
         residual = residuals(plan, {w: r["progress"] for w, r in records.items()}, failed)[session.me]

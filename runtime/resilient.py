@@ -115,6 +115,7 @@ class ResilientTrainer:
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
         self.iteration = 0
+        self.iterations = 0  # to train (set by `run`)
         self.report: Report | None = None
 
     # ---- waiting -------------------------------------------------------------------------------------
@@ -182,7 +183,10 @@ class ResilientTrainer:
             if scale != 1.0:
                 trainer.stage.scale_grads(scale)
             snapshot.take(i)
-            trainer.stage.step()
+            if it.ledger is not None and not bool(it.ledger.any()):  # lossy: this stage holds no gradient;
+                trainer.stage.optimizer.zero_grad(set_to_none=True)  # momentum or decay must not move it
+            else:
+                trainer.stage.step()
             session.commit(i)  # nothing touches the network between the step and its record
             if checkpoint:
                 self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
@@ -217,17 +221,18 @@ class ResilientTrainer:
         log.warning("worker %s: generation %d broke (%s): recovering", session.me,
                     session.view.generation if session.view else -1, error)
         session.report(error)
-        if self.policy != "lossy":  # lossy finishes the iteration from this state
+        intact = self.policy == "lossy"  # lossy finishes the iteration from this state: keep it
+        if not intact:
             trainer.abandon()
         while True:
             try:
                 view = session.recover()
                 agreed = time.perf_counter() - noticed
                 decision = session.rollback()
+                if self.after_recovery is not None:
+                    self.after_recovery(decision.rerun)
                 if self.policy == "lossy":
-                    if self.after_recovery is not None:
-                        self.after_recovery(decision.rerun)
-                    finished = finish_interrupted(self, decision)
+                    finished = finish_interrupted(self, decision, intact)
                     if finished is not None:
                         report.completed_at[decision.rerun] = time.time()
                         report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
@@ -235,16 +240,15 @@ class ResilientTrainer:
                                                           time.perf_counter() - noticed, "lossy"))
                         return finished
                     trainer.abandon()  # rollback instead (see `lossy`)
+                    intact = False
                 undone = session.me in decision.undo
                 if undone:
                     self.snapshot.restore()
                     session.commit(decision.rerun - 1)  # a second recovery must not undo it again
                 for i in [i for i in report.ledger if i >= decision.rerun]:
-                    del report.ledger[i]
-                    report.losses.pop(i, None)
-                    report.completed_at.pop(i, None)
-                if self.after_recovery is not None:
-                    self.after_recovery(decision.rerun)
+                    for table in (report.ledger, report.losses, report.completed_at, report.skipped,
+                                  report.skipped_samples):
+                        table.pop(i, None)
                 plan = self.lookup(view.topology)
                 self._arrive()
                 trainer.regroup(plan, session.groups.rank, session.generation.new_group, self._wait)
@@ -256,6 +260,7 @@ class ResilientTrainer:
                 log.warning("worker %s: failure during recovery (%s): recovering again", session.me, e)
                 session.report(e)
                 trainer.abandon()
+                intact = False
 
     def _arrive(self, poll: float = 0.002) -> None:
         """Wait until every member of the generation is here, or raise if it breaks meanwhile.
@@ -301,6 +306,7 @@ class ResilientTrainer:
 
     def run(self, iterations: int) -> Report:
         """Train until iteration `iterations - 1` is done; returns this worker's report."""
+        self.iterations = iterations
         i = self.start()
         assert self.report is not None
         while True:

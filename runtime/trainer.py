@@ -265,16 +265,12 @@ class PipelineTrainer:
             record=self.profile,
             step=step,
             ledger=ledger,
+            keep_sent=self.keep_recent,
         )
         if self.keep_recent:  # a lossy recovery finishes an interrupted iteration from this state
             self.recent = {n: r for n, r in self.recent.items() if n >= self.iteration - 1}
             self.recent[self.iteration] = it
         return it
-
-    @property
-    def knows_shapes(self) -> bool:
-        """Whether this worker knows what crosses its stage boundaries (it ran an iteration before)."""
-        return self.pp == 1 or bool(self._boundaries)
 
     def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
                step: Callable[[Iteration], None], ledger: Tensor) -> Iteration:
@@ -284,6 +280,7 @@ class PipelineTrainer:
         it) and runs `residual` (`fault.residual`); call after `regroup`. `ledger` is used only
         for a fresh start: an interrupted iteration keeps counting in its own.
         """
+        self._probe_shapes(batch[0])  # collective: every survivor resumes (after a regroup it probes again)
         it = self.recent.get(number)
         if it is None:
             saved, self.iteration = self.iteration, number

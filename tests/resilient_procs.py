@@ -84,7 +84,7 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
         for s, (m, o) in enumerate(zip(stages, optimizers, strict=True)):
             n = len(keep.get(s, range(chunks)))
             for acc, p in zip(sums[s], m.parameters(), strict=True):
-                p.grad = acc / n
+                p.grad = acc / n if n else None  # a stage left with no micro-batch does not step
             o.step()
             o.zero_grad()
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]

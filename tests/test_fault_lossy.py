@@ -58,7 +58,9 @@ def check_lossy(results: dict[str, dict], victims: set[Worker], may_roll_back: b
         assert sorted(map(int, r["ledger"])) == list(range(ITERATIONS)), r["worker"]
         assert {int(i): v for i, v in r["skipped"].items()} == skipped, r["worker"]
         assert {int(i): n for i, n in r["skipped_samples"].items()} == {i: len(v) * ROWS for i, v in skipped.items()}
-        assert may_roll_back or all(rec["policy"] == "lossy" for rec in r["recoveries"]), r["recoveries"]
+        # nothing re-run: every recovery finished an iteration lossily, or came after the last one
+        assert may_roll_back or all(rec["policy"] == "lossy" or rec["rerun"] >= ITERATIONS
+                                    for rec in r["recoveries"]), r["recoveries"]
     held = held_chunks(results)
     for i, stages in held.items():
         kept = set(range(CHUNKS)) - set(skipped.get(i, ()))
@@ -99,14 +101,15 @@ def test_lossy_finishes_the_iteration_without_the_lost_microbatches(cache_dir, s
         assert skipped == {recovery["rerun"]: lost}  # the micro-batches with a slot on the victim
 
 
-def test_lossy_failure_just_before_the_optimizer_step(cache_dir) -> None:
+def test_lossy_failure_just_before_the_last_optimizer_step(cache_dir) -> None:
     # The victim's all-reduce is done when it dies: its stage's replica steps with every gradient,
-    # stages behind it finish without the victim's micro-batches.
+    # stages behind it finish without the victim's micro-batches. In the last iteration, survivors
+    # that had all stepped it may only notice in the final meeting: nothing is left to finish, and
+    # no extra iteration may be trained (check_lossy counts them).
     victim = Worker(1, 1)
     stream = precompile_plan(cache_dir).streams[victim]
-    results = launch(cache_dir, f"{victim}@2.{len(stream) - 1}")
+    results = launch(cache_dir, f"{victim}@{ITERATIONS - 1}.{len(stream) - 1}")
     check_lossy(results, {victim})
-    assert all(r["recoveries"][0]["policy"] == "lossy" for r in results.values())
 
 
 def test_lossy_with_a_failure_during_recovery(cache_dir) -> None:

@@ -13,6 +13,7 @@ stage all-reducing among exactly its live replicas that had not stepped.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -40,7 +41,7 @@ class Machine:
     needs: frozenset[tuple]  # (worker, recv kind, microbatch): compute ops that read a received tensor
     pos: dict[Worker, int] = field(default_factory=dict)
     posted_recv: set[tuple] = field(default_factory=set)  # (receiver, kind, microbatch)
-    arrived: set[tuple] = field(default_factory=set)  # messages sent: (receiver, recv kind, microbatch)
+    arrived: Counter = field(default_factory=Counter)  # messages sent, not consumed: (receiver, recv kind, mb)
     computed: list[tuple] = field(default_factory=list)  # (worker, op kind, microbatch)
     consumed: list[tuple] = field(default_factory=list)
     reduced: set[Worker] = field(default_factory=set)  # passed its all-reduce, may still have to step
@@ -55,7 +56,7 @@ class Machine:
         ins = self.streams[w][self.pos[w]]
         if ins.kind in READS and (w, READS[ins.kind], _mb(ins)) in self.needs:
             key = (w, READS[ins.kind], _mb(ins))
-            return key in self.posted_recv and key in self.arrived
+            return key in self.posted_recv and self.arrived[key] > 0
         if ins.kind is InstrKind.ALLREDUCE:
             if w in self.reduced:
                 return True
@@ -68,14 +69,16 @@ class Machine:
         ins = self.streams[w][self.pos[w]]
         if ins.kind in RECV_OF:
             assert ins.peer is not None
-            self.arrived.add((ins.peer, RECV_OF[ins.kind], _mb(ins)))
+            key = (ins.peer, RECV_OF[ins.kind], _mb(ins))
+            self.arrived[key] += 1
+            assert self.arrived[key] == 1, f"{key} sent twice"
         elif ins.kind in (InstrKind.RECV_ACT, InstrKind.RECV_GRAD):
             self.posted_recv.add((w, ins.kind, _mb(ins)))
         elif ins.kind in READS or ins.kind is InstrKind.W:
             if ins.kind in READS and (w, READS[ins.kind], _mb(ins)) in self.needs:
                 key = (w, READS[ins.kind], _mb(ins))
                 self.posted_recv.discard(key)
-                self.arrived.discard(key)
+                self.arrived[key] -= 1
                 self.consumed.append(key)
             assert ins.op is not None
             self.computed.append((w, ins.op.kind, _mb(ins)))
@@ -114,6 +117,7 @@ def _fail_and_finish(plan: Plan, rng: random.Random, cut: int, failed: list[Work
     lost = lost_microbatches(plan, failed)
     after = _residual_machine(plans, _needs(plan))
     assert after.run(rng), "the residual deadlocked"
+    assert not +after.arrived, f"sent and never consumed: {sorted(+after.arrived)}"
     # exactly once, per kept micro-batch and stage, across before and after (survivors only)
     kept_before = [c for c in before.computed if c[0] not in failed and c[2] not in lost]
     done = kept_before + after.computed

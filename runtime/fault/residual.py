@@ -103,7 +103,11 @@ def residuals(plan: Plan, progress: Mapping[Worker, int], failed: Iterable[Worke
     consumers = {w: _consumer_index(plan.streams[w]) for w in survivors}
 
     def consumed(receiver: Worker, recv: InstrKind, key: MicroBatch) -> bool:
-        return consumers[receiver][(recv, key)] < progress[receiver]
+        reader = consumers[receiver].get((recv, key))
+        if reader is None:
+            raise RecoveryError(f"worker {receiver} receives {recv} of micro-batch {key} but never reads it: "
+                                "the plan is malformed, run `schedcomp check` on it")
+        return reader < progress[receiver]
 
     donors = _donors(plan, progress, survivors)
     out: dict[Worker, Residual] = {}
@@ -140,7 +144,7 @@ def _donors(plan: Plan, progress: Mapping[Worker, int], survivors: list[Worker])
             if w in stepped:
                 continue
             stream = plan.streams[w]
-            reduce_at = next(i for i, ins in enumerate(stream) if ins.kind is InstrKind.ALLREDUCE)
+            reduce_at = next((i for i, ins in enumerate(stream) if ins.kind is InstrKind.ALLREDUCE), None)
             if progress[w] != reduce_at:
                 raise RecoveryError(f"worker {w} stopped at instruction {progress[w]} while its replica {stepped[0]} "
                                     "had stepped: the all-reduce cannot have completed; use the rollback policy")

@@ -60,3 +60,14 @@ def test_kill_hook_only_for_the_first_incarnation_of_a_victim() -> None:
     assert hook is not None
     hook(3, 3, None)  # before the point: nothing happens (the test process lives on)
     hook(2, 99, None)
+
+
+def test_lossy_scale_is_the_mean_over_the_microbatches_a_stage_holds() -> None:
+    import torch
+
+    from schedcomp.runtime.lossy import lossy_scale
+
+    assert lossy_scale(None) == 1.0
+    assert lossy_scale(torch.ones(8, dtype=torch.float64)) == 1.0
+    assert lossy_scale(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)) == 4 / 3
+    assert lossy_scale(torch.zeros(4, dtype=torch.float64)) == 1.0  # nothing held: the step is skipped instead
