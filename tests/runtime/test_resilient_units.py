@@ -71,3 +71,29 @@ def test_lossy_scale_is_the_mean_over_the_microbatches_a_stage_holds() -> None:
     assert lossy_scale(torch.ones(8, dtype=torch.float64)) == 1.0
     assert lossy_scale(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)) == 4 / 3
     assert lossy_scale(torch.zeros(4, dtype=torch.float64)) == 1.0  # nothing held: the step is skipped instead
+
+
+def test_dropping_a_lost_microbatch_whose_b_ran_completes_its_w_and_counts_it() -> None:
+    # Under split backward only nn.Linear defers its weight gradient to W; B already gave the
+    # LayerNorm its gradient. A lost micro-batch caught between B and W must then count fully.
+    import torch
+    from torch import nn
+
+    from schedcomp.compiler import compile
+    from schedcomp.runtime.executor import Iteration
+    from schedcomp.runtime.stage import Stage
+    from schedcomp.topology import Worker
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    stage = Stage(0, 2, module, None, lambda params: None)
+    it = Iteration(plan=compile(2, 1, 2, schedule="zb-h1"), worker=Worker(0, 0), stage=stage, comm=None,
+                   inputs=None, targets=None, input_meta=(), output_meta=(),
+                   ledger=torch.zeros(2, dtype=torch.float64))
+    (out,) = stage.forward((0, 1), (torch.randn(3, 4),))
+    stage.backward((0, 1), (torch.ones_like(out),), split=True)
+    assert module[0].weight.grad is None and module[1].weight.grad is not None
+    it.drop({(0, 1)})
+    assert module[0].weight.grad is not None  # W ran
+    assert it.ledger.tolist() == [0.0, 1.0]
+    assert not stage.store.pending() and stage.in_flight() == 0
