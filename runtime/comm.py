@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import Plan
+from schedcomp.ir import InstrKind, Plan
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,15 @@ class RankMap:
                 f"so launch exactly {len(self.workers)} processes"
             )
         return self.workers[rank]
+
+
+def channels(plan: Plan, among: Collection[Worker] | None = None) -> Iterator[tuple[Worker, Worker]]:
+    """The (sender, receiver) pairs `plan`'s transfers use (only those between workers in `among`)."""
+    for w, stream in plan.streams.items():
+        for ins in stream:
+            if (ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD) and ins.peer is not None
+                    and (among is None or (w in among and ins.peer in among))):
+                yield w, ins.peer
 
 
 class Comm:

@@ -128,6 +128,10 @@ class Iteration:
             self.losses.pop(key, None)
             self.stage.discard(key)
 
+    def loss(self) -> Tensor | None:
+        """The sum of this worker's scaled micro-batch losses (last stage; None elsewhere)."""
+        return torch.stack(list(self.losses.values())).sum() if self.losses else None
+
     def count(self, key: Key) -> None:
         """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs)."""
         if self.ledger is not None:

@@ -49,7 +49,8 @@ import torch
 from torch import Tensor
 
 from schedcomp.errors import RecoveryError
-from schedcomp.ir import InstrKind, Plan
+from schedcomp.ir import Plan
+from schedcomp.runtime.comm import channels
 from schedcomp.runtime.data import as_tuple
 from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.policy import Rollback
@@ -114,9 +115,7 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback, intact: bool) -
         trainer.stage.optimizer.zero_grad(set_to_none=True)
     rt._arrive()
     trainer.regroup(rt.lookup(view.topology), session.groups.rank, session.generation.new_group, rt._wait)
-    trainer.comm.connect((w, ins.peer) for w, stream in plan.streams.items() if w in view.members
-                         for ins in stream if ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD)
-                         and ins.peer in view.members)
+    trainer.comm.connect(channels(plan, among=view.members))
     ledger = current.ledger if current is not None and current.ledger is not None else \
         torch.zeros(trainer.dp * plan.microbatches, dtype=torch.float64)
     stage = trainer.stage
@@ -133,11 +132,9 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback, intact: bool) -
     batch = rt.batch_for(i)
     it = trainer.resume(i, batch, residual, step=rt._step(i, checkpoint=False), ledger=ledger)
     lost = skipped_chunks(residual.lost, plan.microbatches)
-    report.ledger[i] = it.ledger.tolist() if it.ledger is not None else ledger.tolist()
+    rt._record(i, it)
     report.skipped[i] = list(lost)
     report.skipped_samples[i] = len(lost) * _rows(batch, trainer.dp * plan.microbatches)
-    if it.losses:
-        report.losses[i] = float(torch.stack(list(it.losses.values())).sum())
     log.warning("worker %s: finished iteration %d without %d lost micro-batches (%d samples)", session.me, i,
                 len(lost), report.skipped_samples[i])
     return i + 1

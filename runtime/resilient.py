@@ -205,11 +205,17 @@ class ResilientTrainer:
                 hook(i, index, ins)
 
         trainer.iteration = i
-        it = trainer.run_iteration(self.batch_for(i), step=self._step(i), ledger=ledger, before=before)
-        report.ledger[i] = ledger.tolist()
+        self._record(i, trainer.run_iteration(self.batch_for(i), step=self._step(i), ledger=ledger, before=before))
+
+    def _record(self, i: int, it: Iteration) -> None:
+        """Iteration i is done on this worker (run, or finished after a failure): report it."""
+        report = self.report
+        assert report is not None and it.ledger is not None
+        report.ledger[i] = it.ledger.tolist()
         report.completed_at[i] = time.time()
-        if it.losses:
-            report.losses[i] = float(torch.stack(list(it.losses.values())).sum())
+        loss = it.loss()
+        if loss is not None:
+            report.losses[i] = float(loss)
 
     # ---- after a failure ----------------------------------------------------------------------------------
 
@@ -234,7 +240,6 @@ class ResilientTrainer:
                 if self.policy == "lossy":
                     finished = finish_interrupted(self, decision, intact)
                     if finished is not None:
-                        report.completed_at[decision.rerun] = time.time()
                         report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
                                                           decision.rerun, False, agreed,
                                                           time.perf_counter() - noticed, "lossy"))

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, init_distributed
+from schedcomp.ir import Instruction, Plan
+from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
@@ -134,8 +134,7 @@ class PipelineTrainer:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         self._check_same_plan(plan)
         self.comm.prepare_stage_groups([plan.topology.stage_group(s) for s in range(self.pp)])
-        self.comm.connect((w, i.peer) for w, stream in plan.streams.items() for i in stream
-                          if i.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD) and i.peer is not None)
+        self.comm.connect(channels(plan))
         if self._history and self._history[-1][0] == self.iteration:
             self._history[-1] = (self.iteration, plan)
         else:
@@ -224,8 +223,8 @@ class PipelineTrainer:
     def step(self, batch: tuple[Tensors, Tensors]) -> Loss:
         """Run one iteration of this worker's stream on `batch = (inputs, targets)`; see `Loss`."""
         it = self.run_iteration(batch)
-        loss = torch.stack(list(it.losses.values())).sum() if it.losses else torch.zeros((), device=self.device)
-        loss = loss.to(torch.float64)
+        loss = it.loss()
+        loss = (loss if loss is not None else torch.zeros((), device=self.device)).to(torch.float64)
         work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
         return Loss(loss, work)
 
@@ -242,7 +241,7 @@ class PipelineTrainer:
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
         self._probe_shapes(batch[0])
         started = time.perf_counter()
-        it = self._iteration(batch, step, ledger)
+        it = self._iteration(self.iteration, batch, step, ledger)
         timing: Timing | None = [] if self.profile else None
         run_stream(it, self.stream, timing, before)
         if timing is not None:
@@ -251,7 +250,7 @@ class PipelineTrainer:
         self.iteration += 1
         return it
 
-    def _iteration(self, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
+    def _iteration(self, number: int, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
                    ledger: Tensor | None) -> Iteration:
         inputs, targets = batch
         s = self.worker.stage
@@ -261,15 +260,15 @@ class PipelineTrainer:
             targets=_to(targets, self.device) if s == self.pp - 1 else targets,
             input_meta=self._boundaries[s - 1] if s > 0 else (),
             output_meta=self._boundaries[s] if s < self.pp - 1 else (),
-            number=self.iteration,
+            number=number,
             record=self.profile,
             step=step,
             ledger=ledger,
             keep_sent=self.keep_recent,
         )
         if self.keep_recent:  # a lossy recovery finishes an interrupted iteration from this state
-            self.recent = {n: r for n, r in self.recent.items() if n >= self.iteration - 1}
-            self.recent[self.iteration] = it
+            self.recent = {n: r for n, r in self.recent.items() if n >= number - 1}
+            self.recent[number] = it
         return it
 
     def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
@@ -281,11 +280,7 @@ class PipelineTrainer:
         for a fresh start: an interrupted iteration keeps counting in its own.
         """
         self._probe_shapes(batch[0])  # collective: every survivor resumes (after a regroup it probes again)
-        it = self.recent.get(number)
-        if it is None:
-            saved, self.iteration = self.iteration, number
-            it = self._iteration(batch, step, ledger)
-            self.iteration = saved
+        it = self.recent.get(number) or self._iteration(number, batch, step, ledger)
         it.comm, it.plan, it.step = self.comm, self.plan, step
         run_residual(it, residual.resend, residual.repost, residual.rest, residual.lost)
         self.iteration = number + 1

@@ -66,6 +66,28 @@ def wait_count(store, key: str, count: int, timeout: float = 90.0) -> None:
         time.sleep(0.01)
 
 
+def run_job(pp: int, dp: int, launcher_args: Sequence[str], worker_args: Sequence[str],
+            timeout: float) -> tuple[dict[str, dict], str]:
+    """Run a job under `python -m schedcomp.runtime.fault.launch`; returns each worker's JSON line
+    (by worker: a later line, a replacement's or a later run's, wins) and the job's stderr.
+
+    Fails the test when the launcher exits non-zero or the job outlives `timeout` (then with the
+    stacks the workers dump after CHILD_DEADLINE).
+    """
+    cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(pp), "--dp", str(dp),
+           *launcher_args, "--", sys.executable, *worker_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher stops its workers
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the job did not finish in {timeout} s:\n{err[-12000:]}") from None
+    assert proc.returncode == 0, err[-6000:]
+    results = {r["worker"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    return results, err
+
+
 def result(proc: subprocess.Popen, timeout: float = 100.0) -> dict:
     """The JSON line a child printed (fails with its stderr when it printed none)."""
     out, err = proc.communicate(timeout=timeout)

@@ -16,12 +16,10 @@ optimizer step (a half-applied step), and a rejoin followed by a second failure.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 
 import pytest
+from fault_procs import run_job
 from resilient_procs import HERE, chaos_reference
 
 from schedcomp.cache import precompile
@@ -47,22 +45,8 @@ def reference() -> list[dict]:
 
 def launch(cache_dir: str, victims: str, iterations: int = ITERATIONS, respawn: int = 0, hold: int = -1,
            timeout: float = 150.0) -> dict[str, dict]:
-    cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(PP), "--dp", str(DP),
-           "--respawn", str(respawn), "--", sys.executable, str(HERE), "resilient", str(iterations), cache_dir,
-           victims, str(hold)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # workers dump their stacks after CHILD_DEADLINE: show them
-        proc.terminate()  # the launcher stops its workers
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"the job did not finish in {timeout} s:\n{err[-12000:]}") from None
-    assert proc.returncode == 0, err[-6000:]
-    results: dict[str, dict] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[r["worker"]] = r  # a replacement's line comes last
+    results, _ = run_job(PP, DP, ["--respawn", str(respawn)],
+                         [str(HERE), "resilient", str(iterations), cache_dir, victims, str(hold)], timeout)
     return results
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from fault_procs import HERE
+from fault_procs import HERE, run_job
 
 from schedcomp.runtime.fault.launch import Launcher, parse_args
 from schedcomp.topology import Worker
@@ -51,17 +49,8 @@ def test_launcher_reports_deaths_and_replaces_only_the_dead() -> None:
 
 def test_training_survives_a_sigkill_and_the_replacement_rejoins_bit_exact() -> None:
     iterations, victim, kill_at, hold_at = 14, Worker(1, 1), 3, 6
-    cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "2", "--dp", "2", "--respawn", "1",
-           "--", sys.executable, str(HERE), "train", str(iterations), str(victim), str(kill_at), str(hold_at)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=130)
-    finally:
-        if proc.poll() is None:  # the launcher terminates its workers when it is stopped
-            proc.terminate()
-            proc.communicate(timeout=20)
-    assert proc.returncode == 0, err[-4000:]
-    results = {r["worker"]: r for r in map(json.loads, (line for line in out.splitlines() if line.startswith("{")))}
+    results, err = run_job(2, 2, ["--respawn", "1"],
+                           [str(HERE), "train", str(iterations), str(victim), str(kill_at), str(hold_at)], 130)
     assert set(results) == {"0:0", "0:1", "1:0", "1:1"}, err[-4000:]
     assert results[str(victim)]["incarnation"] == 1
     # every survivor recovered once and re-ran from the same iteration

@@ -9,8 +9,6 @@ check the pieces in one process.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fault_procs import demo_stage, state_digest, train_demo
+from fault_procs import demo_stage, run_job, state_digest, train_demo
 from resilient_procs import HERE, chaos_reference
 
 from schedcomp.cache import PlanCache, precompile
@@ -67,19 +65,9 @@ def test_losing_a_whole_stage_restarts_the_job_from_its_checkpoint(tmp_path: Pat
     degraded = cache.lookup([first])
     spec = ",".join([f"{first}@2.{len(cache.lookup([]).streams[first]) - 1}"]
                     + [f"{w}@3.{len(degraded.streams[w]) - 1}" for w in (Worker(0, 0), Worker(1, 0))])
-    cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(PP), "--dp", str(DP),
-           "--max-restarts", "1", "--", sys.executable, str(HERE), "restart", str(ITERATIONS), str(plans), str(ckpt),
-           spec, "replan", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:  # the launcher stops its workers when it is terminated
-            proc.terminate()
-            proc.communicate(timeout=20)
-    assert proc.returncode == 0, err[-6000:]
+    results, err = run_job(PP, DP, ["--max-restarts", "1"],
+                           [str(HERE), "restart", str(ITERATIONS), str(plans), str(ckpt), spec, "replan", "1"], 240)
     assert "Traceback" not in err, err[-6000:]  # the survivors of run 0 left with one line each
-    results = {r["worker"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     assert set(results) == {str(w) for w in Topology.of(PP, DP).workers}, err[-6000:]  # every worker, run 1
 
     reference = chaos_reference(PP, DP * MICROBATCHES, ITERATIONS)

@@ -319,7 +319,7 @@ def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: floa
                    max_poll: float = 1e-3) -> None:
     """`work.wait()`, but raise `GenerationAborted` as soon as `signal` is set.
 
-    `fault.membership.wait_work` polls `is_completed()`, which gloo's point-to-point work items
+    `wait_work` polls `is_completed()`, which gloo's point-to-point work items
     never report before `wait()` is called, and gloo's timed `wait` breaks the pair on timeout. So
     a daemon thread makes the blocking call (it releases the GIL) and this thread watches both it
     and the signal. An abandoned waiter ends when the broken generation's connections close or

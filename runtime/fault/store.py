@@ -49,15 +49,10 @@ ENV_BIND = "SCHEDCOMP_BIND"  # the address this worker's process groups listen o
 ENV_RUN = "SCHEDCOMP_RUN"  # 0 for the job's first run, then 1, 2, ... after each restart from a checkpoint
 
 
-def run_prefix(run: int) -> str:
-    """The key prefix of run `run` ("" for run 0, so a job that never restarts keeps the bare names)."""
-    return f"run{run}" if run > 0 else ""
-
-
 def run_store(store: Store, run: int) -> Store:
-    """`store` seen from inside run `run`'s namespace."""
-    prefix = run_prefix(run)
-    return PrefixStore(prefix, store) if prefix else store
+    """`store` seen from inside run `run`'s namespace (`run{run}/`; run 0 keeps the bare names, so a
+    job that never restarts has the same keys as without restarts)."""
+    return PrefixStore(f"run{run}", store) if run > 0 else store
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class StoreAddress:
 
     host: str
     port: int
-    prefix: str = ""  # the run's namespace (`run_prefix`); not part of the address's text
+    run: int = 0  # clients land in this run's namespace (`run_store`); not part of the address's text
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -80,12 +75,12 @@ class StoreAddress:
 
     def connect(self, timeout: float = 30.0) -> Store:
         """A new client of the store (one per thread that uses it), inside this address's run namespace."""
-        client = TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout))
-        return PrefixStore(self.prefix, client) if self.prefix else client
+        return run_store(TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout)),
+                         self.run)
 
     def scoped(self, run: int) -> StoreAddress:
         """The same store, with clients inside run `run`'s namespace."""
-        return StoreAddress(self.host, self.port, run_prefix(run))
+        return StoreAddress(self.host, self.port, run)
 
 
 def serve_store(host: str = LOOPBACK, port: int = 0, timeout: float = 30.0) -> tuple[TCPStore, StoreAddress]:
