@@ -1,0 +1,180 @@
+"""Reading and writing the project's files safely: atomic writes, bounded reads, bounded JSON.
+
+Every file schedcomp writes (plans, caches and their indexes, cost models, traces, checkpoint
+manifests) goes through `write_atomic`, so a full disk or a crash leaves the old file whole.
+Every file it reads goes through `read_text`/`read_bytes` (a size limit checked before reading,
+so `/dev/zero` or a 40 GB file is refused at once) and JSON through `load_json` (a nesting limit
+checked before parsing, so a deeply nested file is one clear error, not a RecursionError).
+Failures raise the caller's `SchedcompError` subclass with one line naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from schedcomp.errors import SchedcompError
+
+# Generous for every file the project writes (a 100k-worker plan is ~50 MB); a bigger file is
+# refused before it is read. Raise it with SCHEDCOMP_MAX_FILE_BYTES.
+MAX_FILE_BYTES = 1 << 30
+MAX_JSON_DEPTH = 64
+
+
+def max_file_bytes() -> int:
+    raw = os.environ.get("SCHEDCOMP_MAX_FILE_BYTES")
+    if raw is None:
+        return MAX_FILE_BYTES
+    try:
+        return int(raw)
+    except ValueError:
+        raise SchedcompError(f"SCHEDCOMP_MAX_FILE_BYTES={raw!r} is not a whole number of bytes") from None
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[SchedcompError] = SchedcompError) -> None:
+    """Write `data` to `path` via a temporary file in the same directory, fsync, rename.
+
+    On any failure the old file (if any) is left as it was and no temporary file remains.
+    """
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():  # keep the old file's permissions: mkstemp makes it 0600
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise error(f"cannot write {path}: {e.strerror or e}; the old file, if any, is unchanged") from None
+    _fsync_dir(path.parent)
+
+
+def read_bytes(path: str | os.PathLike[str], what: str, error: type[SchedcompError] = SchedcompError,
+               limit: int | None = None) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (default `max_file_bytes()`)."""
+    path = Path(path)
+    limit = max_file_bytes() if limit is None else limit
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not _is_regular(st.st_mode):
+                raise error(f"{what} {path} is not a regular file")
+            if st.st_size > limit:
+                raise error(f"{what} {path} is {st.st_size} bytes, over the limit of {limit} "
+                            "(raise it with SCHEDCOMP_MAX_FILE_BYTES)")
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:  # a file that grew while we read it
+        raise error(f"{what} {path} is over the limit of {limit} bytes (raise it with SCHEDCOMP_MAX_FILE_BYTES)")
+    return data
+
+
+def read_text(path: str | os.PathLike[str], what: str, error: type[SchedcompError] = SchedcompError,
+              limit: int | None = None) -> str:
+    """A UTF-8 text file, bounded as `read_bytes`."""
+    data = read_bytes(path, what, error, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+
+
+def load_json(text: str | bytes, what: str, error: type[SchedcompError] = SchedcompError,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON, refusing nesting deeper than `max_depth`, NaN/Infinity and over-long integers."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(f"{what} is not UTF-8 text (byte {e.start})") from None
+    depth = _nesting(text)
+    if depth > max_depth:
+        raise error(f"{what} nests {depth} levels deep, more than the {max_depth} allowed")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int)
+    except ValueError as e:  # JSONDecodeError, and our own refusals
+        raise error(f"{what} is not valid JSON: {e}") from None
+
+
+def dumps_json(value: Any, **kwargs: Any) -> str:
+    """JSON that is always valid: NaN and infinities are refused, not written."""
+    try:
+        return json.dumps(value, allow_nan=False, **kwargs)
+    except ValueError as e:
+        raise SchedcompError(f"cannot write JSON: {e}") from None
+
+
+def finite(value: float, what: str, error: type[SchedcompError] = SchedcompError) -> float:
+    if not math.isfinite(value):
+        raise error(f"{what} must be a finite number, not {value}")
+    return value
+
+
+def _nesting(text: str) -> int:
+    """Deepest bracket nesting outside strings: a linear scan, no recursion."""
+    depth = best = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > 30:  # far past any count or size we use; int() of 4300 digits raises anyway
+        raise ValueError(f"integer with {len(digits)} digits is too large")
+    return int(digits)
+
+
+def _is_regular(mode: int) -> bool:
+    return stat.S_ISREG(mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)

@@ -1,0 +1,68 @@
+"""Atomic writes and bounded reads: the old file survives a failed write; hostile files are one clear error."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.fileio import dumps_json, load_json, read_bytes, read_text, write_atomic
+
+
+def test_write_atomic_replaces_and_keeps_permissions(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    write_atomic(target, "new")
+    assert target.read_text() == "new"
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left behind
+
+
+def test_failed_write_leaves_the_old_file(tmp_path: Path, monkeypatch) -> None:
+    target = tmp_path / "plan.json"
+    target.write_text("valid")
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(PlanFormatError, match=r"cannot write .*plan\.json: No space left on device"):
+        write_atomic(target, "x" * 4096, PlanFormatError)
+    assert target.read_text() == "valid"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_write_into_a_missing_directory_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(SchedcompError, match=r"cannot write .*nope/plan\.json"):
+        write_atomic(tmp_path / "nope" / "plan.json", "x")
+
+
+def test_reads_are_bounded(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    big.write_bytes(b"x" * 100)
+    with pytest.raises(SchedcompError, match="100 bytes, over the limit of 10"):
+        read_bytes(big, "plan", limit=10)
+    with pytest.raises(SchedcompError, match="not a regular file"):
+        read_bytes("/dev/zero", "plan")
+    with pytest.raises(SchedcompError, match=r"cannot read plan .*missing"):
+        read_bytes(tmp_path / "missing", "plan")
+    utf16 = tmp_path / "costs.json"
+    utf16.write_text("{}", encoding="utf-16")
+    with pytest.raises(SchedcompError, match="not UTF-8"):
+        read_text(utf16, "cost model")
+
+
+def test_json_is_bounded_and_always_valid() -> None:
+    with pytest.raises(SchedcompError, match="nests 100 levels"):
+        load_json("[" * 100 + "]" * 100, "plan")
+    assert load_json('["[[[["]', "plan") == ["[[[["]  # brackets inside strings do not count
+    with pytest.raises(SchedcompError, match="NaN"):
+        load_json('{"f": NaN}', "costs")
+    with pytest.raises(SchedcompError, match="too large"):
+        load_json("1" * 401, "costs")
+    with pytest.raises(SchedcompError, match="not valid JSON"):
+        load_json("{", "costs")
+    with pytest.raises(SchedcompError, match="Out of range float values"):
+        dumps_json({"period": float("inf")})
+    assert dumps_json({"a": 1}) == '{"a": 1}'
