@@ -12,6 +12,12 @@ Groups (every rank creates them, in the same order, so no call can mismatch):
 - a control group over every rank: shape probe, parameter sync, loss reduction.
 - one group per stage over its live workers (created when a plan first needs it) for ALLREDUCE.
 
+Devices: the groups serve both the CPU and the GPU (`"cpu:gloo,cuda:nccl"`, see `backend_spec`):
+activations, gradients and parameters go over NCCL on the GPU, small control tensors (plan
+digests, shape metadata, the clock origin, trace tables) stay on the CPU over gloo, where reading
+them back costs no device synchronisation (`Comm.control_device`). A group that serves only the
+GPU (a default group the caller made with plain `"nccl"`) gets its control tensors on the GPU.
+
 Channels are connected before the first iteration that uses them (`connect`): one tiny message
 per (sender, receiver) pair, in one global order, each waited on. NCCL builds a pair's
 communicator at its first transfer and blocks the sender until the receiver joins; done in the
@@ -47,12 +53,50 @@ def plain_wait(work: dist.Work) -> None:
     work.wait()
 
 
+BACKENDS = ("gloo", "nccl")
+GPU_BACKEND = "cpu:gloo,cuda:nccl"  # control tensors on the CPU over gloo, the rest on the GPU over NCCL
+
+
+def backend_spec(backend: str) -> dict[str, str]:
+    """Device type -> backend for a backend string in torch's forms: "gloo", "nccl", "cpu:gloo,cuda:nccl".
+
+    "nccl" alone means the GPU setup, `GPU_BACKEND`: an NCCL-only group cannot carry a CPU tensor,
+    and the runtime's small control tensors live on the CPU.
+    """
+    name = backend.strip().lower()
+    if name in BACKENDS:
+        return {"cpu": "gloo"} if name == "gloo" else backend_spec(GPU_BACKEND)
+    spec: dict[str, str] = {}
+    for part in name.split(","):
+        device, _, impl = part.strip().partition(":")
+        if device not in ("cpu", "cuda") or impl not in BACKENDS or device in spec:
+            raise RuntimeSetupError(f"backend {backend!r} is not one this runtime builds: use gloo, nccl or a "
+                                    "list like 'cpu:gloo,cuda:nccl' (each of cpu and cuda at most once)")
+        spec[device] = impl
+    if spec.get("cpu") == "nccl":
+        raise RuntimeSetupError(f"backend {backend!r} puts NCCL on the CPU: NCCL serves only cuda, use cpu:gloo")
+    return spec
+
+
 def pick_backend() -> str:
-    """NCCL when every local rank can have its own GPU, gloo otherwise."""
+    """`GPU_BACKEND` when every local rank can have its own GPU, gloo otherwise."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if dist.is_nccl_available() and torch.cuda.is_available() and torch.cuda.device_count() >= local:
-        return "nccl"
+        return GPU_BACKEND
     return "gloo"
+
+
+def local_device(spec: dict[str, str]) -> torch.device:
+    """This process's compute device: its own GPU (LOCAL_RANK, made current) when NCCL serves cuda, else the CPU."""
+    if spec.get("cuda") != "nccl":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not torch.cuda.is_available() or local >= torch.cuda.device_count():
+        raise RuntimeSetupError(f"NCCL needs a GPU per process but local rank {local} sees "
+                                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: "
+                                "launch at most one process per GPU, or use the gloo backend")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -63,13 +107,38 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
                 "no distributed job found: launch with `torchrun --standalone --nproc-per-node N ...` "
                 "or call torch.distributed.init_process_group first"
             )
-        backend = backend or pick_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    if dist.get_backend() == "nccl":
+        spec = backend_spec(backend or pick_backend())
+        device = local_device(spec)
+        dist.init_process_group(",".join(f"{d}:{b}" for d, b in spec.items()))
+        return dist.get_rank(), dist.get_world_size(), device
+    if "nccl" in str(dist.get_backend_config()).lower():  # joined by the caller, who chose the GPU
         return dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device())
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+
+
+def served_devices(group: dist.ProcessGroup) -> frozenset[str]:
+    """The device types `group` has a backend for (a tensor of another type cannot go over it)."""
+    return frozenset(d.type for d in group._device_types)
+
+
+def control_device(group: dist.ProcessGroup, compute: torch.device) -> torch.device:
+    """Where small control tensors for `group` live: the CPU when the group serves it, else `compute`."""
+    served = served_devices(group)
+    if "cpu" in served:
+        return torch.device("cpu")
+    if compute.type in served:
+        return compute
+    raise RuntimeSetupError(f"the control group serves only {', '.join(sorted(served))}, not {compute.type}: "
+                            f"initialise with backend {GPU_BACKEND!r} (or gloo on the CPU)")
+
+
+def require_device(group: dist.ProcessGroup, device: torch.device, role: str) -> None:
+    """Refuse a group that cannot carry this worker's tensors (instead of failing at the first transfer)."""
+    served = served_devices(group)
+    if device.type not in served:
+        raise RuntimeSetupError(f"the {role} group serves {', '.join(sorted(served)) or 'no device'} but this "
+                                f"worker computes on {device.type}: initialise with backend {GPU_BACKEND!r} "
+                                "on GPUs, gloo on the CPU")
 
 
 @dataclass(frozen=True)
@@ -123,6 +192,10 @@ class Comm:
         self._up = self._make_group(everyone)
         self._down = self._make_group(everyone)
         self.control = self._make_group(everyone)
+        for role, group in (("point-to-point", self._up), ("point-to-point", self._down), ("control", self.control)):
+            require_device(group, device, role)
+        # Digests, shape metadata, the clock origin, trace tables: read back on the host at once.
+        self.control_device = control_device(self.control, device)
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._connected: set[tuple[int, int]] = set()
 
@@ -135,7 +208,10 @@ class Comm:
         for workers in groups:
             members = tuple(sorted(self.ranks.rank(w) for w in workers))
             if members not in self._stage_groups:
-                self._stage_groups[members] = self._make_group(list(members)) if len(members) > 1 else None
+                group = self._make_group(list(members)) if len(members) > 1 else None
+                if group is not None and self.rank in members:
+                    require_device(group, self.device, "all-reduce")
+                self._stage_groups[members] = group
 
     def connect(self, channels: Iterable[tuple[Worker, Worker]]) -> None:
         """Open these (sender, receiver) channels with one message each (collective: same call everywhere)."""

@@ -230,7 +230,7 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
         return  # the only live worker of its stage: its gradients are already the sum
     flat = it.stage.flat_grads()
     if it.ledger is not None:  # the ledger rides along: the counts summed are those of the gradients summed
-        flat = torch.cat([flat, it.ledger.to(flat.dtype)])
+        flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])  # the ledger is kept on the CPU
     it.comm.wait(dist.all_reduce(flat, group=group, async_op=True))
     if it.ledger is not None:
         n = flat.numel() - it.ledger.numel()

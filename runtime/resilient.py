@@ -135,7 +135,7 @@ class ResilientTrainer:
         plan = self.lookup(view.topology)
         self._arrive()
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
-                                       process=(session.groups.rank, len(view.members), torch.device("cpu")),
+                                       process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self._wait,
                                        setup_collectives=False)
         self.trainer.keep_recent = self.policy == "lossy"

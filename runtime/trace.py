@@ -84,7 +84,7 @@ def gather_spans(trainer: PipelineTrainer, everyone: bool) -> list[Span]:
     rows = _local_rows(trainer)
     if not everyone:
         return _spans(trainer.worker, rows, trainer._history)
-    group, device = trainer.comm.control, trainer.device
+    group, device = trainer.comm.control, trainer.comm.control_device  # host data: no GPU round trip if served
     count = torch.tensor([len(rows)], dtype=torch.int64, device=device)
     counts = [torch.zeros_like(count) for _ in trainer.ranks.workers]
     dist.all_gather(counts, count, group=group)

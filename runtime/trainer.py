@@ -147,6 +147,7 @@ class PipelineTrainer:
         """Refuse to run unless every rank holds the same plan (ranks that compiled different plans
         would exchange mismatched tensors or hang). One small all-gather of a digest, at switch time only."""
         digest = torch.frombuffer(bytearray(hashlib.sha256(plan.to_text().encode()).digest()), dtype=torch.uint8)
+        digest = digest.to(self.comm.control_device)
         gathered = [torch.empty_like(digest) for _ in range(len(self.ranks.workers))]
         self.comm.wait(dist.all_gather(gathered, digest, group=self.comm.control, async_op=True))
         differ = [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
@@ -186,7 +187,7 @@ class PipelineTrainer:
         `perf_counter` is the host's monotonic clock, shared by its processes, so spans of
         workers on one host line up exactly; across hosts their clocks are not compared.
         """
-        origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=self.device)
+        origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=self.comm.control_device)
         dist.broadcast(origin, src=0, group=self.comm.control)
         return float(origin.item())
 
@@ -206,7 +207,7 @@ class PipelineTrainer:
         boundaries, metas = [], signature[1]
         for s in range(self.pp - 1):
             src = min(self.ranks.rank(w) for w in self.plan.topology.stage_group(s))
-            buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.device)
+            buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.comm.control_device)
             if self.rank == src:
                 x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
                 buffer.copy_(_encode(self.stage.output_meta(tuple(t.to(self.device) for t in x))))
@@ -224,6 +225,7 @@ class PipelineTrainer:
         """Run one iteration of this worker's stream on `batch = (inputs, targets)`; see `Loss`."""
         it = self.run_iteration(batch)
         loss = it.loss()
+        # On the compute device (every group serves it): moving it to the CPU would wait for the GPU.
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).to(torch.float64)
         work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
         return Loss(loss, work)

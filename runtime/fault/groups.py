@@ -16,21 +16,31 @@ blocks, with the GIL held, until the operation times out. So `Generation.close(g
 the groups instead, and `Graveyard.sweep()` destroys them once their operations' timeout has
 passed. (When the launcher fences a failed worker, i.e. kills it, its sockets close and the
 pending operations fail at once; the graveyard is for hosts that vanish without a word.)
+
+Devices: `backend="gloo"` builds CPU groups; `"nccl"` (or `"cpu:gloo,cuda:nccl"`) builds groups
+that serve both, gloo for the CPU (control tensors, plain-data transfers) and NCCL for the GPU.
+NCCL, unlike gloo, can cancel: a broken generation's NCCL communicators are aborted when it is
+left (their kernels, waiting on a dead peer, would otherwise hold the GPU's streams), and they
+are built with blocking waits and without the watchdog's process teardown (`_nccl_env`), so a
+wait on a dead peer can be given up (`membership.wait_abortable`) and the survivor lives on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, Store
 
-from schedcomp.errors import RecoveryError
+from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.runtime.comm import backend_spec, served_devices
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.store import LOOPBACK
 from schedcomp.topology import Worker
@@ -50,12 +60,14 @@ class Generation:
 
     def __init__(self, store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
                  timeout: float = 60.0, device: torch.device | None = None) -> None:
-        if backend not in ("gloo", "nccl"):
-            raise RecoveryError(f"backend {backend!r} cannot be rebuilt per generation: use gloo or nccl")
+        try:
+            self.spec = backend_spec(backend)
+        except RuntimeSetupError as e:
+            raise RecoveryError(f"cannot rebuild groups per generation: {e}") from None
         self.view, self.me, self.backend, self.host = view, me, backend, host
         self.rank, self.size = view.rank(me), len(view.members)
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.spec.get("cuda") == "nccl"
                                  else torch.device("cpu"))
         self._store = PrefixStore(f"gen{view.generation}", store)
         self._calls = 0
@@ -78,9 +90,10 @@ class Generation:
         # The prefix names the call *and* its members: workers of different stages make their own
         # stage's group at the same call index, and must not share keys.
         store = PrefixStore(f"{call}:{'-'.join(map(str, members))}", self._store)
-        pg = _make_group(store, members.index(self.rank), len(members), self.backend, self.host, self.timeout,
-                         self.device, name)
-        _register(pg, name, self.backend, store, {r: i for i, r in enumerate(members)})
+        pg = _make_group(store, members.index(self.rank), len(members), self.spec, self.host, self.timeout, name)
+        # One backend: its plain name (what `dist.get_backend` says of a `new_group`); both: torch's list form.
+        config = ",".join(f"{d}:{b}" for d, b in self.spec.items()) if len(self.spec) > 1 else self.backend
+        _register(pg, name, config, store, {r: i for i, r in enumerate(members)})
         self._groups.append(pg)
         return pg
 
@@ -92,6 +105,7 @@ class Generation:
         """Leave this generation: destroy its groups now, or bury them in `graveyard` (after a failure)."""
         groups, self._groups = self._groups, []
         if graveyard is not None:
+            _abort_nccl(groups)  # frees kernels stuck on a dead peer now; gloo's pending ops must time out
             graveyard.bury(groups, self.timeout.total_seconds())
         else:
             _destroy(groups)
@@ -171,26 +185,63 @@ def regroup(store: Store, view: View, me: Worker, *, backend: str = "gloo", host
     return Groups(gen, world, stage)
 
 
-def _make_group(store: Store, rank: int, size: int, backend: str, host: str, timeout: datetime.timedelta,
-                device: torch.device, name: str) -> ProcessGroup:
-    """A `ProcessGroup` with one backend object built directly on `store` (what `new_group` does inside)."""
+def _make_group(store: Store, rank: int, size: int, spec: dict[str, str], host: str,
+                timeout: datetime.timedelta, name: str) -> ProcessGroup:
+    """A `ProcessGroup` with one backend object per device type of `spec`, built directly on `store`
+    (what `new_group` does inside). Each backend gets its own key space in the store."""
     pg = ProcessGroup(store, rank, size)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # listen where the user said
-        impl = dist.ProcessGroupGloo(store, rank, size, options)
-        kind = ProcessGroup.BackendType.GLOO
-    else:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        options.group_name = name
-        impl = dist.ProcessGroupNCCL(store, rank, size, options)
-        kind = ProcessGroup.BackendType.NCCL
-    pg._set_default_backend(kind)
-    pg._register_backend(device, kind, impl)
+    for device, impl_name in spec.items():
+        sub = PrefixStore(device, store) if len(spec) > 1 else store
+        if impl_name == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # listen where the user said
+            impl = dist.ProcessGroupGloo(sub, rank, size, options)
+            kind = ProcessGroup.BackendType.GLOO
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            options.group_name = name
+            with _nccl_env():
+                impl = dist.ProcessGroupNCCL(sub, rank, size, options)
+            kind = ProcessGroup.BackendType.NCCL
+        if device == "cuda" or len(spec) == 1:
+            pg._set_default_backend(kind)  # the GPU's backend answers `get_backend` on a GPU job
+        pg._register_backend(torch.device(device), kind, impl)
     pg._set_group_name(name)
     return pg
+
+
+@contextlib.contextmanager
+def _nccl_env() -> Iterator[None]:
+    """Read by `ProcessGroupNCCL` when built: waits block the host, so an abandoned wait is on a thread we
+    can leave (`wait_abortable`), and an NCCL error aborts the communicator without killing the process
+    (the default tears it down: a survivor would die with its dead peer). Set only while building ours."""
+    wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _abort_nccl(groups: list[ProcessGroup]) -> None:
+    """Abort the NCCL communicators of a broken generation's groups (gloo ones are left to time out)."""
+    cuda = torch.device("cuda")
+    for pg in groups:
+        if "cuda" not in served_devices(pg):
+            continue
+        try:
+            backend = pg._get_backend(cuda)
+            if isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())):
+                backend.abort()
+        except Exception as e:  # already aborted by its watchdog, or never connected: gone either way
+            log.debug("aborting a broken NCCL group: %s", e)
 
 
 def _register(pg: ProcessGroup, name: str, backend: str, store: Store, ranks: dict[int, int]) -> None:

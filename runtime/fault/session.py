@@ -35,6 +35,8 @@ import time
 
 from torch.distributed import Store
 
+from schedcomp.runtime.comm import backend_spec, local_device
+
 from schedcomp.runtime.fault.agreement import (
     CommitLog,
     Switch,
@@ -64,6 +66,7 @@ class FaultSession:
                  agree_timeout: float = 180.0, lead: int = 2) -> None:
         self.env, self.me = env, env.worker
         self.backend, self.group_timeout, self.agree_timeout, self.lead = backend, group_timeout, agree_timeout, lead
+        self.device = local_device(backend_spec(backend))  # "nccl": this process's GPU (LOCAL_RANK), made current
         self.store: Store = env.store.connect()
         self.commits = CommitLog(self.store)
         self.heartbeat = Heartbeat(env.store, self.me, env.incarnation,
@@ -179,7 +182,7 @@ class FaultSession:
         self.previous = self.view if self.view is not None else sealed_before(self.store, view.generation)
         self.view = view
         self.groups = regroup(self.store, view, self.me, backend=self.backend, host=self.env.bind,
-                              timeout=self.group_timeout)
+                              timeout=self.group_timeout, device=self.device)
         self.graveyard.sweep()
         log.info("worker %s: generation %d, rank %d of %d", self.me, view.generation, self.groups.rank,
                  len(view.members))
