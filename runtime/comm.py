@@ -78,6 +78,11 @@ def backend_spec(backend: str) -> dict[str, str]:
     return spec
 
 
+def backend_config(spec: dict[str, str]) -> str:
+    """`spec` as torch's backend string ("cpu:gloo,cuda:nccl"), for `init_process_group` and group tables."""
+    return ",".join(f"{device}:{impl}" for device, impl in spec.items())
+
+
 def pick_backend() -> str:
     """`GPU_BACKEND` when every local rank can have its own GPU, gloo otherwise."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -109,7 +114,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
             )
         spec = backend_spec(backend or pick_backend())
         device = local_device(spec)
-        dist.init_process_group(",".join(f"{d}:{b}" for d, b in spec.items()))
+        dist.init_process_group(backend_config(spec))
         return dist.get_rank(), dist.get_world_size(), device
     if "nccl" in str(dist.get_backend_config()).lower():  # joined by the caller, who chose the GPU
         return dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device())

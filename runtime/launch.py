@@ -1,4 +1,4 @@
-"""Run a function in N local processes joined over gloo, with a hard timeout (tests and benchmarks).
+"""Run a function in N local processes joined over gloo (or NCCL), with a hard timeout (tests and benchmarks).
 
 `torchrun --standalone` is the way to launch real jobs (see `schedcomp.runtime.demo`); this is
 the small in-process equivalent: spawned processes, a file store in a private temporary folder
@@ -19,12 +19,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from schedcomp.errors import RuntimeSetupError
+from schedcomp.runtime.comm import backend_config, backend_spec, local_device
 
 
-def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: int, args: tuple[Any, ...]) -> None:
+def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: int, args: tuple[Any, ...],
+           backend: str = "gloo") -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    os.environ["LOCAL_RANK"] = str(rank)  # one host: the rank is the local rank (its GPU under NCCL)
+    spec = backend_spec(backend)
+    local_device(spec)
+    dist.init_process_group(backend_config(spec), init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
@@ -32,14 +37,15 @@ def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: i
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), timeout: float = 120.0,
-          threads: int = 1) -> None:
-    """Run `fn(rank, *args)` in `nprocs` processes (gloo already joined); raise if one fails or time runs out.
+          threads: int = 1, backend: str = "gloo") -> None:
+    """Run `fn(rank, *args)` in `nprocs` processes (joined over `backend`, see `comm.backend_spec`; under
+    NCCL rank r runs on GPU r); raise if one fails or time runs out.
 
     `fn` must be importable by name (defined at a module's top level).
     """
     with tempfile.TemporaryDirectory(prefix="schedcomp-") as folder:
         store = os.path.join(folder, "store")
-        context = mp.start_processes(_child, (fn, nprocs, store, threads, args), nprocs=nprocs, join=False,
+        context = mp.start_processes(_child, (fn, nprocs, store, threads, args, backend), nprocs=nprocs, join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, Store
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
-from schedcomp.runtime.comm import backend_spec, served_devices
+from schedcomp.runtime.comm import backend_config, backend_spec, served_devices
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.store import LOOPBACK
 from schedcomp.topology import Worker
@@ -92,7 +92,7 @@ class Generation:
         store = PrefixStore(f"{call}:{'-'.join(map(str, members))}", self._store)
         pg = _make_group(store, members.index(self.rank), len(members), self.spec, self.host, self.timeout, name)
         # One backend: its plain name (what `dist.get_backend` says of a `new_group`); both: torch's list form.
-        config = ",".join(f"{d}:{b}" for d, b in self.spec.items()) if len(self.spec) > 1 else self.backend
+        config = backend_config(self.spec) if len(self.spec) > 1 else self.backend
         _register(pg, name, config, store, {r: i for i, r in enumerate(members)})
         self._groups.append(pg)
         return pg

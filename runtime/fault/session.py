@@ -36,7 +36,6 @@ import time
 from torch.distributed import Store
 
 from schedcomp.runtime.comm import backend_spec, local_device
-
 from schedcomp.runtime.fault.agreement import (
     CommitLog,
     Switch,
