@@ -79,7 +79,12 @@ def backend_spec(backend: str) -> dict[str, str]:
 
 
 def backend_config(spec: dict[str, str]) -> str:
-    """`spec` as torch's backend string ("cpu:gloo,cuda:nccl"), for `init_process_group` and group tables."""
+    """`spec` as torch's backend string ("cpu:gloo,cuda:nccl"), for `init_process_group` and group tables.
+
+    Gloo on the CPU alone is plain "gloo" (torch then also registers it for cuda, as it always did here).
+    """
+    if spec == {"cpu": "gloo"}:
+        return "gloo"
     return ",".join(f"{device}:{impl}" for device, impl in spec.items())
 
 

@@ -9,6 +9,7 @@ fails instead of blocking.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,32 +21,47 @@ import torch.multiprocessing as mp
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import backend_config, backend_spec, local_device
+from schedcomp.runtime.fault.store import LOOPBACK
 
 
 def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: int, args: tuple[Any, ...],
-           backend: str = "gloo") -> None:
+           backend: str | None = "gloo", port: int = 0) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     os.environ["LOCAL_RANK"] = str(rank)  # one host: the rank is the local rank (its GPU under NCCL)
-    spec = backend_spec(backend)
-    local_device(spec)
-    dist.init_process_group(backend_config(spec), init_method=f"file://{store}", rank=rank, world_size=world)
+    if backend is None:  # what torchrun sets: the function joins (`comm.init_distributed`) on its own
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+    else:
+        spec = backend_spec(backend)
+        local_device(spec)
+        dist.init_process_group(backend_config(spec), init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback right now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), timeout: float = 120.0,
-          threads: int = 1, backend: str = "gloo") -> None:
+          threads: int = 1, backend: str | None = "gloo") -> None:
     """Run `fn(rank, *args)` in `nprocs` processes (joined over `backend`, see `comm.backend_spec`; under
-    NCCL rank r runs on GPU r); raise if one fails or time runs out.
+    NCCL rank r runs on GPU r); raise if one fails or time runs out. `backend=None`: not joined, but
+    given torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on the loopback).
 
     `fn` must be importable by name (defined at a module's top level).
     """
     with tempfile.TemporaryDirectory(prefix="schedcomp-") as folder:
         store = os.path.join(folder, "store")
-        context = mp.start_processes(_child, (fn, nprocs, store, threads, args, backend), nprocs=nprocs, join=False,
+        port = free_port() if backend is None else 0
+        context = mp.start_processes(_child, (fn, nprocs, store, threads, args, backend, port), nprocs=nprocs,
+                                     join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -137,7 +137,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
     # workers are seen at once through the launcher's death notices anyway
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
+                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
     kill = kill_at(at, env.worker, env.incarnation)
 
     def before(iteration: int, index: int, ins) -> None:
@@ -164,7 +165,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "resumed_at": report.resumed_at, "handed_over": report.handed_over,
           "rejoined": report.rejoined.__dict__ if report.rejoined is not None else None,
           "completed_at": {str(i): t for i, t in report.completed_at.items()},
-          "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None})
+          "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None,
+          "device": str(trainer.trainer.device) if trainer.trainer is not None else None})
     trainer.close()
 
 
@@ -197,7 +199,8 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
     root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
     cache = PlanCache.load(cache_dir)
     at, _ = parse_victims(victims)
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0)
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
+                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
     kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
 
     def before(iteration: int, index: int, ins) -> None:

@@ -1,0 +1,62 @@
+"""Parent-side helpers of the GPU suite: skip marks by GPU count, plans, reading and checking results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from schedcomp import CostModel, Topology
+from schedcomp.lower import lower
+from schedcomp.schedules import fault_free_order
+
+TOLERANCE = 1e-10
+
+NO_CUDA = "needs CUDA: no GPU is visible here (torch.cuda.is_available() is False); run tests/gpu/run.sh on a GPU"
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def need_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip unless at least `n` GPUs are visible (one process per GPU)."""
+    have = gpus()
+    reason = NO_CUDA if have == 0 else f"needs {n} GPUs (one process per GPU), this machine has {have}"
+    return pytest.mark.skipif(have < n, reason=reason)
+
+
+def fault_free_json(family: str, pp: int, dp: int, microbatches: int) -> str:
+    return lower(fault_free_order(family, Topology.of(pp, dp), microbatches), CostModel.uniform(pp)).to_json()
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def assert_matches_reference(results: list[dict], families: list[str]) -> None:
+    """Every run's losses and every active worker's stage equal the plain loop's (float64, 1e-10)."""
+    reference = results[0]["reference"]
+    for result in results:
+        assert result["mismatches"] == [], f"tensors on a device their group does not serve: {result['mismatches']}"
+        assert [r["family"] for r in result["runs"]] == families
+        for run in result["runs"]:
+            assert run["device"].startswith("cuda") and "cuda:nccl" in run["backend"], run
+            assert run["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE, rel=0), run["family"]
+            if not run["active"]:
+                continue
+            stage = int(run["worker"].split(":")[1])
+            for name, want in reference["states"][stage].items():
+                err = (torch.tensor(run["state"][name]) - torch.tensor(want)).abs().max().item()
+                assert err <= TOLERANCE, f"{run['family']} worker {run['worker']} {name} is off by {err:.3g}"
+
+
+def check_transfer(tmp_path: Path) -> None:
+    sender, receiver = read(tmp_path / "transfer.0.json"), read(tmp_path / "transfer.1.json")
+    assert sender["mismatches"] == [] and receiver["mismatches"] == []
+    assert receiver["before"] != sender["state"]  # it held other values before
+    assert receiver["state"] == sender["state"]  # bit-exact, each tensor on the device type it had
+    assert any(device == "cuda" for device, _ in receiver["state"]["tensors"])
+    assert receiver["received"] == sender["sent"] and receiver["info"] == {"iteration": 7}

@@ -1,0 +1,33 @@
+"""Write the plans the GPU suite loads: the GPU machine has no OR-tools, so plans that need the adaptive
+compiler are compiled here and shipped as JSON (fault-free families are built in the tests themselves).
+
+    python tests/gpu/make_plans.py      # rewrites tests/gpu/plans/
+
+- `rerouted-pp2-dp2-m4.json`: pp=2, dp=2, 4 micro-batches with worker 1:1 failed: 3 live workers,
+  pipeline 1's stage-1 work re-routed to 0:1 (the 3-GPU NCCL p2p test);
+- `cache-pp1-dp2-m4/`: a plan cache for pp=1, dp=2, up to one failure (the SIGKILL recovery test).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from schedcomp.cache import precompile
+from schedcomp.compiler import compile
+
+PLANS = Path(__file__).resolve().parent / "plans"
+REROUTED = PLANS / "rerouted-pp2-dp2-m4.json"
+CACHE = PLANS / "cache-pp1-dp2-m4"
+
+
+def main() -> None:
+    PLANS.mkdir(exist_ok=True)
+    REROUTED.write_text(compile(2, 2, 4, failed=[(1, 1)], schedule="zb-h1").to_json())
+    shutil.rmtree(CACHE, ignore_errors=True)
+    precompile(1, 2, 4, 1, directory=CACHE, time_limit=1.0)
+    print(f"wrote {REROUTED} and {CACHE}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""One GPU: the runtime on NCCL at world size 1, bf16 training, CUDA-synchronised traces, CUDA state in
+DCP checkpoints and replica transfers. Skipped where CUDA is absent.
+
+World-size-1 jobs are started as torchrun would start them (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT; `spawn(..., backend=None)`), so `PipelineTrainer` joins through
+`init_distributed` and gets "cpu:gloo,cuda:nccl" as a user's job would. Issue 9: before the
+fix every such job died at construction (a CPU plan digest all-gathered over an NCCL-only group).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_helpers import assert_matches_reference, check_transfer, fault_free_json, need_gpus, read
+from gpu_procs import (
+    ROWS,
+    STEPS,
+    bf16_gpt,
+    replica_transfer,
+    state_summary,
+    stepped_state,
+    traced,
+    train_plans,
+)
+
+from schedcomp.runtime.launch import spawn
+
+pytestmark = [need_gpus(1), pytest.mark.timeout(300)]
+
+
+def test_world_size_1_on_nccl_split_and_fused_equal_a_plain_loop(tmp_path: Path) -> None:
+    families = ["zb-h1", "1f1b"]  # split backward (B then W), fused backward (BW)
+    spawn(train_plans, 1, ([fault_free_json(f, 1, 1, 4) for f in families], str(tmp_path)), timeout=240,
+          backend=None)
+    result = read(tmp_path / "train.0.json")
+    assert len(result["reference"]["losses"]) == STEPS
+    assert {"all_gather", "broadcast", "all_reduce"} <= set(result["calls"])  # digest, shape probe, loss
+    assert_matches_reference([result], families)
+
+
+def test_bf16_training_runs_and_its_loss_falls(tmp_path: Path) -> None:
+    spawn(bf16_gpt, 1, (fault_free_json("zb-h1", 1, 1, 4), 40, str(tmp_path)), timeout=240, backend=None)
+    result = read(tmp_path / "bf16.json")
+    losses = result["losses"]
+    assert result["dtypes"] == ["torch.bfloat16"] and result["devices"] == ["cuda"]
+    assert all(v == v and abs(v) < 1e4 for v in losses), losses  # finite
+    assert losses[-1] < 0.7 * losses[0], losses  # log(64) = 4.16 at start; the permutation is learnable
+
+
+def test_trace_times_are_cuda_synchronised(tmp_path: Path) -> None:
+    """Each F span covers the GPU work of that forward: at least half its CUDA-event time (unsynchronised,
+    a span would end when the kernels are queued, a small fraction of it)."""
+    spawn(traced, 1, (fault_free_json("1f1b", 1, 1, 2), 4096, 8, str(tmp_path)), timeout=240, backend=None)
+    result = read(tmp_path / "traced.json")
+    assert json.loads((tmp_path / "trace.json").read_text())  # the Chrome trace rank 0 wrote
+    assert len(result["forward_spans"]) == 2
+    assert result["event_seconds"] > 1e-3, "the forward is too short on this GPU to tell the two apart"
+    assert min(result["forward_spans"]) >= 0.5 * result["event_seconds"], result
+
+
+def test_dcp_checkpoint_of_cuda_state_round_trips(tmp_path: Path) -> None:
+    from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, restore
+
+    device = torch.device("cuda", 0)
+    module, optimizer = stepped_state(1, device)
+    AsyncCheckpointer(tmp_path, stage=0, every=1).save(3, module, optimizer).result(timeout=120)
+    fresh, fresh_optimizer = stepped_state(2, device)  # different weights and AdamW moments
+    assert state_summary(fresh, fresh_optimizer) != state_summary(module, optimizer)
+    restore(tmp_path, 3, 0, fresh, fresh_optimizer)
+    assert state_summary(fresh, fresh_optimizer) == state_summary(module, optimizer)  # values and device types
+    assert all(p.device == device for p in fresh.parameters())
+    # and the restored optimizer steps exactly as the original
+    x = torch.randn(ROWS, module[0].in_features, device=device)
+    for m, o in ((module, optimizer), (fresh, fresh_optimizer)):
+        m(x).square().mean().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), fresh.parameters(), strict=True))
+
+
+def test_cuda_state_round_trips_through_transfer_bytes() -> None:
+    from schedcomp.runtime.fault.transfer import TensorSpec, flatten, from_bytes, stage_state, to_bytes
+
+    module, optimizer = stepped_state(1, torch.device("cuda", 0))
+    _, tensors = flatten(stage_state(module, optimizer))
+    assert {t.device.type for t in tensors} >= {"cuda"}
+    for buffers in (torch.device("cpu"), torch.device("cuda", 0)):
+        back = from_bytes(to_bytes(tensors, buffers), [TensorSpec.of(t) for t in tensors])
+        assert all(a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
+                   for a, b in zip(tensors, back, strict=True))
+
+
+def test_replica_transfer_of_cuda_state_through_cpu_buffers(tmp_path: Path) -> None:
+    """Two processes on one GPU (gloo carries the bytes): the receiver ends with the sender's CUDA state."""
+    spawn(replica_transfer, 2, ("cpu", str(tmp_path)), timeout=240, backend="cpu:gloo")
+    check_transfer(tmp_path)
