@@ -35,7 +35,7 @@ import time
 
 from torch.distributed import Store
 
-from schedcomp.runtime.comm import backend_spec, local_device
+from schedcomp.runtime.comm import backend_spec, local_device, pick_backend
 from schedcomp.runtime.fault.agreement import (
     CommitLog,
     Switch,
@@ -61,11 +61,13 @@ class FaultSession:
     """Membership, detection, agreement and process groups of one worker, generation after generation."""
 
     def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
-                 startup_time: float = 120.0, backend: str = "gloo", group_timeout: float = 60.0,
+                 startup_time: float = 120.0, backend: str | None = None, group_timeout: float = 60.0,
                  agree_timeout: float = 180.0, lead: int = 2) -> None:
         self.env, self.me = env, env.worker
-        self.backend, self.group_timeout, self.agree_timeout, self.lead = backend, group_timeout, agree_timeout, lead
-        self.device = local_device(backend_spec(backend))  # "nccl": this process's GPU (LOCAL_RANK), made current
+        # None: NCCL (with gloo for the CPU) when every local worker has a GPU, gloo otherwise (`comm.pick_backend`)
+        self.backend = backend or pick_backend()
+        self.group_timeout, self.agree_timeout, self.lead = group_timeout, agree_timeout, lead
+        self.device = local_device(backend_spec(self.backend))  # "nccl": this process's GPU (LOCAL_RANK), current
         self.store: Store = env.store.connect()
         self.commits = CommitLog(self.store)
         self.heartbeat = Heartbeat(env.store, self.me, env.incarnation,
