@@ -10,6 +10,7 @@ on an NCCL-only group would fail. The unit tests use gloo registered for cuda on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,15 @@ from torch import nn
 from schedcomp import CostModel, Topology, Worker
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.lower import lower
-from schedcomp.runtime.comm import backend_spec, control_device, require_device, served_devices
+from schedcomp.runtime.comm import (
+    backend_config,
+    backend_spec,
+    control_device,
+    local_device,
+    pick_backend,
+    require_device,
+    served_devices,
+)
 from schedcomp.runtime.launch import spawn
 from schedcomp.schedules import fault_free_order
 
@@ -41,6 +50,26 @@ def test_backend_spec_reads_torch_forms() -> None:
 def test_backend_spec_refuses_what_it_cannot_build(bad: str) -> None:
     with pytest.raises(RuntimeSetupError, match="backend"):
         backend_spec(bad)
+
+
+def test_backend_config_and_local_device() -> None:
+    assert backend_config(backend_spec("nccl")) == "cpu:gloo,cuda:nccl"
+    assert backend_config(backend_spec("gloo")) == "gloo"
+    assert local_device(backend_spec("gloo")) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert pick_backend() == "gloo"
+        with pytest.raises(RuntimeSetupError, match="one process per GPU, or use the gloo backend"):
+            local_device(backend_spec("nccl"))
+
+
+def test_nccl_settings_hold_only_while_our_groups_are_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedcomp.runtime.fault.groups import _nccl_env
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    with _nccl_env():
+        assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 @pytest.fixture
