@@ -5,6 +5,8 @@ compiler are compiled here and shipped as JSON (fault-free families are built in
 
 - `rerouted-pp2-dp2-m4.json`: pp=2, dp=2, 4 micro-batches with worker 1:1 failed: 3 live workers,
   pipeline 1's stage-1 work re-routed to 0:1 (the 3-GPU NCCL p2p test);
+- `rerouted-pp2-dp2-m4-lost1.json`: the same job with pipeline 1 lost (1:0 and 1:1): its micro-batches
+  run on pipeline 0, 2 live workers (the 2-GPU NCCL p2p test);
 - `cache-pp1-dp2-m4/`: a plan cache for pp=1, dp=2, up to one failure (the SIGKILL recovery test).
 """
 
@@ -18,15 +20,17 @@ from schedcomp.compiler import compile
 
 PLANS = Path(__file__).resolve().parent / "plans"
 REROUTED = PLANS / "rerouted-pp2-dp2-m4.json"
+REROUTED_LOST1 = PLANS / "rerouted-pp2-dp2-m4-lost1.json"
 CACHE = PLANS / "cache-pp1-dp2-m4"
 
 
 def main() -> None:
     PLANS.mkdir(exist_ok=True)
     REROUTED.write_text(compile(2, 2, 4, failed=[(1, 1)], schedule="zb-h1").to_json())
+    REROUTED_LOST1.write_text(compile(2, 2, 4, failed=[(1, 0), (1, 1)], schedule="zb-h1").to_json())
     shutil.rmtree(CACHE, ignore_errors=True)
     precompile(1, 2, 4, 1, directory=CACHE, time_limit=1.0)
-    print(f"wrote {REROUTED} and {CACHE}/")
+    print(f"wrote {REROUTED}, {REROUTED_LOST1} and {CACHE}/")
 
 
 if __name__ == "__main__":
