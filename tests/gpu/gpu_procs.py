@@ -181,8 +181,8 @@ def replica_transfer(rank: int, via: str, outdir: str) -> None:
 
     from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    buffers = torch.device(via, torch.cuda.current_device()) if via == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    buffers = device if via == "cuda" else torch.device("cpu")
     with Audit() as audit:
         if rank == 0:
             module, optimizer = stepped_state(1, device)
