@@ -128,7 +128,16 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
 
 def served_devices(group: dist.ProcessGroup) -> frozenset[str]:
     """The device types `group` has a backend for (a tensor of another type cannot go over it)."""
-    return frozenset(d.type for d in group._device_types)
+    if hasattr(group, "_device_types"):  # torch's own list (private; present in the versions we run on)
+        return frozenset(d.type for d in group._device_types)
+    served = set()
+    for kind in ("cpu", "cuda"):
+        try:
+            group._get_backend(torch.device(kind))
+            served.add(kind)
+        except RuntimeError:  # "No backend type associated with device type ..."
+            pass
+    return frozenset(served)
 
 
 def control_device(group: dist.ProcessGroup, compute: torch.device) -> torch.device:

@@ -96,6 +96,16 @@ def test_control_device_prefers_the_cpu_and_falls_back_to_the_compute_device(one
         require_device(cpu_only, cuda, "point-to-point")
 
 
+def test_served_devices_without_torchs_list_asks_each_backend(one_process_job) -> None:
+    class Bare:  # a group as an older torch might expose it: no `_device_types`
+        def __init__(self, group: dist.ProcessGroup) -> None:
+            self._get_backend = group._get_backend
+
+    for backend in ("cpu:gloo,cuda:gloo", "cpu:gloo", "cuda:gloo"):
+        group = dist.new_group([0], backend=backend)
+        assert served_devices(Bare(group)) == served_devices(group)
+
+
 def test_audit_catches_a_cpu_tensor_on_a_group_without_a_cpu_backend(one_process_job) -> None:
     gpu_only = dist.new_group([0], backend="cuda:gloo")
     original = dist.all_reduce
