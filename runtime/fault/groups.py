@@ -64,6 +64,9 @@ class Generation:
             self.spec = backend_spec(backend)
         except RuntimeSetupError as e:
             raise RecoveryError(f"cannot rebuild groups per generation: {e}") from None
+        if "cpu" not in self.spec:  # commit records, ledgers and state headers travel as CPU tensors
+            raise RecoveryError(f"backend {backend!r} has no CPU backend, which a resilient job needs: use nccl "
+                                "(it means cpu:gloo,cuda:nccl) or gloo")
         self.view, self.me, self.backend, self.host = view, me, backend, host
         self.rank, self.size = view.rank(me), len(view.members)
         self.timeout = datetime.timedelta(seconds=timeout)

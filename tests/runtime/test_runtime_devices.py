@@ -136,6 +136,8 @@ def test_generation_refuses_an_unknown_backend() -> None:
     view = View.initial(1, 1)
     with pytest.raises(RecoveryError, match="cannot rebuild groups"):
         Generation(dist.HashStore(), view, view.members[0], backend="mpi")
+    with pytest.raises(RecoveryError, match="no CPU backend"):
+        Generation(dist.HashStore(), view, view.members[0], backend="cuda:nccl")
 
 
 # ---- a 2 x 2 job under the audit: trainer, trace, a resilient generation's groups, a replica transfer ----------
