@@ -145,6 +145,14 @@ def render_summary(summary: Mapping[str, Any], title: str = "") -> str:
         worst = max(memory, key=lambda w: memory[w]) if memory else None
         where = f"  (worker {worst})" if worst is not None else ""
         limit = summary.get("memory_limit")
-        cap = f", limit {num(limit)}" if limit is not None else ""
-        lines.append(f"  {'peak memory':<13} {num(summary['peak_memory'])} activation units{where}{cap}")
+        unit = "bytes" if summary.get("memory_unit") == "bytes" else "activation units"
+        if isinstance(limit, list):
+            cap = f", limit per stage {', '.join(num(v) for v in limit)}"
+        else:
+            cap = f", limit {num(limit)}" if limit is not None else ""
+        if summary.get("within_memory_limit") is False:
+            cap += " (OVER the limit)"
+        lines.append(f"  {'peak memory':<13} {num(summary['peak_memory'])} {unit}{where}{cap}")
+        if summary.get("memory_note"):
+            lines.append(f"  {'':<13} {summary['memory_note']}")
     return "\n".join(lines) + "\n"
