@@ -68,11 +68,16 @@ def show_memory(value: float, costs: CostModel, *, unit: bool = True) -> str:
     if not math.isfinite(value):
         return "unlimited"
     if costs.memory_unit == "bytes":
-        for power, name in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
-            if abs(value) >= 1024**power:
-                return f"{value / 1024**power:.4g} {name}"
-        return f"{value:.0f} B"
+        return format_bytes(value)
     return f"{value:g} activation units" if unit else f"{value:g}"
+
+
+def format_bytes(value: float) -> str:
+    """1.5 GiB, 512 KiB, 100 B."""
+    for power, name in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if abs(value) >= 1024**power:
+            return f"{value / 1024**power:.4g} {name}"
+    return f"{value:.0f} B"
 
 
 def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) -> tuple[float, ...]:
@@ -139,3 +144,47 @@ def limit_facts(plan: Plan) -> dict[str, Any]:
         facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free {REFERENCE} plan "
                                 "holds on their stage")
     return facts
+
+
+OVER_PLAN = 0.20
+"""A measured peak more than this fraction above the planned one is warned about."""
+
+
+def planned_vs_measured(plan: Plan, spans: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per worker of `plan`: its planned peak activation memory and the peak measured in `spans` (a
+    trace recorded with `profile=True`), both in bytes. A plan in activation units is scaled by the
+    measured bytes one micro-batch's F adds at each stage. Raises `MemoryLimitError` when the trace
+    carries no memory."""
+    from schedcomp.check import peak_memory
+    from schedcomp.profile import activation_bytes, measured_peaks
+
+    measured = measured_peaks(spans)
+    if not measured:
+        raise MemoryLimitError("the trace carries no memory: record it with PipelineTrainer(profile=True) "
+                               "from this version on")
+    costs = plan.costs
+    scale = [1.0] * costs.pp
+    if costs.memory_unit != "bytes":
+        per_stage = activation_bytes(spans, costs.pp)
+        assert per_stage is not None  # measured peaks imply measured deltas
+        scale = [b / a if a > 0 else 0.0 for b, a in zip(per_stage[0], costs.activation, strict=True)]
+    rows = []
+    for w, planned in sorted(peak_memory(plan).items()):
+        got = measured.get(w)
+        if got is None:
+            continue
+        want = planned * scale[w.stage]
+        rows.append({"worker": str(w), "stage": w.stage, "planned": want, "measured": got,
+                     "ratio": got / want if want > 0 else math.inf})
+    return rows
+
+
+def over_plan_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per stage whose measured peak is more than `OVER_PLAN` above the plan's."""
+    worst: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["ratio"] > 1 + OVER_PLAN and r["ratio"] > worst.get(r["stage"], {"ratio": 0.0})["ratio"]:
+            worst[r["stage"]] = r
+    return [f"warning: stage {s} holds {r['ratio'] - 1:.0%} more activation memory than planned (worker {r['worker']}: "
+            f"{r['measured']:.4g} bytes measured, {r['planned']:.4g} planned): re-profile (schedcomp profile TRACE "
+            "-o costs.json) and compile with --costs costs.json" for s, r in sorted(worst.items())]
