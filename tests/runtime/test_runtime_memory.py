@@ -19,7 +19,7 @@ from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, split_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_memory  # noqa: E402  (the job the benchmark runs: one definition for both)
+import bench_memory  # the job the benchmark runs: one definition for both
 
 CONFIG = GPTConfig(vocab=64, context=32, n_layer=4, n_head=4, n_embd=64)
 
