@@ -22,6 +22,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Op, Plan
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
+from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.topology import Worker
 
@@ -47,6 +48,7 @@ class Iteration:
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
     ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
     keep_sent: bool = False  # keep every sent tensor until the iteration is dropped (lossy recovery)
+    meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
     # state, filled and emptied as the stream runs
     loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -55,6 +57,7 @@ class Iteration:
     sent: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)  # kept to send again (lossy)
     losses: dict[Key, Tensor] = field(default_factory=dict)  # last stage: each micro-batch's scaled loss
     arrivals: dict[int, float] = field(default_factory=dict)  # RECV index -> when its consumer saw it complete
+    memory: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute index -> (held after, peak)
     index: int = 0  # of the instruction being run
 
     @property
@@ -261,6 +264,7 @@ HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
 }
 
 _WAITS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})
+_COMPUTE = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
 
 Timing = list[tuple[int, float, float]]  # (instruction index, start, end) in perf_counter seconds
 
@@ -271,6 +275,7 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
 
     `before(index, instruction)` is called before each instruction (fault injection in tests).
 
+    With `timing` and `it.meter`, each compute op's activation memory is measured too (`it.memory`).
     A compute op's start is taken after its inputs arrived, so waiting shows as a gap before it,
     as in the planned timeline. On a GPU the device is synchronised around each instruction, only
     when timing (profiling) is on.
@@ -283,7 +288,12 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
         if ins.kind in _WAITS:
             it.wait_inputs(ins)
         start = time.perf_counter()
-        HANDLERS[ins.kind](it, ins)
+        if it.meter is not None and timing is not None and ins.kind in _COMPUTE:
+            with it.meter.measure(ins.kind, _key(ins.op)):
+                HANDLERS[ins.kind](it, ins)
+            it.memory[index] = (it.meter.held, it.meter.peak)
+        else:
+            HANDLERS[ins.kind](it, ins)
         if timing is not None:
             if sync is not None:
                 sync()

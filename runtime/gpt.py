@@ -13,11 +13,14 @@ the loss well below log(vocab).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from schedcomp.costs import CostModel
 
 
 @dataclass(frozen=True)
@@ -114,3 +117,48 @@ def synthetic_batch(c: GPTConfig, rows: int, seed: int, noise: float = 0.05) -> 
     flips = torch.rand(seq.shape, generator=generator) < noise
     seq[flips] = torch.randint(0, c.vocab, (int(flips.sum()),), generator=generator)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def stage_memory(c: GPTConfig, rows: int, module: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """Planned (bytes one micro-batch's forward saves for backward, bytes its B keeps for W) at a
+    stage made of `module`'s Embed / Block / Head layers, for `rows` sequences of `c.context` tokens.
+
+    Per token, with d = n_embd, h = n_head, V = vocab, in units of the element size (what autograd
+    saves; `runtime.memory` measures the same thing):
+    - Block: ln1 input, its output, the qkv output (q, k, v are views of it), the attention output
+      (the proj input is a view of it), ln2 input and output, fc output, gelu output = 16d; each
+      LayerNorm's mean and rstd = 4; attention's log-sum-exp = h. B keeps, per split linear, its
+      input and output gradient: qkv d + 3d, proj d + d, fc d + 4d, out 4d + d = 16d.
+    - Head: LayerNorm input, output, 2 statistics; the log-softmax output = 2d + 2 + V; the targets
+      (int64). B keeps the logits layer's input and output gradient, d + V.
+    - Embed: the token and position indices (int64).
+    """
+    tokens, e = rows * c.context, torch.empty((), dtype=dtype).element_size()
+    d, h, v = c.n_embd, c.n_head, c.vocab
+    saved = kept = 0
+    for layer in module.modules():
+        if isinstance(layer, Block):
+            saved += tokens * e * (16 * d + 4 + h)
+            kept += tokens * e * 16 * d
+        elif isinstance(layer, Head):
+            saved += tokens * e * (2 * d + 2 + v) + tokens * 8
+            kept += tokens * e * (d + v)
+        elif isinstance(layer, Embed):
+            saved += tokens * 8 + c.context * 8
+    return saved, kept
+
+
+def memory_costs(c: GPTConfig, rows: int, layers_per_stage: Sequence[int],
+                 dtype: torch.dtype = torch.float32) -> CostModel:
+    """A unit-time cost model whose activation memory is `stage_memory`'s, in bytes, for the pipeline
+    `layers_per_stage` cuts `gpt(c)` into: what a plan needs to hold a GPT's activations within a limit
+    in bytes before anything was measured."""
+    from schedcomp.runtime.stage import split_sequential
+
+    model = gpt(c)
+    pp = len(layers_per_stage)
+    saved, kept = zip(*(stage_memory(c, rows, split_sequential(model, s, pp, layers_per_stage), dtype)
+                        for s in range(pp)), strict=True)
+    return CostModel(forward=(1.0,) * pp, backward_input=(1.0,) * pp, backward_weight=(1.0,) * pp,
+                     activation=saved, b_frees=tuple(1 - k / a if a else 1.0 for a, k in zip(saved, kept, strict=True)),
+                     memory_unit="bytes")

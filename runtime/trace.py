@@ -6,10 +6,12 @@ common origin (rank 0's `time.perf_counter` at start: one clock for every proces
   waiting for inputs shows as a gap before it;
 - RECV: from posting to when its consumer saw it complete (an upper bound of the arrival);
 - SEND: from posting to the matching receive's end, filled in once every worker's spans are here.
+Compute spans also carry the activation memory measured around them (`runtime.memory`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,16 +26,18 @@ from schedcomp.topology import Worker
 if TYPE_CHECKING:
     from schedcomp.runtime.trainer import PipelineTrainer
 
-_COLUMNS = 4  # iteration, index, start, end
+_COLUMNS = 6  # iteration, index, start, end, memory held after, memory peak (NaN: not measured)
+_NAN = float("nan")
 
 
-def _local_rows(trainer: PipelineTrainer) -> list[tuple[float, float, float, float]]:
+def _local_rows(trainer: PipelineTrainer) -> list[tuple[float, ...]]:
     rows = []
     origin = trainer._clock0
-    for iteration, timing, arrivals in trainer._timings:
+    for iteration, timing, arrivals, memory in trainer._timings:
         for index, start, end in timing:
             end = max(end, arrivals.get(index, end))
-            rows.append((float(iteration), float(index), start - origin, end - origin))
+            held, peak = memory.get(index, (_NAN, _NAN))
+            rows.append((float(iteration), float(index), start - origin, end - origin, held, peak))
     return rows
 
 
@@ -47,9 +51,11 @@ def _plan_at(history: list[tuple[int, Plan]], iteration: int) -> Plan:
 
 def _spans(worker: Worker, rows: list[tuple[float, ...]], history: list[tuple[int, Plan]]) -> list[Span]:
     spans = []
-    for iteration, index, start, end in rows:
+    for iteration, index, start, end, held, peak in rows:
         stream = _plan_at(history, int(iteration)).streams[worker]
-        spans.append(Span(worker, int(iteration), int(index), stream[int(index)], start, end))
+        measured = not math.isnan(held)
+        spans.append(Span(worker, int(iteration), int(index), stream[int(index)], start, end,
+                          held if measured else None, peak if measured else None))
     return spans
 
 

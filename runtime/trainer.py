@@ -18,6 +18,7 @@ from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
+from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
 from schedcomp.timeline import Span
@@ -65,7 +66,8 @@ class PipelineTrainer:
       inputs) and returns a tensor or a tuple of tensors.
     - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
     - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
-    - `profile=True` records every instruction's start and end for `save_trace` / `schedcomp profile`.
+    - `profile=True` records every instruction's start and end, and the activation memory held after
+      each compute op (`runtime.memory`), for `save_trace` / `schedcomp profile`.
     - Resilient jobs (`schedcomp.runtime.resilient`) pass `process=(rank, size, device)` and
       `make_group` of their generation instead of joining a default group, a `wait` that gives up
       when the generation breaks, and `setup_collectives=False` (no replica sync and no clock
@@ -96,10 +98,11 @@ class PipelineTrainer:
         self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
         self.profile = profile
+        self._meter = MemoryMeter(self.stage, device) if profile else None
         self.iteration = 0
         self.step_seconds: list[float] = []
         self._history: list[tuple[int, Plan]] = []
-        self._timings: list[tuple[int, Timing, dict[int, float]]] = []
+        self._timings: list[tuple[int, Timing, dict[int, float], dict[int, tuple[float, float]]]] = []
         self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
         self._boundaries: list[tuple[TensorMeta, ...]] = []
         self.keep_recent = False  # keep the last two iterations' state (a lossy recovery needs it)
@@ -247,7 +250,7 @@ class PipelineTrainer:
         timing: Timing | None = [] if self.profile else None
         run_stream(it, self.stream, timing, before)
         if timing is not None:
-            self._timings.append((self.iteration, timing, it.arrivals))
+            self._timings.append((self.iteration, timing, it.arrivals, it.memory))
         self.step_seconds.append(time.perf_counter() - started)
         self.iteration += 1
         return it
@@ -267,6 +270,7 @@ class PipelineTrainer:
             step=step,
             ledger=ledger,
             keep_sent=self.keep_recent,
+            meter=self._meter,
         )
         if self.keep_recent:  # a lossy recovery finishes an interrupted iteration from this state
             self.recent = {n: r for n, r in self.recent.items() if n >= number - 1}
@@ -292,6 +296,8 @@ class PipelineTrainer:
         """Forget the iteration in flight (its generation broke): activations, stashes, gradients."""
         self.recent.clear()
         self.stage.discard()
+        if self._meter is not None:
+            self._meter.forget()
         self.stage.optimizer.zero_grad(set_to_none=True)
 
     # ---- measurement ------------------------------------------------------------------------------

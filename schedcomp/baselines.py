@@ -21,6 +21,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, ScheduleError
 from schedcomp.ir import Op, OpKind, Order, Plan
 from schedcomp.lower import lower
+from schedcomp.memory import FAULT_FREE, MemoryLimit, resolve_limit
 from schedcomp.schedules.one_f_one_b import stage_order
 from schedcomp.simulator import simulate
 from schedcomp.topology import Topology, Worker
@@ -40,6 +41,9 @@ class Outcome:
     relative_throughput: float
     peak_memory: float
     note: str = ""
+    memory_limit: float | list[float] | None = None
+    within_memory_limit: bool | None = None
+    """Whether every worker stays within its stage's limit (None: no limit, or the strategy stopped)."""
 
     def to_dict(self) -> dict[str, object]:
         finite = math.isfinite(self.period)
@@ -48,6 +52,8 @@ class Outcome:
             "period": self.period if finite else None,
             "relative_throughput": self.relative_throughput,
             "peak_memory": self.peak_memory if finite else None,
+            "memory_limit": self.memory_limit,
+            "within_memory_limit": self.within_memory_limit,
             "note": self.note,
         }
 
@@ -57,6 +63,8 @@ class _Run:
     period: float
     peak_memory: float
     note: str = ""
+    stage_peaks: tuple[float, ...] | None = None
+    """Per stage of the job, when the run keeps the job's stages (then it is held to per-stage limits)."""
 
 
 _STOPPED = float("inf")
@@ -72,26 +80,47 @@ def compare(
     strategies: Sequence[str] = STRATEGIES,
     solver: str = "greedy",
     time_limit: float = 10.0,
+    memory_limit: MemoryLimit = FAULT_FREE,
 ) -> list[Outcome]:
-    """Simulate each strategy on the same topology, failures and costs (see the module docstring)."""
+    """Simulate each strategy on the same topology, failures and costs (see the module docstring).
+
+    `memory_limit` is resolved as by `compile` for the failure set (default: fault-free ZB-H1's per-stage
+    peak) and every strategy that schedules (fault-free, adaptive and its ablations, drop-pipeline) is
+    held to it; oobleck and bamboo re-partition the stages, so they are reported against it instead."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ScheduleError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
     topology = Topology.of(pp, dp, failed)
-    costs = CostModel.uniform(pp) if costs is None else costs
+    costs = resolve_limit(memory_limit, topology, microbatches, CostModel.uniform(pp) if costs is None else costs)
     reference = fault_free(topology, microbatches, costs, solver=solver, time_limit=time_limit)
     out = []
     for name in strategies:
         run = reference if name == "fault-free" else _RUNNERS[name](
             topology, microbatches, costs, solver=solver, time_limit=time_limit)
         rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
-        out.append(Outcome(name, run.period, rel, run.peak_memory, run.note))
+        out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs)))
     return out
+
+
+def _against_limit(run: _Run, costs: CostModel) -> tuple[float | list[float] | None, bool | None]:
+    """The limit as JSON, and whether the run kept within it: with per-stage limits, a re-partitioned
+    strategy (whose stages are not the job's) is held to the largest one."""
+    limit = costs.memory_limit
+    if limit is None:
+        return None, None
+    shown = list(limit) if isinstance(limit, tuple) else limit
+    if not math.isfinite(run.period):
+        return shown, None
+    if run.stage_peaks is not None:
+        return shown, all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(run.stage_peaks))
+    return shown, run.peak_memory <= max(costs.stage_limits) * (1 + 1e-9)
 
 
 def _simulated(plan: Plan, synchronous: bool = False) -> _Run:
     sim = simulate(plan, iterations=ITERATIONS, synchronous_optimizer=synchronous)
-    return _Run(sim.period, sim.peak_memory)
+    peaks = tuple(max((m for w, m in sim.memory.items() if w.stage == s), default=0.0)
+                  for s in range(plan.topology.pp))
+    return _Run(sim.period, sim.peak_memory, stage_peaks=peaks)
 
 
 def fault_free(topology: Topology, microbatches: int, costs: CostModel, *, solver: str = "greedy",
@@ -257,8 +286,8 @@ def _repartition(costs: CostModel, pipeline: int, live: Sequence[int]) -> CostMo
              if Worker(pipeline, s) in costs.speed}
     return CostModel(forward=spread(costs.forward), backward_input=spread(costs.backward_input),
                      backward_weight=spread(costs.backward_weight), p2p=costs.p2p, allreduce=[0.0] * n,
-                     optimizer=spread(step), activation=spread(costs.activation), b_frees=costs.b_frees,
-                     memory_limit=None, speed=speed)
+                     optimizer=spread(step), activation=spread(costs.activation), b_frees=_mixed_frees(costs),
+                     memory_limit=None, speed=speed, memory_unit=costs.memory_unit)
 
 
 def _bamboo_costs(costs: CostModel, pipeline: int, groups: Sequence[Sequence[int]], pp: int) -> CostModel:
@@ -280,8 +309,16 @@ def _bamboo_costs(costs: CostModel, pipeline: int, groups: Sequence[Sequence[int
         optimizer=[total(costs.allreduce, g) + total(costs.optimizer, g) for g in groups],
         activation=[total(costs.activation, g) + (costs.activation[n] if redundant else 0.0)
                     for g, n in zip(groups, succ, strict=True)],
-        b_frees=costs.b_frees, memory_limit=None, speed=speed,
+        b_frees=_mixed_frees(costs), memory_limit=None, speed=speed, memory_unit=costs.memory_unit,
     )
+
+
+def _mixed_frees(costs: CostModel) -> float:
+    """Re-partitioned stages mix the original ones, so their B frees the activation-weighted mean."""
+    if not isinstance(costs.b_frees, tuple):
+        return costs.b_frees
+    total = sum(costs.activation)
+    return sum(a * f for a, f in zip(costs.activation, costs.b_frees, strict=True)) / total if total else 0.5
 
 
 def _one_pipeline_1f1b(costs: CostModel, microbatches: int) -> _Run:

@@ -25,6 +25,7 @@ from typing import Any
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError, SchedcompError
 from schedcomp.ir import Instruction, Op, Plan
+from schedcomp.memory import FAULT_FREE, MemoryLimit
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,14 @@ class PlanCache:
         plan = self._canonical_plan(c.key)
         return relabel(plan, c.perm)
 
+    def memory_report(self) -> list[dict[str, Any]]:
+        """Per scenario, its failed workers and its peak memory against its limit (`memory.limit_facts`);
+        reads plans not yet in memory."""
+        from schedcomp.memory import limit_facts
+
+        return [{"failed": [f"{d}:{s}" for d, s in key[0]], **limit_facts(self._canonical_plan(key))}
+                for key in self.keys()]
+
     def preload(self) -> None:
         """Read every plan from disk now, so a lookup at failure time only renames pipelines."""
         for key in self.keys():
@@ -288,11 +297,13 @@ def precompile(
     directory: str | Path | None = None,
     progress: ProgressFn | None = None,
     jobs: int = 1,
+    memory_limit: MemoryLimit = FAULT_FREE,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
     total, name)` is called after each plan. `jobs` > 1 compiles in that many processes, which write
-    their plans themselves, so the parent does not parse them."""
+    their plans themselves, so the parent does not parse them. `memory_limit` is `compile`'s (default:
+    every plan within fault-free ZB-H1's per-stage peak)."""
     if max_failures < 0:
         raise SchedcompError(f"max_failures must be at least 0, got {max_failures}")
     costs = CostModel.uniform(pp) if costs is None else costs
@@ -302,7 +313,7 @@ def precompile(
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, c.key,
+    args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
@@ -336,9 +347,9 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     not written (or `keep`), so worker processes send back just the key."""
     from schedcomp.compiler import compile
 
-    pp, dp, microbatches, failed, costs, solver, time_limit, key, path = args
+    pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path = args
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
-                   time_limit=time_limit)
+                   time_limit=time_limit, memory_limit=memory_limit)
     if path is None:
         return key, plan
     Path(path).write_text(plan.to_json())

@@ -21,6 +21,7 @@ from typing import NoReturn
 from schedcomp.errors import ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import COMPUTE_KINDS, SEND_KINDS, InstrKind, Instruction, OpKind, Plan
+from schedcomp.memory import show_memory
 from schedcomp.topology import Worker
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
@@ -114,7 +115,7 @@ class _Checker:
 
     def scan(self) -> None:
         plan, topo = self.plan, self.plan.topology
-        dp, mbs, pp, limit = topo.dp, plan.microbatches, self.pp, plan.costs.memory_limit
+        dp, mbs, pp = topo.dp, plan.microbatches, self.pp
         for w in plan.streams:
             if not isinstance(w, Worker) or not topo.is_live(w):
                 who = w if isinstance(w, Worker) else None
@@ -123,11 +124,11 @@ class _Checker:
             if w not in plan.streams:
                 self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
-        top = limit + _EPS if limit is not None else None
+        tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
         LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
         for w in sorted(plan.streams):
             ws = w.stage
-            deltas, held = _deltas(plan, ws), 0.0
+            deltas, held, top = _deltas(plan, ws), 0.0, tops[ws]
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w] = (reduce, step)
@@ -149,7 +150,7 @@ class _Checker:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
                     comp[cid] = (w, i)
                     held += deltas[op.kind]
-                    if top is not None and held > top and w not in self.over:
+                    if held > top and w not in self.over:
                         self.over[w] = (i, held)
                 elif kind is LOAD:
                     if op.kind is not OpKind.F or 0 < ws < pp - 1:
@@ -415,11 +416,14 @@ class _Checker:
                   "reorder the ops")
 
     def memory(self) -> None:
-        limit = self.plan.costs.memory_limit
+        costs = self.plan.costs
         for w, (i, held) in sorted(self.over.items()):
             peak = max(memory_profile(self.plan, w))
-            self.fail(w, i, f"holds {held:g} activation units, above memory_limit {limit:g}: raise the limit "
-                            f"to {peak:g} or use a schedule that holds fewer micro-batches")
+            where = f" (stage {w.stage}'s)" if isinstance(costs.memory_limit, tuple) else ""
+            self.fail(w, i, f"holds {show_memory(held, costs)}, above memory_limit{where} "
+                            f"{show_memory(costs.limit_at(w.stage), costs, unit=False)}: raise the limit "
+                            f"to {show_memory(peak, costs, unit=False)} or use a schedule that holds fewer "
+                            "micro-batches")
 
 
 def _grid(plan: Plan, worker: Worker | None, index: int | None, rows: int = 6, cols: int = 3) -> str:

@@ -15,6 +15,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError, ScheduleError
 from schedcomp.ir import Order, Plan
 from schedcomp.lower import lower
+from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
 from schedcomp.schedules import FAMILIES, fault_free_order, get_family
 from schedcomp.topology import Topology, Worker
 
@@ -30,15 +31,18 @@ def compile(
     failed: Iterable[Worker | tuple[int, int]] = (),
     schedule: str = "1f1b",
     costs: CostModel | None = None,
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = FAULT_FREE,
     solver: str = "auto",
     time_limit: float = 10.0,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
     `schedule` is a fault-free family (gpipe, 1f1b, zb-h1, zb-h2) or "adaptive"; failures
-    always use the adaptive schedules. `costs` defaults to the unit model, `memory_limit`
-    overrides the cost model's. `solver` and `time_limit` go to the adaptive scheduler.
+    always use the adaptive schedules. `costs` defaults to the unit model. `memory_limit` is
+    "fault-free" (default: with failures, no worker holds more than fault-free ZB-H1 does on its stage;
+    a limit in the cost model wins), a family name (its per-stage peak), None / "none" (no limit), a
+    number, one per stage, or bytes ("60GiB", with a measured cost model): see `schedcomp.memory`.
+    `solver` and `time_limit` go to the adaptive scheduler.
     """
     topology = Topology.of(pp, dp, failed)
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int):
@@ -48,8 +52,7 @@ def compile(
     costs = CostModel.uniform(pp) if costs is None else costs
     if costs.pp != pp:
         raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage")
-    if memory_limit is not None:
-        costs = costs.with_memory_limit(memory_limit)
+    costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if topology.failed or schedule == ADAPTIVE:
         return _adaptive(topology, microbatches, costs, solver, time_limit)
@@ -65,35 +68,27 @@ def compile(
 
 def _fit_memory(plan: Plan) -> None:
     """A fixed family cannot trade time for memory: say how much it needs instead of failing in check."""
-    limit = plan.costs.memory_limit
-    if limit is None:
+    costs = plan.costs
+    if costs.memory_limit is None:
         return
     peaks = peak_memory(plan)
-    worst = max(peaks, key=lambda w: (peaks[w], -w.stage, -w.pipeline))
+    worst = max(peaks, key=lambda w: (peaks[w] - costs.limit_at(w.stage), -w.stage, -w.pipeline))
     need = peaks[worst]
-    if need > limit + 1e-9:
+    limit = costs.limit_at(worst.stage)
+    if need > limit * (1 + 1e-9):
         pp, mbs = plan.topology.pp, plan.microbatches
-        fits = [
-            name
-            for name, family in FAMILIES.items()
-            if mbs >= family.min_microbatches(pp) and _family_peak(name, pp, mbs, plan.costs) <= limit + 1e-9
-        ]
-        other = f", use {' or '.join(fits)}, which fit{'s' if len(fits) == 1 else ''}," if fits else ""
+
+        def fits(name: str) -> bool:
+            peaks = family_stage_peaks(name, pp, mbs, costs)
+            return all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(peaks))
+
+        fitting = [name for name, family in FAMILIES.items() if mbs >= family.min_microbatches(pp) and fits(name)]
+        other = f", use {' or '.join(fitting)}, which fit{'s' if len(fitting) == 1 else ''}," if fitting else ""
         raise MemoryLimitError(
-            f"{plan.family} needs {need:g} activation units at stage {worst.stage} but memory_limit is {limit:g}: "
-            f'set memory_limit >= {need:g}{other} or use schedule="adaptive", which schedules within the limit'
+            f"{plan.family} needs {show_memory(need, costs)} at stage {worst.stage} but memory_limit is "
+            f"{show_memory(limit, costs, unit=False)}: set memory_limit >= {show_memory(need, costs, unit=False)}"
+            f'{other} or use schedule="adaptive", which schedules within the limit'
         )
-
-
-def _family_peak(name: str, pp: int, microbatches: int, costs: CostModel) -> float:
-    """The most memory any stage of `name` holds (all pipelines run the same order)."""
-    peak = 0.0
-    for s, ops in enumerate(FAMILIES[name].build(pp, microbatches)):
-        held = 0.0
-        for op in ops:
-            held += costs.memory_delta(op.kind.value, s)
-            peak = max(peak, held)
-    return peak
 
 
 def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float) -> Plan:

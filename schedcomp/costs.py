@@ -1,7 +1,8 @@
 """The cost model: how long each op takes and how much activation memory it holds.
 
-Times are in arbitrary units (the unit model has F = B = W = 1); memory is in
-activation units (the unit model holds one per micro-batch in flight).
+Times are in arbitrary units (the unit model has F = B = W = 1); memory is in activation units
+(the unit model holds one per micro-batch in flight) or, when `memory_unit` is "bytes" (a measured
+model, `schedcomp profile`), in bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from schedcomp.errors import CostModelError
+from schedcomp.fileio import write_atomic
 from schedcomp.topology import Worker
 
 FORMAT_VERSION = 1
+MEMORY_UNITS = ("units", "bytes")
 
 
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
@@ -29,6 +32,22 @@ def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[floa
     return tuple(float(v) for v in values)
 
 
+def _limit(value: object, pp: int) -> float | tuple[float, ...] | None:
+    """None, one positive finite number, or one per stage (a tuple; equal entries collapse to one)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise CostModelError(f"memory_limit must be a positive finite number, got {value!r}")
+        return float(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise CostModelError(f"memory_limit must be a number, one number per stage or None, got {value!r}")
+    per_stage = _per_stage("memory_limit", value, pp)
+    if any(v <= 0 for v in per_stage):
+        raise CostModelError(f"memory_limit must be positive at every stage, got {list(per_stage)}")
+    return per_stage
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-stage costs of one micro-batch, communication, optimizer and memory.
@@ -38,8 +57,10 @@ class CostModel:
     - `p2p`: latency of one activation or gradient transfer between neighbouring stages.
     - `allreduce`, `optimizer`: per-stage gradient all-reduce and optimizer-step time.
     - `activation`: memory one micro-batch's forward allocates at each stage;
-      B frees the fraction `b_frees` of it, W the rest (BW frees all).
-    - `memory_limit`: the most activation memory a worker may hold (None: unlimited).
+      B frees the fraction `b_frees` of it (one fraction, or one per stage), W the rest (BW frees all).
+    - `memory_limit`: the most activation memory a worker may hold: one number for every stage,
+      one per stage (e.g. the fault-free plan's per-stage peaks), or None (unlimited).
+    - `memory_unit`: "units" (activation units) or "bytes" (measured activations and limit).
     - `speed`: per-worker speed factors (1.0 = nominal, 0.5 = a straggler at half speed);
       a worker's compute time is the stage time divided by its factor.
     """
@@ -51,9 +72,10 @@ class CostModel:
     allreduce: tuple[float, ...] = ()
     optimizer: tuple[float, ...] = ()
     activation: tuple[float, ...] = ()
-    b_frees: float = 0.5
-    memory_limit: float | None = None
+    b_frees: float | tuple[float, ...] = 0.5
+    memory_limit: float | tuple[float, ...] | None = None
     speed: Mapping[Worker, float] = field(default_factory=dict)
+    memory_unit: str = "units"
 
     def __post_init__(self) -> None:
         pp = len(self.forward)
@@ -67,10 +89,16 @@ class CostModel:
         set_(self, "optimizer", _per_stage("optimizer", self.optimizer or 0.0, pp))
         set_(self, "activation", _per_stage("activation", self.activation or 1.0, pp))
         set_(self, "p2p", _per_stage("p2p", [self.p2p], 1)[0])
-        if not 0.0 <= self.b_frees <= 1.0:
-            raise CostModelError(f"b_frees must be a fraction in [0, 1], got {self.b_frees!r}")
-        if self.memory_limit is not None and not (self.memory_limit > 0):
-            raise CostModelError(f"memory_limit must be positive, got {self.memory_limit!r}")
+        frees = self.b_frees if isinstance(self.b_frees, Sequence) else [self.b_frees]
+        if isinstance(self.b_frees, str) or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0 for f in frees
+        ):
+            raise CostModelError(f"b_frees must be a fraction in [0, 1] (or one per stage), got {self.b_frees!r}")
+        if isinstance(self.b_frees, Sequence):
+            set_(self, "b_frees", _per_stage("b_frees", self.b_frees, pp))
+        set_(self, "memory_limit", _limit(self.memory_limit, pp))
+        if self.memory_unit not in MEMORY_UNITS:
+            raise CostModelError(f"memory_unit must be one of {', '.join(MEMORY_UNITS)}, got {self.memory_unit!r}")
         speed = dict(self.speed)
         for w, v in speed.items():
             if not isinstance(w, Worker) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -121,10 +149,25 @@ class CostModel:
 
     def memory_delta(self, kind: str, stage: int) -> float:
         """Change in held activation memory when an op of `kind` completes at `stage`."""
-        a = self.activation[stage]
-        return {"F": a, "B": -a * self.b_frees, "W": -a * (1.0 - self.b_frees), "BW": -a}[kind]
+        a, f = self.activation[stage], self.frees_at(stage)
+        return {"F": a, "B": -a * f, "W": -a * (1.0 - f), "BW": -a}[kind]
 
-    def with_memory_limit(self, limit: float | None) -> CostModel:
+    def frees_at(self, stage: int) -> float:
+        """The fraction of a micro-batch's activation that B frees at `stage`."""
+        return self.b_frees[stage] if isinstance(self.b_frees, tuple) else self.b_frees
+
+    def limit_at(self, stage: int) -> float:
+        """The memory limit of a worker of `stage` (inf when unlimited)."""
+        limit = self.memory_limit
+        if limit is None:
+            return math.inf
+        return limit[stage] if isinstance(limit, tuple) else limit
+
+    @property
+    def stage_limits(self) -> tuple[float, ...]:
+        return tuple(self.limit_at(s) for s in range(self.pp))
+
+    def with_memory_limit(self, limit: float | Sequence[float] | None) -> CostModel:
         return CostModel(**{**self.__dict__, "memory_limit": limit})
 
     # ---- JSON -------------------------------------------------------------------------------
@@ -139,9 +182,10 @@ class CostModel:
             "allreduce": list(self.allreduce),
             "optimizer": list(self.optimizer),
             "activation": list(self.activation),
-            "b_frees": self.b_frees,
-            "memory_limit": self.memory_limit,
+            "b_frees": list(self.b_frees) if isinstance(self.b_frees, tuple) else self.b_frees,
+            "memory_limit": list(self.memory_limit) if isinstance(self.memory_limit, tuple) else self.memory_limit,
             "speed": {str(w): v for w, v in sorted(self.speed.items())},
+            **({"memory_unit": self.memory_unit} if self.memory_unit != "units" else {}),
         }
 
     @classmethod
@@ -154,7 +198,7 @@ class CostModel:
                 f"cost model version {version!r} is not supported: this schedcomp reads version {FORMAT_VERSION}"
             )
         known = {"version", "forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer",
-                 "activation", "b_frees", "memory_limit", "speed"}
+                 "activation", "b_frees", "memory_limit", "speed", "memory_unit"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise CostModelError(
@@ -177,6 +221,7 @@ class CostModel:
                 b_frees=data.get("b_frees", 0.5),
                 memory_limit=data.get("memory_limit"),
                 speed=speed,
+                memory_unit=data.get("memory_unit", "units"),
             )
         except CostModelError:
             raise
@@ -184,7 +229,7 @@ class CostModel:
             raise CostModelError(f"malformed cost model: {exc}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n", CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:

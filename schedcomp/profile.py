@@ -12,7 +12,10 @@ with `schedcomp.draw.trace.read_chrome_trace`) and returns per-stage costs in mi
 - speed: a worker whose median F is off its stage's by more than `straggler` (a fraction) gets
   the factor stage time / its median (below 1 for a straggler).
 Warm-up iterations (the first `skip` of each trace) are left out when later ones exist.
-Activation memory and the memory limit are not measured: they come from `base` (default: units).
+- activation (bytes) and b_frees, when the trace carries memory (`profile=True` records it): per
+  stage, the median rise of held activation memory over an F, and the median share of it a B frees;
+  the model's `memory_unit` is then "bytes". Traces without memory keep `base`'s (default: units).
+The memory limit comes from `base` (a limit in units is dropped when activations are in bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from schedcomp.costs import CostModel
@@ -47,7 +51,7 @@ def read_trace(path: str | Path) -> list[Span]:
     scale = float(other.get("seconds_per_unit", 1.0)) if isinstance(other, dict) else 1.0
     if scale == 1.0:
         return spans
-    return [Span(s.worker, s.iteration, s.index, s.instruction, s.start * scale, s.end * scale) for s in spans]
+    return [replace(s, start=s.start * scale, end=s.end * scale) for s in spans]
 
 
 def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = None, b_share: float = 0.5,
@@ -58,8 +62,10 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
     samples: dict[tuple[str, Worker], list[float]] = defaultdict(list)  # (kind, worker) -> seconds
     allreduce: dict[int, list[float]] = defaultdict(list)
     p2p: list[float] = []
+    kept: list[list[Span]] = []
     for trace in traces:
         spans = _steady(list(trace), skip)
+        kept.append(spans)
         for s in spans:
             kind = s.instruction.kind
             if kind in _COMPUTE:
@@ -102,13 +108,74 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
             speed[worker] = forward[worker.stage] / mine
     steps = [stage_time("STEP", stage) for stage in range(pp)]
     template = base or CostModel.uniform(pp)
+    activation, b_frees, unit = template.activation, template.b_frees, template.memory_unit
+    limit = template.memory_limit
+    memory = activation_bytes([s for trace in kept for s in trace], pp)
+    if memory is not None:
+        activation, b_frees = memory
+        limit = limit if unit == "bytes" else None
+        unit = "bytes"
     return CostModel(
         forward=tuple(forward), backward_input=tuple(b), backward_weight=tuple(w),
         p2p=_median(p2p) if p2p else 0.0,
         allreduce=tuple(_median(allreduce[s]) if allreduce.get(s) else 0.0 for s in range(pp)),
         optimizer=tuple(t or 0.0 for t in steps),
-        activation=template.activation, b_frees=template.b_frees, memory_limit=template.memory_limit, speed=speed,
+        activation=activation, b_frees=b_frees, memory_limit=limit, speed=speed, memory_unit=unit,
     )
+
+
+def memory_deltas(spans: Iterable[Span]) -> dict[tuple[Worker, int], list[tuple[Span, float]]]:
+    """Per (worker, iteration), its measured compute spans in stream order with the change in held
+    activation memory each made (the first against zero: an iteration starts holding nothing)."""
+    runs: dict[tuple[Worker, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.instruction.kind in _COMPUTE and s.memory is not None:
+            runs[(s.worker, s.iteration)].append(s)
+    out = {}
+    for key, run in runs.items():
+        run.sort(key=lambda s: s.index)
+        held, rows = 0.0, []
+        for s in run:
+            assert s.memory is not None
+            rows.append((s, s.memory - held))
+            held = s.memory
+        out[key] = rows
+    return out
+
+
+def activation_bytes(spans: Iterable[Span], pp: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """Per stage, (median bytes an F adds, median share of them its B frees), or None without memory."""
+    adds: dict[int, list[float]] = defaultdict(list)
+    frees: dict[int, list[float]] = defaultdict(list)
+    for rows in memory_deltas(spans).values():
+        added: dict[tuple[int, int], float] = {}
+        for s, delta in rows:
+            op, stage = s.instruction.op, s.worker.stage
+            assert op is not None
+            if s.instruction.kind is InstrKind.F:
+                added[(op.pipeline, op.microbatch)] = delta
+                adds[stage].append(delta)
+            elif s.instruction.kind is InstrKind.B and added.get((op.pipeline, op.microbatch), 0.0) > 0:
+                frees[stage].append(min(1.0, max(0.0, -delta / added[(op.pipeline, op.microbatch)])))
+            elif s.instruction.kind is InstrKind.BW:
+                frees[stage].append(1.0)
+    if not adds:
+        return None
+    missing = [s for s in range(pp) if s not in adds]
+    if missing:
+        raise CostModelError(f"the traces carry memory but none for stage {missing[0]}: profile every stage")
+    return (tuple(max(0.0, statistics.median(adds[s])) for s in range(pp)),
+            tuple(statistics.median(frees[s]) if frees.get(s) else 1.0 for s in range(pp)))
+
+
+def measured_peaks(spans: Iterable[Span]) -> dict[Worker, float]:
+    """The most activation memory each worker held in the traces (bytes), where they carry memory."""
+    peaks: dict[Worker, float] = {}
+    for s in spans:
+        value = s.memory_peak if s.memory_peak is not None else s.memory
+        if value is not None:
+            peaks[s.worker] = max(peaks.get(s.worker, 0.0), value)
+    return peaks
 
 
 def _median(seconds: Sequence[float]) -> float:

@@ -23,7 +23,9 @@ class Span:
     """When one instruction of one iteration ran on one worker (simulated or measured).
 
     `index` is the instruction's position in the worker's stream. For a send the span runs
-    from posting to arrival; for a receive, from posting to completion.
+    from posting to arrival; for a receive, from posting to completion. Measured compute spans
+    (`profile=True`) also carry `memory`, the activation bytes the worker holds after the op, and
+    `memory_peak`, the most it held while the op ran (see `schedcomp.runtime.memory`).
     """
 
     worker: Worker
@@ -32,6 +34,8 @@ class Span:
     instruction: Instruction
     start: float
     end: float
+    memory: float | None = None
+    memory_peak: float | None = None
 
     @property
     def duration(self) -> float:

@@ -139,4 +139,4 @@ def memory_ok(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> bool:
     from schedcomp.solvers.improve import FastTimer
 
     timer = FastTimer(problem)
-    return all(timer.memory_ok(seq) for seq in seqs.values())
+    return all(timer.memory_ok(wid, seq) for wid, seq in seqs.items())

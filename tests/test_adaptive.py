@@ -130,12 +130,15 @@ def test_rerouted_work_goes_to_live_peers_of_the_same_stage():
 
 
 def test_one_failure_in_the_bubbles_costs_little():
-    """A failure at a light stage (half the compute of the others): its peers absorb the re-routed
-    micro-batches in time they would idle anyway, so the period stays within 2% of fault-free."""
+    """A failure at a light stage (half the compute of the others): with the memory limit lifted, its
+    peers absorb the re-routed micro-batches in time they would idle anyway, so the period stays within
+    2% of fault-free. (The default, memory-safe plan holds them within ZB-H1's per-stage peak instead,
+    which costs time here: see test_memory_limits.py.)"""
     light = CostModel(forward=[1, 0.5, 1, 1], backward_input=[1, 0.5, 1, 1], backward_weight=[1, 0.5, 1, 1],
                       p2p=0.05, allreduce=[0.5] * 4)
     healthy = simulate(compile(4, 4, 8, schedule="adaptive", costs=light, solver="greedy")).period
-    failed = simulate(compile(4, 4, 8, failed=[(2, 1)], schedule="adaptive", costs=light, solver="greedy")).period
+    failed = simulate(compile(4, 4, 8, failed=[(2, 1)], schedule="adaptive", costs=light, solver="greedy",
+                              memory_limit=None)).period
     assert failed <= healthy * 1.02
 
 

@@ -51,6 +51,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+def memory_limit(text: str) -> str:
+    """--memory-limit: fault-free, none, a family name, a number or a size such as 60GiB (checked here,
+    resolved by `compile` against the cost model)."""
+    from schedcomp.errors import MemoryLimitError
+    from schedcomp.memory import FAULT_FREE, NO_LIMIT, parse_memory
+    from schedcomp.schedules import FAMILIES
+
+    name = text.strip().lower()
+    if name in (FAULT_FREE, NO_LIMIT) or name in FAMILIES:
+        return name
+    try:
+        parse_memory(text)
+    except MemoryLimitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+MEMORY_LIMIT_HELP = ("activation memory per worker: fault-free (default: with failures, at most what fault-free "
+                     "ZB-H1 holds on each stage), a family name (its per-stage peak), none (no limit), a number "
+                     "in the cost model's unit, or bytes such as 60GiB with a measured cost model")
+
+
 def worker(text: str) -> Worker:
     try:
         return Worker.parse(text)
@@ -112,7 +134,7 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--failed", type=worker, nargs="+", default=[], metavar="D:S",
                        help="failed workers (pipeline:stage); they use the adaptive schedules")
     group.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
-    group.add_argument("--memory-limit", type=positive_float, metavar="X", help="activation memory limit per worker")
+    group.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
     group.add_argument("--solver", default="auto", help="solver for adaptive schedules (default auto)")
     group.add_argument("--time-limit", type=positive_float, default=10.0, help="solver time limit, seconds")
 
@@ -129,13 +151,16 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     if missing:
         raise ArgumentError(f"give a plan file, or --schedule, --pp and --microbatches (missing {', '.join(missing)})")
     from schedcomp.compiler import compile
+    from schedcomp.memory import FAULT_FREE
 
     return compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
-                   costs=load_costs(args.costs, args.pp), memory_limit=args.memory_limit, solver=args.solver,
-                   time_limit=args.time_limit)
+                   costs=load_costs(args.costs, args.pp), memory_limit=args.memory_limit or FAULT_FREE,
+                   solver=args.solver, time_limit=args.time_limit)
 
 
 def plan_facts(plan: Plan) -> dict[str, Any]:
+    from schedcomp.memory import limit_facts
+
     topo = plan.topology
     failed = ",".join(str(w) for w in sorted(topo.failed))
     return {
@@ -147,7 +172,7 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
         "failed": [str(w) for w in sorted(topo.failed)],
         "microbatches": plan.microbatches,
         "lower_bound": plan.lower_bound,
-        "memory_limit": plan.costs.memory_limit,
+        **limit_facts(plan),
     }
 
 

@@ -29,29 +29,34 @@ def register(subparsers: Any) -> None:
                    help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
     add_solver_arguments(p, default="greedy")
     p.add_argument("--json", action="store_true",
-                   help="print a list of {strategy, period, relative_throughput, peak_memory}")
+                   help="print a list of {strategy, period, relative_throughput, peak_memory, memory_limit, "
+                   "within_memory_limit}")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from schedcomp.baselines import compare
     from schedcomp.costs import CostModel
+    from schedcomp.memory import FAULT_FREE
 
     costs = load_costs(args.costs, args.pp) or CostModel.uniform(args.pp)
-    if args.memory_limit is not None:
-        costs = costs.with_memory_limit(args.memory_limit)
     strategies = tuple(args.strategy) if args.strategy else STRATEGIES
     outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
-                       solver=args.solver, time_limit=args.time_limit)
+                       solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE)
     if args.json:
         print_json([o.to_dict() for o in outcomes])
         return 0
     failed = ", ".join(str(w) for w in sorted(set(args.failed))) or "none"
     print(f"pp={args.pp} dp={args.dp} micro-batches={args.microbatches} failed: {failed}")
+    limit = outcomes[0].memory_limit if outcomes else None
+    print(f"  memory limit: {limit if limit is not None else 'none'} (every strategy that schedules is held to it)")
     print(f"  {'strategy':<21} {'period':>10} {'throughput':>11} {'peak memory':>12}")
     for o in outcomes:
         period = f"{o.period:10.4g}" if math.isfinite(o.period) else f"{'stopped':>10}"
         memory = f"{o.peak_memory:12.4g}" if math.isfinite(o.period) else f"{'-':>12}"
-        note = f"  ({o.note})" if o.note else ""
+        notes = [o.note] if o.note else []
+        if o.within_memory_limit is False:
+            notes.append("over the memory limit")
+        note = f"  ({'; '.join(notes)})" if notes else ""
         print(f"  {o.strategy:<21} {period} {o.relative_throughput:10.1%} {memory}{note}")
     return 0

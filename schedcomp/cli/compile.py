@@ -7,7 +7,9 @@ import time
 from typing import Any
 
 from schedcomp.cli.common import (
+    MEMORY_LIMIT_HELP,
     load_costs,
+    memory_limit,
     plan_facts,
     positive_float,
     positive_int,
@@ -29,7 +31,7 @@ def add_job_arguments(p: argparse.ArgumentParser, *, failures: bool = True) -> N
         p.add_argument("--failed", dest="failed", type=worker, action="extend", nargs="+", metavar="D:S",
                        help="failed workers, several at once")
     p.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
-    p.add_argument("--memory-limit", type=positive_float, metavar="X", help="activation memory limit per worker")
+    p.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
 
 
 SOLVERS = ("auto", "greedy", "cpsat")
@@ -59,18 +61,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--text", action="store_true", help="write the compact text form instead of JSON")
     p.add_argument("--json", action="store_true",
-                   help="print makespan, period, bubble_ratio, peak_memory, lower_bound, solver, compile_seconds")
+                   help="print makespan, period, bubble_ratio, peak_memory (per worker and stage, against "
+                   "memory_limit), lower_bound, solver, compile_seconds")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from schedcomp.compiler import compile
+    from schedcomp.memory import FAULT_FREE
     from schedcomp.simulator import simulate
 
     costs = load_costs(args.costs, args.pp)
     began = time.perf_counter()
     plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
-                   costs=costs, memory_limit=args.memory_limit, solver=args.solver, time_limit=args.time_limit)
+                   costs=costs, memory_limit=args.memory_limit or FAULT_FREE, solver=args.solver,
+                   time_limit=args.time_limit)
     seconds = time.perf_counter() - began
     if args.output:
         write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")

@@ -36,19 +36,23 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_failures < 0:
         raise ArgumentError(f"--max-failures must be at least 0, got {args.max_failures}")
-    costs = load_costs(args.costs, args.pp)
-    if args.memory_limit is not None:
-        from schedcomp.costs import CostModel
+    from schedcomp.memory import FAULT_FREE
 
-        costs = (costs or CostModel.uniform(args.pp)).with_memory_limit(args.memory_limit)
+    costs = load_costs(args.costs, args.pp)
     began = time.perf_counter()
     bar = None if args.quiet else ProgressBar()
     cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs, solver=args.solver,
-                       time_limit=args.time_limit, directory=args.output, progress=bar, jobs=args.jobs)
+                       time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
+                       directory=args.output, progress=bar, jobs=args.jobs)
     if bar:
         bar.close()
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
+    report = cache.memory_report()
+    within = sum(r["within_memory_limit"] for r in report)
+    headroom = [r["memory_headroom"] for r in report if "memory_headroom" in r]
+    least = f", least headroom {min(headroom):.4g}" if headroom else ""
+    print(f"peak memory within the limit in {within}/{len(report)} plans{least}")
     return 0
 
 

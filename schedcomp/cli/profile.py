@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from schedcomp.cli.common import positive_int, write_text
+from schedcomp.cli.common import positive_int
 
 
 def register(subparsers: Any) -> None:
@@ -14,7 +14,8 @@ def register(subparsers: Any) -> None:
         "profile",
         help="turn measured runtime traces into a cost model",
         description="Read Chrome traces written by the runtime (PipelineTrainer(profile=True).save_trace) and "
-        "write a cost model in milliseconds: median F, B, W per stage, p2p, all-reduce and optimizer times. "
+        "write a cost model in milliseconds: median F, B, W per stage, p2p, all-reduce and optimizer times, and "
+        "(when the trace carries memory) activation bytes per micro-batch and the share B frees. "
         "Example: schedcomp profile trace.json -o costs.json, then schedcomp show --costs costs.json ...",
     )
     p.add_argument("traces", nargs="+", metavar="TRACE", help="measured trace JSON files (one run each)")
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                           skip=args.skip)
     text = json.dumps(costs.to_dict(), indent=2) + "\n"
     if args.output:
-        write_text(args.output, text, "cost model")
+        costs.save(args.output)
         print(f"wrote {args.output}: {_summary(costs)}")
     else:
         print(text, end="")
@@ -47,5 +48,12 @@ def _summary(costs: Any) -> str:
     def ms(values: tuple[float, ...]) -> str:
         return "/".join(f"{v:.3g}" for v in values)
 
+    memory = ""
+    if costs.memory_unit == "bytes":
+        from schedcomp.memory import show_memory
+
+        frees = costs.b_frees if isinstance(costs.b_frees, tuple) else (costs.b_frees,) * costs.pp
+        memory = (f"; activations {' / '.join(show_memory(a, costs) for a in costs.activation)} per micro-batch, "
+                  f"B frees {' / '.join(f'{f:.0%}' for f in frees)}")
     return (f"F {ms(costs.forward)} B {ms(costs.backward_input)} W {ms(costs.backward_weight)} ms per stage, "
-            f"p2p {costs.p2p:.3g} ms")
+            f"p2p {costs.p2p:.3g} ms{memory}")

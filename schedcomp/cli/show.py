@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from schedcomp.cli.common import (
 from schedcomp.timeline import Span, timeline_metrics
 
 if TYPE_CHECKING:
+    from schedcomp.ir import Plan
     from schedcomp.simulator import Simulation
 
 
@@ -41,7 +43,9 @@ def register(subparsers: Any) -> None:
     out.add_argument("--png", metavar="FILE", help="write a Gantt chart (PNG)")
     out.add_argument("--svg", metavar="FILE", help="write a Gantt chart (SVG)")
     out.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of every simulated iteration")
-    out.add_argument("--measured", metavar="TRACE", help="a measured Chrome trace to draw beside the plan")
+    out.add_argument("--measured", metavar="TRACE",
+                     help="a measured Chrome trace to draw beside the plan, with planned against measured peak "
+                     "memory per worker when it carries memory (profile=True)")
     out.add_argument("--json", action="store_true", help="print the summary as JSON instead of drawing")
     out.add_argument("--width", type=positive_int, help="terminal columns (default: the terminal's)")
     out.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -58,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     sim = simulate(plan, iterations=args.iterations, synchronous_optimizer=args.sync_optimizer)
     summary = {**plan_facts(plan), **sim.summary()}
     drawn = sim.spans_in(range(args.draw_iterations))
-    measured = _measured(args.measured, args.draw_iterations) if args.measured else None
+    measured = _measured(args.measured, args.draw_iterations, plan) if args.measured else None
     if measured is not None:
         summary["measured"] = measured["summary"]
+        for line in measured["warnings"]:
+            print(line, file=sys.stderr)
     _write_files(args, plan.family or "plan", summary, drawn, sim, measured)
     if args.json:
         print_json(summary)
@@ -80,13 +86,20 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         out.append(render_summary({**measured["summary"], "iterations": measured["iterations"]},
                                   f"measured ({measured['unit']})"))
+        if measured["summary"].get("memory"):
+            from schedcomp.draw.terminal import render_memory
+
+            out.append(render_memory(measured["summary"]["memory"], width=width))
     print("\n".join(out), end="")
     return 0
 
 
-def _measured(path: str, draw_iterations: int) -> dict[str, Any]:
-    """A measured trace: its metrics (seconds) and its first iterations, shifted to start at 0, in ms or s."""
+def _measured(path: str, draw_iterations: int, plan: Plan) -> dict[str, Any]:
+    """A measured trace: its metrics (seconds), its first iterations, shifted to start at 0, in ms or s,
+    and, where it carries memory, each worker's planned against measured peak (with warnings)."""
     from schedcomp.draw.trace import read_chrome_trace
+    from schedcomp.memory import over_plan_warnings, planned_vs_measured
+    from schedcomp.profile import measured_peaks
 
     spans = read_chrome_trace(path)
     iterations = sorted({s.iteration for s in spans})
@@ -98,7 +111,12 @@ def _measured(path: str, draw_iterations: int) -> dict[str, Any]:
     shown = [dataclasses.replace(s, start=(s.start - t0) * scale, end=(s.end - t0) * scale) for s in shown]
     summary = {"makespan": timing.makespan * scale, "period": timing.period * scale,
                "bubble_ratio": timing.bubble_ratio, "unit": unit}
-    return {"spans": shown, "summary": summary, "unit": unit, "iterations": len(iterations)}
+    warnings: list[str] = []
+    if measured_peaks(spans):
+        rows = planned_vs_measured(plan, spans)
+        summary["memory"] = rows
+        warnings = over_plan_warnings(rows)
+    return {"spans": shown, "summary": summary, "unit": unit, "iterations": len(iterations), "warnings": warnings}
 
 
 def _write_files(

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from schedcomp.draw.style import BLOCKING, CATEGORIES, category, label
+from schedcomp.memory import format_bytes
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
@@ -145,6 +146,31 @@ def render_summary(summary: Mapping[str, Any], title: str = "") -> str:
         worst = max(memory, key=lambda w: memory[w]) if memory else None
         where = f"  (worker {worst})" if worst is not None else ""
         limit = summary.get("memory_limit")
-        cap = f", limit {num(limit)}" if limit is not None else ""
-        lines.append(f"  {'peak memory':<13} {num(summary['peak_memory'])} activation units{where}{cap}")
+        unit = "bytes" if summary.get("memory_unit") == "bytes" else "activation units"
+        if isinstance(limit, list):
+            cap = f", limit per stage {', '.join(num(v) for v in limit)}"
+        else:
+            cap = f", limit {num(limit)}" if limit is not None else ""
+        if summary.get("within_memory_limit") is False:
+            cap += " (OVER the limit)"
+        lines.append(f"  {'peak memory':<13} {num(summary['peak_memory'])} {unit}{where}{cap}")
+        if summary.get("memory_note"):
+            lines.append(f"  {'':<13} {summary['memory_note']}")
     return "\n".join(lines) + "\n"
+
+
+def render_memory(rows: Sequence[Mapping[str, Any]], width: int = 100) -> str:
+    """Planned against measured peak activation memory per worker, as pairs of bars on one scale."""
+    if not rows:
+        return ""
+    top = max(max(r["planned"], r["measured"]) for r in rows) or 1.0
+    bar = max(10, width - 40)
+    lines = ["peak activation memory per worker (planned | measured)"]
+    for r in rows:
+        for tag, key in (("plan", "planned"), ("meas", "measured")):
+            n = round(bar * r[key] / top)
+            name = str(r["worker"]) if key == "planned" else ""
+            flag = "  <- over plan" if key == "measured" and r["ratio"] > 1.2 else ""
+            lines.append(f"  {name:>6} {tag} {'#' * n:<{bar}} {format_bytes(r[key])}{flag}")
+    return "\n".join(lines) + "\n"
+

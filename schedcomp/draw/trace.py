@@ -14,12 +14,14 @@ microseconds and records the unit, so reading converts back.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from schedcomp.draw.style import category
 from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.fileio import write_atomic
 from schedcomp.ir import Instruction
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
@@ -58,7 +60,8 @@ def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: 
             "ts": s.start * us,
             "dur": max(0.0, s.end - s.start) * us,
             "args": {"worker": str(s.worker), "iteration": s.iteration, "index": s.index,
-                     "instruction": str(s.instruction)},
+                     "instruction": str(s.instruction),
+                     **({"memory": s.memory, "memory_peak": s.memory_peak} if s.memory is not None else {})},
         })
     return {
         "traceEvents": events,
@@ -70,7 +73,7 @@ def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | Path, seconds_per_unit: float = 1.0) -> None:
     try:
-        Path(path).write_text(json.dumps(to_chrome_trace(spans, seconds_per_unit)))
+        write_atomic(path, json.dumps(to_chrome_trace(spans, seconds_per_unit)), PlanFormatError)
     except OSError as exc:
         raise PlanFormatError(f"cannot write trace {path}: {exc.strerror}") from None
 
@@ -117,14 +120,23 @@ def read_chrome_trace(source: str | Path | Mapping[str, Any]) -> list[Span]:
             instruction = Instruction.parse(str(args.get("instruction", ev.get("name", ""))), worker.stage)
             iteration, index = _nonneg_int(args["iteration"]), _nonneg_int(args["index"])
             ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+            memory, peak = _bytes(args.get("memory")), _bytes(args.get("memory_peak", args.get("memory")))
         except (SchedcompError, KeyError, TypeError, ValueError) as exc:
             raise PlanFormatError(f"{where}: event {k} is not a schedcomp span ({exc})") from None
-        spans.append(Span(worker, iteration, index, instruction, ts / us, (ts + dur) / us))
+        spans.append(Span(worker, iteration, index, instruction, ts / us, (ts + dur) / us, memory, peak))
     if not spans:
         raise PlanFormatError(f"{where} holds no schedcomp spans: write it with `schedcomp show --trace` "
                               "or the runtime's trace option")
     spans.sort(key=lambda s: (s.worker, s.iteration, s.index))
     return spans
+
+
+def _bytes(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"memory must be a non-negative number of bytes, got {value!r}")
+    return float(value)
 
 
 def _nonneg_int(value: Any) -> int:

@@ -110,13 +110,13 @@ def solve_cpsat(
     limit = costs.memory_limit
     mem_exact = True
     frees: list[list[int]] = []
-    ilimit = 0
+    ilimits: list[int] = []
     if limit is not None:
         fracs = [[costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)]
-        mscale, mem_exact = _scale([limit, *(abs(v) for row in fracs for v in row)])
+        mscale, mem_exact = _scale([*costs.stage_limits, *(abs(v) for row in fracs for v in row)])
         # Inexact memory is rounded against us (held amounts up), keeping solutions valid.
         frees = [[math.ceil(-v * mscale - 1e-9) if v < 0 else 0 for v in row] for row in fracs]
-        ilimit = math.floor(limit * mscale + 1e-9)
+        ilimits = [math.floor(lim * mscale + 1e-9) for lim in costs.stage_limits]
 
     m = cp_model.CpModel()
     start: list[cp_model.IntVar] = []
@@ -183,7 +183,7 @@ def solve_cpsat(
         m.add(last[wid] - first[wid] >= fixed + sum(chosen_work))
         if limit is not None and held[wid]:
             ivs, demands = zip(*held[wid], strict=True)
-            m.add_cumulative(list(ivs), list(demands), ilimit)
+            m.add_cumulative(list(ivs), list(demands), ilimits[wid % pp])
     for d in range(problem.dp):
         for mb in range(problem.microbatches - 1):
             m.add(start[problem.slot_id(d, mb, 0) * nk] <= start[problem.slot_id(d, mb + 1, 0) * nk])

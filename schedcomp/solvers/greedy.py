@@ -65,10 +65,9 @@ def list_schedule(
     split = nk == 3
     costs = problem.costs
     p2p = costs.p2p
-    limit = costs.memory_limit if costs.memory_limit is not None else math.inf
-    limit += _EPS * max(1.0, limit if math.isfinite(limit) else 1.0)
+    limits = [lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0) for lim in costs.stage_limits]
     act = costs.activation
-    free_b = [a * costs.b_frees if split else a for a in act]
+    free_b = [a * costs.frees_at(s) if split else a for s, a in enumerate(act)]
     free_w = [a - fb for a, fb in zip(act, free_b, strict=True)]
     window = [params.window[wid % pp] for wid in range(problem.dp * pp)]
     if params.scale_window and quota is not None:
@@ -167,7 +166,7 @@ def list_schedule(
             slot = wqw.popleft()
             kind = 2
         else:
-            mem_ok = mem[w] + act[s] <= limit
+            mem_ok = mem[w] + act[s] <= limits[s]
             f_ok = infl[w] < window[w] and mem_ok
             pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
             if f_ok:

@@ -67,11 +67,11 @@ class FastTimer:
         self.step = {wid: problem.step_time(wid) for wid in self.live}
         deltas = [[costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)]
         self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
-        limit = costs.memory_limit
-        self.limit = math.inf if limit is None else limit * (1 + 1e-9) + 1e-12
+        self.limits = [lim * (1 + 1e-9) + 1e-12 for lim in costs.stage_limits]
 
-    def memory_ok(self, seq: Sequence[int]) -> bool:
-        held, delta, limit = 0.0, self.delta, self.limit
+    def memory_ok(self, wid: int, seq: Sequence[int]) -> bool:
+        """Whether worker `wid` running `seq` stays within its stage's memory limit."""
+        held, delta, limit = 0.0, self.delta, self.limits[wid % self.problem.pp]
         for op in seq:
             held += delta[op]
             if held > limit:
@@ -194,7 +194,7 @@ def improve(
                 idx = min(len(new_dst), round(frac * (len(old_dst) + len(mine))))
                 new_dst.insert(idx, op)
             _fix_slot_order(new_dst, slot, nk)
-            if not timer.memory_ok(new_dst):
+            if not timer.memory_ok(dst, new_dst):
                 continue
             cur[src], cur[dst] = new_src, new_dst
             spent += cost
@@ -226,7 +226,7 @@ def improve(
                 continue
             new = list(seq)
             new[i], new[i + 1] = new[i + 1], new[i]
-        if not timer.memory_ok(new):
+        if not timer.memory_ok(w, new):
             continue
         cur[w] = new
         spent += cost

@@ -134,15 +134,20 @@ class Problem:
         Any schedule must hold one micro-batch's activation at a stage while its forward runs, so the
         least workable limit is the largest per-stage activation; one micro-batch at a time always fits.
         """
-        limit = self.costs.memory_limit
-        if limit is None:
-            return
-        worst = max(range(self.pp), key=lambda s: self.costs.activation[s])
-        need = self.costs.activation[worst]
-        if need > limit * (1 + 1e-9):
+        costs = self.costs
+        short = [s for s in range(self.pp) if costs.activation[s] > costs.limit_at(s) * (1 + 1e-9)]
+        if short:
+            from schedcomp.memory import show_memory
+
+            s = max(short, key=lambda t: costs.activation[t] - costs.limit_at(t))
+            need, have = show_memory(costs.activation[s], costs), show_memory(costs.limit_at(s), costs, unit=False)
+            if isinstance(costs.memory_limit, tuple):
+                least = "the limit of stage " + ", ".join(f"{t} to at least {costs.activation[t]:g}" for t in short)
+            else:
+                least = f"the limit to at least {show_memory(max(costs.activation), costs, unit=False)}"
             raise MemoryLimitError(
-                f"memory limit {limit:g} is below the {need:g} units one micro-batch's activations need at stage "
-                f"{worst}: raise the limit to at least {need:g} (or split the model into more stages)"
+                f"memory limit {have} is below the {need} one micro-batch's activations need at stage {s}: "
+                f"raise {least} (or split the model into more stages)"
             )
 
 
