@@ -181,16 +181,17 @@ def oobleck(topology: Topology, microbatches: int, costs: CostModel, *, memo: Me
     pp, dp = topology.pp, topology.dp
     memo = {} if memo is None else memo
     pipes: list[tuple[tuple[object, ...], int, float]] = []  # (memo key, stages, 1F1B slot)
+    dead, every = _dead_stages(topology), list(range(pp))
     for d in range(dp):
-        live = [s for s in range(pp) if Worker(d, s) not in topology.failed]
+        live = [s for s in every if s not in dead[d]] if d in dead else every
         if not live:
             continue
-        key = ("oobleck", len(live), tuple(costs.speed.get(Worker(d, s), 1.0) for s in live))
+        key = ("oobleck", len(live), _speeds(costs, d, live))
         if key not in memo:
-            memo[key] = _repartition(costs, d, live)
-        c = memo[key]
-        slot = max(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in range(c.pp))
-        pipes.append((key, len(live), slot))
+            c = _repartition(costs, d, live)
+            memo[key] = c
+            memo[key, "slot"] = max(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in range(c.pp))
+        pipes.append((key, len(live), memo[key, "slot"]))
     if not pipes:
         return _Run(_STOPPED, 0.0, "every worker failed")
     # Deal micro-batches one at a time to the pipeline that would finish its share soonest
@@ -221,19 +222,33 @@ def bamboo(topology: Topology, microbatches: int, costs: CostModel, *, memo: Mem
     pp, dp = topology.pp, topology.dp
     memo = {} if memo is None else memo
     runs = []
+    lost = _dead_stages(topology)
     for d in range(dp):
-        dead = sorted(s for s in range(pp) if Worker(d, s) in topology.failed)
+        dead = lost.get(d, [])
         if any(_bamboo_host(s) in dead for s in dead):
             return _Run(_STOPPED, 0.0, f"pipeline {d} lost two neighbouring stages: Bamboo restarts from a checkpoint")
         groups: list[list[int]] = [[s] for s in range(pp) if s not in dead]  # original stages per live worker
         for s in dead:
             next(g for g in groups if _bamboo_host(s) in g).append(s)
         groups.sort(key=min)
-        key = ("bamboo", tuple(map(tuple, groups)), tuple(costs.speed.get(Worker(d, min(g)), 1.0) for g in groups))
+        key = ("bamboo", tuple(map(tuple, groups)), _speeds(costs, d, [min(g) for g in groups]))
         if key not in memo:
             memo[key] = _bamboo_costs(costs, d, groups, pp)
         runs.append(_memo_1f1b(memo, key, microbatches))
     return _Run(max(r.period for r in runs), max(r.peak_memory for r in runs))
+
+
+def _dead_stages(topology: Topology) -> dict[int, list[int]]:
+    """Failed stages of each pipeline that lost any, sorted."""
+    dead: dict[int, list[int]] = {}
+    for w in sorted(topology.failed):
+        dead.setdefault(w.pipeline, []).append(w.stage)
+    return dead
+
+
+def _speeds(costs: CostModel, pipeline: int, stages: Iterable[int]) -> tuple[float, ...]:
+    """The speed factors of a pipeline's `stages` (empty when the model has none: all equal)."""
+    return tuple(costs.speed.get(Worker(pipeline, s), 1.0) for s in stages) if costs.speed else ()
 
 
 def _bamboo_host(stage: int) -> int:

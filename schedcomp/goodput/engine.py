@@ -104,12 +104,13 @@ class _Job:
         self.failed: Counter[Worker] = Counter()
         self.stopped = False
         self.stops = 0
+        self.current = self._rate()  # iterations per second now (kept: the failed set changes rarely)
 
     @property
     def useful(self) -> float:
         return self.progress - self.dropped
 
-    def rate(self) -> float:
+    def _rate(self) -> float:
         down = frozenset(self.failed)
         if self.policy.recovery == "restart":
             return 0.0 if down and not self.policy.spares else 1.0 / self.iteration_s
@@ -129,7 +130,7 @@ class _Job:
                 if self.writing <= _EPS:
                     self.writing, self.saved = 0.0, self.pending
             else:
-                self._train(to, self.rate(), p.interval, p.checkpoint_s)
+                self._train(to, self.current, p.interval, p.checkpoint_s)
         self.t = max(self.t, to)
 
     def _train(self, to: float, rate: float, interval: float, cost: float) -> None:
@@ -158,9 +159,10 @@ class _Job:
         running = not self.stopped and self.t >= self.busy_until and self.writing == 0
         if self.tracks_failures:
             self.failed.update(workers)
+            self.current = self._rate()
         if self.stopped:
             return  # already back at its checkpoint, waiting for repairs
-        if p.recovery == "restart" or self.rate() == 0:
+        if p.recovery == "restart" or self.current == 0:
             self._back_to_checkpoint()
             if p.recovery == "restart" and p.spares:
                 self.busy_until = self.t + p.restart_s
@@ -178,10 +180,10 @@ class _Job:
     def repair(self, workers: tuple[Worker, ...]) -> None:
         if not self.tracks_failures:
             return
-        before = self.rate()
+        before = self.current
         self.failed.subtract(workers)
         self.failed = +self.failed  # drop workers no longer down
-        after = self.rate()
+        after = self.current = self._rate()
         if self.stopped:
             if after > 0:
                 self.stopped = False

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from schedcomp.baselines import pipeline_costs, bamboo, compare, fault_free, oobleck
 from schedcomp.cache import Key, canonical, canonical_costs
 from schedcomp.costs import CostModel
-from schedcomp.errors import RecoveryError, ScheduleError
+from schedcomp.errors import ScheduleError
 from schedcomp.solvers.bounds import work_bound
 from schedcomp.solvers.problem import Problem
 from schedcomp.topology import Topology, Worker
@@ -113,14 +113,31 @@ class Rates:
         return self.reference() / period if period > 0 and period != float("inf") else 0.0
 
     def _adaptive(self, topology: Topology, costs: CostModel) -> float:
-        key = ("bound", Topology(self.pp, self.dp))
-        if key not in self._memo:
-            self._memo[key] = work_bound(Problem(Topology(self.pp, self.dp), self.microbatches, self.costs, True))
-        try:
-            bound = work_bound(Problem(topology, self.microbatches, costs, True))
-        except RecoveryError:
+        """The fault-free bound over the failed set's (both: the busiest survivor's work, per stage)."""
+        healthy = max(self._stage_bound(s, (), self.costs) for s in range(self.pp))
+        hit: dict[int, list[int]] = {}
+        for w in topology.failed:
+            hit.setdefault(w.stage, []).append(w.pipeline)
+        if any(len(p) == self.dp for p in hit.values()):
             return 0.0  # a stage lost every replica
-        return min(1.0, float(self._memo[key]) / bound)  # type: ignore[arg-type]
+        bound = max([healthy, *(self._stage_bound(s, tuple(sorted(p)), costs) for s, p in hit.items())])
+        return min(1.0, healthy / bound)
+
+    def _stage_bound(self, stage: int, failed: tuple[int, ...], costs: CostModel) -> float:
+        """`work_bound` restricted to one stage (the bound is a maximum of per-stage terms, so this
+        is exact): the stage alone as a pp = 1 job with `failed` pipelines down."""
+        speed = tuple(costs.speed.get(Worker(d, stage), 1.0) for d in range(self.dp)) if costs.speed else ()
+        key = ("stage-bound", stage, failed if speed else len(failed), speed)
+        if key not in self._memo:
+            one = CostModel(
+                forward=(costs.forward[stage],), backward_input=(costs.backward_input[stage],),
+                backward_weight=(costs.backward_weight[stage],), allreduce=(costs.allreduce[stage],),
+                optimizer=(costs.optimizer[stage],), activation=(costs.activation[stage],), b_frees=costs.b_frees,
+                speed={Worker(d, 0): v for w, v in costs.speed.items() if w.stage == stage for d in (w.pipeline,)})
+            down = range(len(failed)) if not speed else failed  # uniform speed: which pipelines does not matter
+            topology = Topology.of(1, self.dp, [(d, 0) for d in down])
+            self._memo[key] = work_bound(Problem(topology, self.microbatches, one, True))
+        return float(self._memo[key])  # type: ignore[arg-type]
 
     def _drop_pipeline(self, topology: Topology, costs: CostModel) -> float:
         broken = sorted({w.pipeline for w in topology.failed})
@@ -130,6 +147,8 @@ class Rates:
         # The dropped pipelines' micro-batches are dealt round-robin to the survivors (as baselines does).
         extra, first = divmod(len(broken) * self.microbatches, len(alive))
         lengths = {d: self.microbatches + extra + (1 if i < first else 0) for i, d in enumerate(alive)}
+        if not costs.speed:  # equal pipelines: the longest share is the slowest
+            return self._ratio(self._pipeline_period(max(lengths.values()), alive[0], costs))
         return self._ratio(max(self._pipeline_period(n, d, costs) for d, n in lengths.items()))
 
     def _pipeline_period(self, microbatches: int, pipeline: int, costs: CostModel | None = None) -> float:
