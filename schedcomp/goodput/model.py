@@ -71,12 +71,13 @@ class StrategyRun:
     stops: int  # failures it met by restarting from a checkpoint
     lost_hours: float  # fault-free hours of training not delivered
     checkpoint_interval_s: float | None  # None: it took no checkpoints
+    ceiling: float = 1.0  # its relative throughput without failures (its own schedule's cost)
     series: tuple[tuple[float, float], ...] = ()  # (seconds, useful iterations), when asked for
 
     def to_dict(self) -> dict[str, object]:
         return {"strategy": self.strategy, "goodput": self.goodput, "relative_goodput": self.relative_goodput,
                 "failures": self.failures, "stops": self.stops, "lost_hours": self.lost_hours,
-                "checkpoint_interval_s": self.checkpoint_interval_s}
+                "checkpoint_interval_s": self.checkpoint_interval_s, "ceiling": self.ceiling}
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
             name, outcome.useful * HOUR / duration_s, outcome.useful / fault_free,
             sum(1 for f in failures if f.time < duration_s), outcome.stops,
             (fault_free - outcome.useful) * iteration_s / HOUR, interval if math.isfinite(interval) else None,
-            outcome.series))
+            rates.relative(_SOURCE[name], frozenset()) if name in _SOURCE else 1.0, outcome.series))
     return GoodputResult(tuple(runs), HOUR / iteration_s, iteration_s, duration_s, system_mtbf_s,
                          tuple(failures), rates.fidelity, rates.scenarios)
 

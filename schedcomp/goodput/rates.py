@@ -10,15 +10,16 @@ Two fidelities:
   simulator for every strategy (what `schedcomp compare` prints). Affordable on small jobs only
   (compiling pp=32 dp=256 takes ~40 s per failure set).
 - "fast": the same models, evaluated where they decompose.
-  * adaptive: the work-conservation bound (`solvers.bounds.work_bound`: the busiest survivor's
-    share of the re-routed micro-batches), scaled by the fault-free plan's period over its bound.
-    The greedy/CP-SAT plans reach that bound on every case `bench/bench_goodput.py` tries; where a
-    compiled plan falls short of it, "fast" overstates adaptive by that gap (the bench measures it).
-  * drop-pipeline: the slowest surviving pipeline, compiled alone (dp = 1) with its share of the
-    global batch; the cross-pipeline all-reduce is not simulated (it waits for the slowest anyway).
+  * adaptive: the fault-free period over the failed set's work-conservation bound
+    (`solvers.bounds.work_bound`: the busiest survivor's share of the re-routed micro-batches, its
+    all-reduce and step), i.e. the compiled plan is taken to reach its bound. No plan beats it, so
+    "fast" can only overstate adaptive, by the plan's optimality gap (`bench/bench_goodput.py`
+    measures it against the compiler).
+  * drop-pipeline: the slowest surviving pipeline with its share of the global batch, compiled as
+    two copies of it (dp = 2, so its stages all-reduce), not the whole job.
   * oobleck, bamboo: `baselines.oobleck` / `baselines.bamboo` themselves, with their per-pipeline
     memo shared across failure sets (exact: their pipelines are independent by construction).
-  * the fault-free reference: one pipeline compiled alone (dp = 1), the slowest speed class if
+  * the fault-free reference: two copies of one pipeline (dp = 2), the slowest speed class if
     pipelines differ in speed. Without speed factors it equals the dp-pipeline plan's period
     (tests/test_goodput.py checks it).
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from schedcomp.baselines import pipeline_costs, bamboo, compare, fault_free, oobleck
+from schedcomp.baselines import bamboo, compare, fault_free, oobleck
 from schedcomp.cache import Key, canonical, canonical_costs
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
@@ -94,7 +95,7 @@ class Rates:
         return self.reference()
 
     def reference(self) -> float:
-        """Fault-free period: one pipeline alone, the slowest speed class (see the module docstring)."""
+        """Fault-free period: two copies of a pipeline, the slowest speed class (see the module docstring)."""
         if self._reference is None:
             classes = {self._speed(d, range(self.pp)): d for d in range(self.dp)}
             self._reference = max(self._pipeline_period(self.microbatches, d) for d in classes.values())
@@ -113,7 +114,8 @@ class Rates:
         return self.reference() / period if period > 0 and period != float("inf") else 0.0
 
     def _adaptive(self, topology: Topology, costs: CostModel) -> float:
-        """The fault-free bound over the failed set's (both: the busiest survivor's work, per stage)."""
+        """The fault-free period over the failed set's work bound (the busiest survivor's work): an
+        upper bound on the compiled plan's relative throughput, as no plan beats its bound."""
         healthy = max(self._stage_bound(s, (), self.costs) for s in range(self.pp))
         hit: dict[int, list[int]] = {}
         for w in topology.failed:
@@ -121,7 +123,7 @@ class Rates:
         if any(len(p) == self.dp for p in hit.values()):
             return 0.0  # a stage lost every replica
         bound = max([healthy, *(self._stage_bound(s, tuple(sorted(p)), costs) for s, p in hit.items())])
-        return min(1.0, healthy / bound)
+        return min(1.0, self.reference() / bound) if topology.failed else 1.0
 
     def _stage_bound(self, stage: int, failed: tuple[int, ...], costs: CostModel) -> float:
         """`work_bound` restricted to one stage (the bound is a maximum of per-stage terms, so this
@@ -148,16 +150,21 @@ class Rates:
         extra, first = divmod(len(broken) * self.microbatches, len(alive))
         lengths = {d: self.microbatches + extra + (1 if i < first else 0) for i, d in enumerate(alive)}
         if not costs.speed:  # equal pipelines: the longest share is the slowest
-            return self._ratio(self._pipeline_period(max(lengths.values()), alive[0], costs))
-        return self._ratio(max(self._pipeline_period(n, d, costs) for d, n in lengths.items()))
+            return self._ratio(self._pipeline_period(max(lengths.values()), alive[0], costs, len(alive)))
+        return self._ratio(max(self._pipeline_period(n, d, costs, len(alive)) for d, n in lengths.items()))
 
-    def _pipeline_period(self, microbatches: int, pipeline: int, costs: CostModel | None = None) -> float:
-        """Period of pipeline `pipeline` run alone (dp = 1) on `microbatches`, with its speed factors."""
+    def _pipeline_period(self, microbatches: int, pipeline: int, costs: CostModel | None = None,
+                         peers: int | None = None) -> float:
+        """Period of pipeline `pipeline` on `microbatches`, fault-free, with its speed factors and its
+        stages' all-reduce when it has `peers` > 1 (default dp): compiled as two copies of it (dp = 2),
+        or alone."""
         costs = self.costs if costs is None else costs
-        key = ("pipeline", microbatches, self._speed(pipeline, range(self.pp), costs))
+        copies = min(2, self.dp if peers is None else peers)
+        key = ("pipeline", microbatches, copies, self._speed(pipeline, range(self.pp), costs))
         if key not in self._memo:
-            local = pipeline_costs(costs, pipeline, range(self.pp))
-            self._memo[key] = fault_free(Topology(self.pp, 1), microbatches, local).period
+            local = CostModel(**{**costs.__dict__, "speed": {
+                Worker(j, w.stage): v for w, v in costs.speed.items() if w.pipeline == pipeline for j in range(copies)}})
+            self._memo[key] = fault_free(Topology(self.pp, copies), microbatches, local).period
         return float(self._memo[key])  # type: ignore[arg-type]
 
     def _speed(self, pipeline: int, stages: Iterable[int], costs: CostModel | None = None) -> tuple[float, ...]:
