@@ -162,8 +162,8 @@ class Rates:
         copies = min(2, self.dp if peers is None else peers)
         key = ("pipeline", microbatches, copies, self._speed(pipeline, range(self.pp), costs))
         if key not in self._memo:
-            local = CostModel(**{**costs.__dict__, "speed": {
-                Worker(j, w.stage): v for w, v in costs.speed.items() if w.pipeline == pipeline for j in range(copies)}})
+            mine = [(w.stage, v) for w, v in costs.speed.items() if w.pipeline == pipeline]
+            local = CostModel(**{**costs.__dict__, "speed": {Worker(j, s): v for s, v in mine for j in range(copies)}})
             self._memo[key] = fault_free(Topology(self.pp, copies), microbatches, local).period
         return float(self._memo[key])  # type: ignore[arg-type]
 
