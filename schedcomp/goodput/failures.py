@@ -25,6 +25,7 @@ from schedcomp.fileio import read_text
 from schedcomp.topology import Worker
 
 HOUR = 3600.0
+MAX_FAILURES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ def poisson_failures(pp: int, dp: int, duration_s: float, gpu_mtbf_hours: float,
         raise TopologyError(f"the per-GPU MTBF must be a positive number of hours, got {gpu_mtbf_hours}")
     rng = random.Random(seed)
     mean_gap = system_mtbf(pp, dp, gpu_mtbf_hours)
+    if duration_s / mean_gap > MAX_FAILURES:
+        raise TopologyError(f"{duration_s / mean_gap:.3g} failures expected, more than the {MAX_FAILURES} this "
+                            "simulator handles: shorten the run or raise the MTBF")
     nodes = node_count(pp, dp, gpus_per_node)
     out, t = [], rng.expovariate(1.0 / mean_gap)
     while t < duration_s:
