@@ -134,12 +134,13 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
         outcome, interval = _strategy(name, failures, rates, recovery, duration_s=duration_s,
                                       checkpoint_s=checkpoint_s, restart_s=restart_s, mtbf_s=system_mtbf_s,
                                       iteration_s=iteration_s, spares=spares, samples=samples)
-        fault_free = duration_s / iteration_s
+        fault_free = duration_s / iteration_s  # iterations the fault-free job would deliver
         runs.append(StrategyRun(
-            name, outcome.useful * HOUR / duration_s, outcome.useful / fault_free,
-            sum(1 for f in failures if f.time < duration_s), outcome.stops,
-            (fault_free - outcome.useful) * iteration_s / HOUR, interval if math.isfinite(interval) else None,
-            rates.relative(_SOURCE[name], frozenset()) if name in _SOURCE else 1.0, outcome.series))
+            strategy=name, goodput=outcome.useful * HOUR / duration_s, relative_goodput=outcome.useful / fault_free,
+            failures=sum(1 for f in failures if f.time < duration_s), stops=outcome.stops,
+            lost_hours=(fault_free - outcome.useful) * iteration_s / HOUR,
+            checkpoint_interval_s=interval if math.isfinite(interval) else None,
+            ceiling=rates.relative(_SOURCE[name], frozenset()) if name in _SOURCE else 1.0, series=outcome.series))
     return GoodputResult(tuple(runs), HOUR / iteration_s, iteration_s, duration_s, system_mtbf_s,
                          tuple(failures), rates.fidelity, rates.scenarios)
 
