@@ -223,6 +223,9 @@ def test_cli_json_and_png(capsys, tmp_path):
         assert r["goodput"] == pytest.approx(r["relative_goodput"] * 3600 / 5)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["goodput", "--pp", "4", "--dp", "4", "-m", "4", "--days", "1", "--gpu-mtbf-hours", "2000",
+                 "--png", str(tmp_path / "goodput.gif")]) == 2
+    assert "ending in .png or .svg" in capsys.readouterr().err
+    assert main(["goodput", "--pp", "4", "--dp", "4", "-m", "4", "--days", "1", "--gpu-mtbf-hours", "2000",
                  "--strategies", "adaptive", "checkpoint-restart"]) == 0
     out = capsys.readouterr().out
     assert "adaptive" in out and "checkpoint-restart" in out and "bamboo" not in out

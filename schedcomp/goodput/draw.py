@@ -32,15 +32,21 @@ def draw_goodput(result: GoodputResult, path: str | Path, title: str = "", dpi: 
         share = [done * result.iteration_s / t for t, done in run.series[1:]]  # of the fault-free job so far
         top.plot(days, share, label=f"{run.strategy} ({run.relative_goodput:.1%})", linewidth=1.2)
     top.set_ylabel("goodput so far / fault-free")
-    top.legend(loc="lower left", fontsize=8, ncols=2)
+    top.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     top.grid(alpha=0.3)
     if title:
         top.set_title(title)
-    for f in result.failures:
-        bottom.plot([f.time / _DAY, (f.time + f.down) / _DAY], [len(f.workers)] * 2, color="#e15759", linewidth=2)
-        bottom.plot([f.time / _DAY], [len(f.workers)], marker="|", color="#333333")
-    bottom.set_ylabel("workers lost")
-    bottom.set_xlabel("days (each failure: a tick, and a bar until its repair)")
+    changes = sorted([(f.time, len(f.workers)) for f in result.failures]
+                     + [(f.time + f.down, -len(f.workers)) for f in result.failures])
+    times, down, now = [0.0], [0], 0
+    for t, delta in changes:
+        now += delta
+        times.append(t / _DAY)
+        down.append(now)
+    bottom.step([*times, result.duration_s / _DAY], [*down, now], where="post", color="#e15759")
+    bottom.plot([f.time / _DAY for f in result.failures], [0] * len(result.failures), "|", color="#333333")
+    bottom.set_ylabel("workers down")
+    bottom.set_xlabel("days (ticks: failures)")
     bottom.set_xlim(0, result.duration_s / _DAY)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt)
