@@ -11,9 +11,11 @@ Also here: `rerouted_1f1b_order`, the plain construction the adaptive schedules 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
@@ -68,6 +70,8 @@ class _Run:
 
 
 _STOPPED = float("inf")
+Memo = dict[Any, Any]
+"""A cache of per-pipeline cost models and runs (see `oobleck`); valid for one job cost model."""
 
 
 def compare(
@@ -180,7 +184,7 @@ def drop_pipeline(topology: Topology, microbatches: int, costs: CostModel, **kw:
     time_limit = float(kw.get("time_limit", 10.0))  # type: ignore[arg-type]
     for d in alive:
         mine = lists[d]
-        local_costs = _pipeline_costs(costs, d, range(pp))
+        local_costs = pipeline_costs(costs, d, range(pp))
         order, _, _ = adaptive_order(Topology(pp, 1), len(mine), local_costs, solver=solver, time_limit=time_limit)
         for s in range(pp):
             ops[Worker(d, s)] = tuple(Op(o.kind, mine[o.microbatch][0], mine[o.microbatch][1], s)
@@ -190,7 +194,8 @@ def drop_pipeline(topology: Topology, microbatches: int, costs: CostModel, **kw:
     return _simulated(plan)
 
 
-def oobleck(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+def oobleck(topology: Topology, microbatches: int, costs: CostModel, *, memo: Memo | None = None,
+            **kw: object) -> _Run:
     """Oobleck-style re-instantiation: the surviving workers of a broken pipeline are re-formed into a
     shorter pipeline whose stages split the model evenly (fractional layers: each new stage costs a
     proportional share of the per-stage F, B, W, activation, all-reduce and step, an idealisation in
@@ -198,29 +203,41 @@ def oobleck(topology: Topology, microbatches: int, costs: CostModel, **kw: objec
     as Oobleck's pipeline templates do. Each pipeline runs 1F1B (fused backward) with a synchronous
     optimizer (Oobleck is built on DeepSpeed's 1F1B); the cross-pipeline all-reduce is charged to each
     stage's step and the iteration lasts as long as the slowest pipeline. Assumes re-formed stages fit
-    in device memory: the memory limit is not applied (the peak memory is reported)."""
+    in device memory: the memory limit is not applied (the peak memory is reported).
+
+    `memo` (any dict, shared across calls on one cost model) keeps each distinct pipeline's run, so
+    equal pipelines are simulated once: the result is the same with or without it."""
     pp, dp = topology.pp, topology.dp
-    pipes: list[tuple[CostModel, int]] = []
+    memo = {} if memo is None else memo
+    pipes: list[tuple[tuple[object, ...], int, float]] = []  # (memo key, stages, 1F1B slot)
+    dead, every = _dead_stages(topology), list(range(pp))
     for d in range(dp):
-        live = [s for s in range(pp) if Worker(d, s) not in topology.failed]
+        live = [s for s in every if s not in dead[d]] if d in dead else every
         if not live:
             continue
-        pipes.append((_repartition(costs, d, live), len(live)))
+        key = ("oobleck", len(live), _speeds(costs, d, live))
+        if key not in memo:
+            c = _repartition(costs, d, live)
+            memo[key] = c
+            memo[key, "slot"] = max(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in range(c.pp))
+        pipes.append((key, len(live), memo[key, "slot"]))
     if not pipes:
         return _Run(_STOPPED, 0.0, "every worker failed")
-    total = dp * microbatches
     # Deal micro-batches one at a time to the pipeline that would finish its share soonest
-    # (1F1B: (m + stages - 1) slots of its slowest stage).
-    slot = [max(c.forward[s] + c.backward_input[s] + c.backward_weight[s] for s in range(c.pp)) for c, _ in pipes]
+    # (1F1B: (m + stages - 1) slots of its slowest stage); a heap keeps it linear in the batch.
     share = [0] * len(pipes)
-    for _ in range(total):
-        i = min(range(len(pipes)), key=lambda j: ((share[j] + pipes[j][1]) * slot[j], j))
+    heap = [(n * slot, j) for j, (_, n, slot) in enumerate(pipes)]
+    heapq.heapify(heap)
+    for _ in range(dp * microbatches):
+        _, i = heapq.heappop(heap)
         share[i] += 1
-    runs = [_one_pipeline_1f1b(c, m) for (c, _), m in zip(pipes, share, strict=True) if m > 0]
+        heapq.heappush(heap, ((share[i] + pipes[i][1]) * pipes[i][2], i))
+    runs = [_memo_1f1b(memo, key, m) for (key, _, _), m in zip(pipes, share, strict=True) if m > 0]
     return _Run(max(r.period for r in runs), max(r.peak_memory for r in runs))
 
 
-def bamboo(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
+def bamboo(topology: Topology, microbatches: int, costs: CostModel, *, memo: Memo | None = None,
+           **kw: object) -> _Run:
     """Bamboo-style redundant computation: every worker also runs its successor's forward (the last
     stage's successor is stage 0, a ring), paid even without failures, and keeps those activations
     too. On a failure of (d, s) its predecessor (d, s-1), which holds a copy of stage s, takes it over:
@@ -229,19 +246,38 @@ def bamboo(topology: Topology, microbatches: int, costs: CostModel, **kw: object
     that are neighbours in one pipeline lose both copies of a stage: Bamboo must restart from a
     checkpoint. Each pipeline keeps its own micro-batches and runs 1F1B (fused backward) with a
     synchronous optimizer (DeepSpeed); the all-reduce is charged to each stage's step. The memory limit
-    is not applied (the peak memory, which includes the redundant activations, is reported)."""
+    is not applied (the peak memory, which includes the redundant activations, is reported).
+    `memo`: as `oobleck`'s."""
     pp, dp = topology.pp, topology.dp
+    memo = {} if memo is None else memo
     runs = []
+    lost = _dead_stages(topology)
     for d in range(dp):
-        dead = sorted(s for s in range(pp) if Worker(d, s) in topology.failed)
+        dead = lost.get(d, [])
         if any(_bamboo_host(s) in dead for s in dead):
             return _Run(_STOPPED, 0.0, f"pipeline {d} lost two neighbouring stages: Bamboo restarts from a checkpoint")
         groups: list[list[int]] = [[s] for s in range(pp) if s not in dead]  # original stages per live worker
         for s in dead:
             next(g for g in groups if _bamboo_host(s) in g).append(s)
         groups.sort(key=min)
-        runs.append(_one_pipeline_1f1b(_bamboo_costs(costs, d, groups, pp), microbatches))
+        key = ("bamboo", tuple(map(tuple, groups)), _speeds(costs, d, [min(g) for g in groups]))
+        if key not in memo:
+            memo[key] = _bamboo_costs(costs, d, groups, pp)
+        runs.append(_memo_1f1b(memo, key, microbatches))
     return _Run(max(r.period for r in runs), max(r.peak_memory for r in runs))
+
+
+def _dead_stages(topology: Topology) -> dict[int, list[int]]:
+    """Failed stages of each pipeline that lost any, sorted."""
+    dead: dict[int, list[int]] = {}
+    for w in sorted(topology.failed):
+        dead.setdefault(w.pipeline, []).append(w.stage)
+    return dead
+
+
+def _speeds(costs: CostModel, pipeline: int, stages: Iterable[int]) -> tuple[float, ...]:
+    """The speed factors of a pipeline's `stages` (empty when the model has none: all equal)."""
+    return tuple(costs.speed.get(Worker(pipeline, s), 1.0) for s in stages) if costs.speed else ()
 
 
 def _bamboo_host(stage: int) -> int:
@@ -262,7 +298,7 @@ _RUNNERS: dict[str, Callable[..., _Run]] = {
 # ---- helpers: single-pipeline cost models and 1F1B runs ------------------------------------------
 
 
-def _pipeline_costs(costs: CostModel, pipeline: int, stages: Iterable[int]) -> CostModel:
+def pipeline_costs(costs: CostModel, pipeline: int, stages: Iterable[int]) -> CostModel:
     """The cost model of one pipeline's workers as a dp=1 job (speed factors moved to pipeline 0)."""
     stages = list(stages)
     speed = {Worker(0, i): costs.speed[Worker(pipeline, s)]
@@ -319,6 +355,14 @@ def _mixed_frees(costs: CostModel) -> float:
         return costs.b_frees
     total = sum(costs.activation)
     return sum(a * f for a, f in zip(costs.activation, costs.b_frees, strict=True)) / total if total else 0.5
+
+
+def _memo_1f1b(memo: Memo, key: tuple[object, ...], microbatches: int) -> _Run:
+    """`_one_pipeline_1f1b` of the cost model stored at `memo[key]`, kept in `memo` too."""
+    run_key = (key, microbatches)
+    if run_key not in memo:
+        memo[run_key] = _one_pipeline_1f1b(memo[key], microbatches)
+    return memo[run_key]
 
 
 def _one_pipeline_1f1b(costs: CostModel, microbatches: int) -> _Run:

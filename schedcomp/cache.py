@@ -58,10 +58,16 @@ def canonical(topology: Topology, costs: CostModel | None = None) -> Canonical:
     """Canonical form of `topology`'s failure set (see the module docstring)."""
     pp, dp = topology.pp, topology.dp
     speed = costs.speed if costs is not None else {}
-    speeds = [tuple(speed.get(Worker(d, s), 1.0) for s in range(pp)) for d in range(dp)]
-    distinct = sorted(set(speeds))
-    cls = [distinct.index(v) for v in speeds]
-    failed = [tuple(s for s in range(pp) if Worker(d, s) in topology.failed) for d in range(dp)]
+    if speed:
+        speeds = [tuple(speed.get(Worker(d, s), 1.0) for s in range(pp)) for d in range(dp)]
+        distinct = sorted(set(speeds))
+        cls = [distinct.index(v) for v in speeds]
+    else:  # one speed class: skip the pp * dp look-ups (the goodput simulator canonicalises often)
+        distinct, cls = [()], [0] * dp
+    stages: dict[int, list[int]] = {}
+    for w in topology.failed:
+        stages.setdefault(w.pipeline, []).append(w.stage)
+    failed = [tuple(sorted(stages.get(d, ()))) for d in range(dp)]
     perm = tuple(sorted(range(dp), key=lambda d: (cls[d], failed[d], d)))
     key = tuple(sorted((i, s) for i, d in enumerate(perm) for s in failed[d]))
     classes = tuple(cls[d] for d in perm) if len(distinct) > 1 else ()
