@@ -6,26 +6,38 @@ activation units (the unit model holds one per micro-batch in flight).
 
 from __future__ import annotations
 
-import json
-import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedcomp.errors import CostModelError
+from schedcomp import fileio
+from schedcomp.errors import CostModelError, SchedcompTypeError
+from schedcomp.limits import MAX_COST, MIN_SPEED
 from schedcomp.topology import Worker
 
 FORMAT_VERSION = 1
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
-    values = (value,) * pp if isinstance(value, (int, float)) else tuple(value)
+    if _is_number(value):
+        values: tuple[Any, ...] = (value,) * pp
+    elif isinstance(value, (list, tuple)):
+        values = tuple(value)
+    else:
+        raise CostModelError(f"{name} must be a number or a list of one number per stage, got {type(value).__name__}")
     if len(values) != pp:
         raise CostModelError(f"{name} has {len(values)} entries but the model has {pp} stages: give one per stage")
     for v in values:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise CostModelError(f"{name} must hold finite non-negative numbers, got {v!r}")
+        # Compared before any float(): a 401-digit int would overflow; NaN fails both comparisons.
+        if not _is_number(v) or not 0 <= v <= MAX_COST:
+            shown = repr(v) if len(repr(v)) < 40 else repr(v)[:37] + "..."
+            raise CostModelError(f"{name} must hold numbers from 0 to {MAX_COST:g}, got {shown}")
     return tuple(float(v) for v in values)
 
 
@@ -56,6 +68,8 @@ class CostModel:
     speed: Mapping[Worker, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward, (list, tuple)):
+            raise CostModelError(f"forward must be a list of one time per stage, got {type(self.forward).__name__}")
         pp = len(self.forward)
         if pp < 1:
             raise CostModelError("a cost model needs at least one stage")
@@ -67,15 +81,31 @@ class CostModel:
         set_(self, "optimizer", _per_stage("optimizer", self.optimizer or 0.0, pp))
         set_(self, "activation", _per_stage("activation", self.activation or 1.0, pp))
         set_(self, "p2p", _per_stage("p2p", [self.p2p], 1)[0])
-        if not 0.0 <= self.b_frees <= 1.0:
+        if not _is_number(self.b_frees) or not 0.0 <= self.b_frees <= 1.0:
             raise CostModelError(f"b_frees must be a fraction in [0, 1], got {self.b_frees!r}")
+        if self.memory_limit is not None and not _is_number(self.memory_limit):
+            raise SchedcompTypeError(f"memory_limit must be a number or None, got {type(self.memory_limit).__name__} "
+                                     f"{self.memory_limit!r}")
         if self.memory_limit is not None and not (self.memory_limit > 0):
             raise CostModelError(f"memory_limit must be positive, got {self.memory_limit!r}")
+        if not isinstance(self.speed, Mapping):
+            raise SchedcompTypeError(f"speed must map workers to factors, got {type(self.speed).__name__}")
         speed = dict(self.speed)
         for w, v in speed.items():
-            if not isinstance(w, Worker) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise CostModelError(f"speed factor for {w} must be a positive number, got {v!r}")
+            if not isinstance(w, Worker):
+                raise CostModelError(f"speed is keyed by Worker, got {w!r}")
+            # Bounded both ways: a factor of 1e-320 made every time infinite and the solvers fail.
+            if not _is_number(v) or not MIN_SPEED <= v <= 1 / MIN_SPEED:
+                raise CostModelError(f"speed factor for {w} must be a number from {MIN_SPEED:g} to "
+                                     f"{1 / MIN_SPEED:g}, got {v!r}")
         set_(self, "speed", speed)
+
+    def check_workers(self, topology: Any) -> None:
+        """Refuse speed factors for workers outside `topology` (a typo that would silently do nothing)."""
+        for w in self.speed:
+            if not (0 <= w.pipeline < topology.dp and 0 <= w.stage < topology.pp):
+                raise CostModelError(f"the cost model has a speed factor for worker {w}, outside the job "
+                                     f"(pipelines 0..{topology.dp - 1}, stages 0..{topology.pp - 1}): drop it")
 
     @classmethod
     def uniform(
@@ -164,7 +194,12 @@ class CostModel:
         if missing:
             raise CostModelError(f"cost model is missing {', '.join(missing)}: give one time per stage for each")
         try:
-            speed = {Worker.parse(k): float(v) for k, v in (data.get("speed") or {}).items()}
+            speed_data = data.get("speed") or {}
+            if not isinstance(speed_data, dict):
+                raise CostModelError("speed must be an object mapping workers ('1:3') to factors")
+            speed = {Worker.parse(k): v for k, v in speed_data.items()}
+            if not isinstance(data["forward"], list):
+                raise CostModelError("forward must be a list of one time per stage")
             pp = len(data["forward"])
             return cls(
                 forward=data["forward"],
@@ -180,20 +215,28 @@ class CostModel:
             )
         except CostModelError:
             raise
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CostModelError(f"malformed cost model: {exc}") from None
 
+    def to_json(self) -> str:
+        return fileio.dumps_json(self.to_dict(), indent=2) + "\n"
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the model as JSON atomically: on failure the old file stays whole."""
+        fileio.write_atomic(_path(path), self.to_json(), CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
+        path = _path(path)
+        text = fileio.read_text(path, "cost model", CostModelError)
+        data = fileio.load_json(text, f"cost model {path}", CostModelError)
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise CostModelError(f"cannot read cost model {path}: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CostModelError(f"cost model {path} is not valid JSON (line {exc.lineno}): {exc.msg}") from None
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except CostModelError as exc:
+            raise CostModelError(f"cost model {path}: {exc}") from None
+
+
+def _path(path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SchedcompTypeError(f"a cost model path must be a string or Path, got {type(path).__name__}")
+    return Path(path)

@@ -72,7 +72,7 @@ class Op:
         return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage)
 
 
-_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d+)\.(?P<pipeline>\d+)")
+_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})")
 
 
 class InstrKind(str, Enum):
@@ -174,7 +174,8 @@ class Instruction:
 
 
 _set = object.__setattr__  # how a frozen dataclass sets its own fields
-_INSTR_RE = re.compile(r"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+\d+\.\d+)(?:(?P<dir>[<>])(?P<peer>\d+:\d+))?\]")
+_N = r"\d{1,18}"  # bounded: int() of a 4300-digit number raises, and no count needs more than 18 digits
+_INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N})(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
 
 
 @dataclass(frozen=True)
