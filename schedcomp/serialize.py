@@ -78,7 +78,7 @@ def _header(plan: Plan) -> dict[str, Any]:
 
 def _dumps(data: Any, **kw: Any) -> str:
     try:
-        return json.dumps(data, **kw)
+        return json.dumps(data, allow_nan=False, **kw)
     except (TypeError, ValueError) as exc:
         raise PlanFormatError(f"plan cannot be written as JSON ({exc}): keep plan.meta to JSON values") from None
 
