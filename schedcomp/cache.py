@@ -414,9 +414,12 @@ def precompile(
     their plans themselves, so the parent does not parse them."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
-    Topology(pp, dp)  # types and the worker limit, before enumerating anything
+    topology = Topology(pp, dp)  # types and the worker limit, before enumerating anything
     limits.check_job(pp, dp, microbatches)
+    if costs is not None and not isinstance(costs, CostModel):
+        raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     costs = CostModel.uniform(pp) if costs is None else costs
+    costs.check_workers(topology)
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures)
     root = _directory(directory) if directory is not None else None
