@@ -132,7 +132,8 @@ def test_allreduce_waits_for_the_slowest_member_and_steps_follow():
 def test_allreduce_of_a_lone_worker_costs_nothing():
     streams = {"0:0": "LOAD[F0.0] F0.0 B0.0 W0.0 ALLREDUCE STEP"}
     costs = CostModel(forward=(1,), backward_input=(1,), backward_weight=(1,), allreduce=(2,), optimizer=(0.5,))
-    sim = simulate(make_plan(streams, 1, dp=2, microbatches=1, costs=costs, failed=((1, 0),)), iterations=2, validate=False)
+    plan = make_plan(streams, 1, dp=2, microbatches=1, costs=costs, failed=((1, 0),))
+    sim = simulate(plan, iterations=2, validate=False)
     assert span(sim, "0:0", "ALLREDUCE").duration == 0
     assert sim.period == 3.5
 
