@@ -12,6 +12,12 @@ from __future__ import annotations
 class SchedcompError(ValueError):
     """Base class: a problem with the user's input or a plan, reported in one line."""
 
+    def __init__(self, *args: object) -> None:
+        # One line whatever the input quoted in it holds (a key with a newline, a U+2028).
+        if len(args) == 1 and isinstance(args[0], str) and len(args[0].splitlines()) > 1:
+            args = (" ".join(args[0].splitlines()),)
+        super().__init__(*args)
+
 
 class SchedcompTypeError(SchedcompError, TypeError):
     """An argument of the wrong type (e.g. `failed="1:1"` where a list of workers is due)."""
