@@ -32,6 +32,7 @@ __all__ = ["check", "is_checked", "memory_profile", "peak_memory"]
 _EPS = 1e-9
 _BACKWARD = (OpKind.B, OpKind.BW)
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
+_NO_DELTAS = dict.fromkeys(OpKind, 0.0)
 
 
 def check(plan: Plan) -> None:
@@ -141,7 +142,7 @@ class _Checker:
         LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
         for w in sorted(plan.streams):
             ws = w.stage
-            deltas, held = _deltas(plan, ws), 0.0
+            deltas, held = (_deltas(plan, ws) if top is not None else _NO_DELTAS), 0.0  # memory only with a limit
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w] = (reduce, step)

@@ -188,7 +188,8 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise CostModelError(
-                f"unknown cost model key(s) {', '.join(map(repr, unknown))}: allowed keys are {', '.join(sorted(known))}"
+                f"unknown cost model key(s) {', '.join(map(repr, unknown))}: "
+                f"allowed keys are {', '.join(sorted(known))}"
             )
         missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in data]
         if missing:

@@ -51,7 +51,7 @@ class Op:
     stage: int
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.microbatch}.{self.pipeline}"
+        return f"{_TEXT[self.kind]}{self.microbatch}.{self.pipeline}"  # `.value` on an enum is slow
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -99,6 +99,8 @@ class InstrKind(str, Enum):
 COMPUTE_KINDS = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
 SEND_KINDS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD})
 RECV_KINDS = frozenset({InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
+_TEXT: dict[Any, str] = {k: k.value for k in (*OpKind, *InstrKind)}  # enum -> its text (OpKind.F == InstrKind.F)
+_FORM = {k: 0 if k in COMPUTE_KINDS else 2 if k in SEND_KINDS else 3 if k in RECV_KINDS else 1 for k in InstrKind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +145,16 @@ class Instruction:
         return self.kind in COMPUTE_KINDS
 
     def __str__(self) -> str:
-        if self.kind in COMPUTE_KINDS:
-            return str(self.op)
-        if self.kind is InstrKind.LOAD:
-            return f"LOAD[{self.op}]"
-        if self.kind in SEND_KINDS:
-            return f"{self.kind.value}[{self.op}>{self.peer}]"
-        if self.kind in RECV_KINDS:
-            return f"{self.kind.value}[{self.op}<{self.peer}]"
-        return self.kind.value
+        # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
+        kind, op = self.kind, self.op
+        if op is None:
+            return _TEXT[kind]
+        o = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
+        form = _FORM[kind]
+        if form == 0:
+            return o
+        p = self.peer
+        return f"{_TEXT[kind]}[{o}{'>' if form == 2 else '<'}{p.pipeline}:{p.stage}]" if p else f"{_TEXT[kind]}[{o}]"
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Instruction:
