@@ -34,7 +34,7 @@ from schedcomp.simulator import simulate
 from tests.hostile_helpers import assert_refused, cli, snapshot
 
 SCALE = max(1, int(os.environ.get("SCHEDCOMP_FUZZ_SCALE", "1")))
-EXAMPLES = {"costs": 200, "plans": 150, "csv": 150, "traces": 150, "index": 100, "cli": 150}
+EXAMPLES = {"costs": 400, "plans": 300, "csv": 300, "traces": 300, "index": 200, "cli": 300}
 
 
 def fuzz(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
