@@ -43,6 +43,17 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     On any failure the old file (if any) is left as it was and no temporary file remains.
     """
     path = Path(path)
+    if path.is_symlink():  # replace the file it points to, not the link
+        path = path.resolve()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    else:  # renaming over a device (`-o /dev/full`), a FIFO or a directory would replace it: refuse
+        if not _is_regular(st.st_mode):
+            raise error(f"cannot write {path}: it is not a regular file; give a file name")
     payload = data.encode() if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -198,3 +198,22 @@ def test_json_output_is_always_valid_json(work):
         strict_json(run.out)
     with pytest.raises(SchedcompError, match="Out of range float"):
         print_json({"period": float("nan")})
+
+
+def test_output_over_a_fifo_or_directory_is_refused_and_kept(work):
+    """Renaming over a non-regular file would replace it (`-o /dev/full` replaced the device)."""
+    import stat
+
+    os.mkfifo(work / "fifo")
+    (work / "dir").mkdir()
+    for target in ("fifo", "dir"):
+        assert_refused(cli("compile", "--pp", "2", "-m", "2", "--schedule", "1f1b", "-o", target),
+                       target, "not a regular file")
+    assert stat.S_ISFIFO(os.stat(work / "fifo").st_mode) and (work / "dir").is_dir()
+
+
+def test_output_through_a_symlink_replaces_its_target_not_the_link(work):
+    (work / "real.json").write_text("old")
+    (work / "link.json").symlink_to("real.json")
+    assert cli("compile", "--pp", "2", "-m", "2", "--schedule", "1f1b", "-o", "link.json").code == 0
+    assert (work / "link.json").is_symlink() and json.loads((work / "real.json").read_text())["microbatches"] == 2
