@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hostile_helpers import assert_refused, cli, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,6 @@ from schedcomp.errors import SchedcompError
 from schedcomp.profile import profile_costs
 from schedcomp.serialize import order_from_torch_csv, plan_to_torch_csv, read_plan
 from schedcomp.simulator import simulate
-from tests.hostile_helpers import assert_refused, cli, snapshot
 
 SCALE = max(1, int(os.environ.get("SCHEDCOMP_FUZZ_SCALE", "1")))
 EXAMPLES = {"costs": 400, "plans": 300, "csv": 300, "traces": 300, "index": 200, "cli": 300}

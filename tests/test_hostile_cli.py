@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
+from hostile_helpers import assert_refused, cli, snapshot, strict_json
 
 from schedcomp.cli.common import print_json
 from schedcomp.errors import SchedcompError
-from tests.hostile_helpers import assert_refused, cli, snapshot, strict_json
 
 COSTS = {"forward": [1, 1], "backward_input": [1, 1], "backward_weight": [1, 1]}
 
