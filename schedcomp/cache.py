@@ -18,19 +18,16 @@ scenario that passes `check`, before `lookup` returns it. All files are written 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import logging
 import math
-import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedcomp import fileio, limits
+from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
 from schedcomp.costs import CostModel
 from schedcomp.errors import LimitError, PlanFormatError, RecoveryError, SchedcompError, SchedcompTypeError
@@ -253,11 +250,7 @@ class PlanCache:
 
     def _read_plan(self, key: Key, path: Path) -> Plan:
         """Read and validate one cached plan (see the module docstring); PlanFormatError naming the file."""
-        data = fileio.read_bytes(_confined(path, self.root), "cached plan", PlanFormatError)
-        expected = self.digests.get(key)
-        if expected is None or hashlib.sha256(data).hexdigest() != expected:
-            raise PlanFormatError(f"cached plan {path} does not match the SHA-256 in its index: it was changed or "
-                                  "replaced after precompile; re-run schedcomp precompile")
+        data = cachefiles.read_verified(path, self.root, self.digests.get(key))
         try:
             plan = Plan.from_json(data.decode("utf-8", errors="replace"))
             topo = plan.topology
@@ -278,11 +271,11 @@ class PlanCache:
 
     def save(self, directory: str | Path) -> None:
         """Write every plan held in memory and the index to `directory` (created if missing)."""
-        root = _directory(directory)
+        root = cachefiles.make_directory(directory)
         for key in self.keys():
             path = root / (key_name(key) + ".json")
             if key in self.plans and not (self.files.get(key) == path and key in self.digests and path.exists()):
-                self.digests[key] = _write_plan(path, self.plans[key])
+                self.digests[key] = cachefiles.write_plan(path, self.plans[key])
             elif key not in self.digests:
                 raise PlanFormatError(f"no digest for {path}: load the cache with PlanCache.load or re-run precompile")
             self.files[key] = path
@@ -298,9 +291,7 @@ class PlanCache:
     @classmethod
     def load(cls, directory: str | Path) -> PlanCache:
         """Open a cache written by `save` / `precompile`; plans are read on first lookup."""
-        if not isinstance(directory, (str, os.PathLike)):
-            raise SchedcompTypeError(f"a plan cache is a directory path, not {type(directory).__name__}")
-        root = Path(directory)
+        root = cachefiles.directory_path(directory)
         index = root / INDEX
         if not index.exists():
             raise PlanFormatError(f"cannot read plan cache index {index}: no such file: create the cache with "
@@ -310,7 +301,7 @@ class PlanCache:
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
             raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache: re-run precompile")
         try:
-            pp, dp, mbs, k = (_count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
+            pp, dp, mbs, k = (cachefiles.count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
             limits.check_job(pp, dp, mbs)
             costs = CostModel.from_dict(data["costs"])
             if costs.pp != pp:
@@ -322,8 +313,11 @@ class PlanCache:
             limits.SCENARIOS.check(len(entries), "the index")
             files, digests = {}, {}
             for n, entry in enumerate(entries):
-                key, digest = _entry(entry, n, pp, dp)
-                files[key], digests[key] = root / entry["file"], digest
+                failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
+                key: Key = (failed, classes)
+                if file != key_name(key) + ".json":  # confines it: no '..', no absolute path, no other directory
+                    raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
+                files[key], digests[key] = root / file, digest
         except KeyError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: missing {exc}") from None
         except SchedcompError as exc:
@@ -332,67 +326,8 @@ class PlanCache:
                    root=root)
 
 
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-
-
-def _count(data: dict[str, Any], name: str) -> int:
-    value = data[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_failures" else 1):
-        raise PlanFormatError(f"{name!r} must be a {'non-negative' if name == 'max_failures' else 'positive'} "
-                              f"integer, got {value!r}")
-    return value
-
-
-def _entry(entry: Any, n: int, pp: int, dp: int) -> tuple[Key, str]:
-    """One index entry's scenario and digest; its file must be named exactly after the scenario."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("failed"), list) or not isinstance(
-            entry.get("classes", []), list):
-        raise PlanFormatError(f"scenario {n} must be an object with lists 'failed' and 'classes'")
-    topo = Topology.of(pp, dp, entry["failed"])
-    classes = entry.get("classes", [])
-    if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < dp for c in classes) or len(
-            classes) not in (0, dp):
-        raise PlanFormatError(f"scenario {n}: 'classes' must be empty or {dp} speed classes")
-    key: Key = (tuple(sorted((w.pipeline, w.stage) for w in topo.failed)), tuple(classes))
-    name = key_name(key) + ".json"
-    if entry.get("file") != name:  # confines it: no '..', no absolute path, no other directory
-        raise PlanFormatError(f"scenario {n}: its file must be {name!r}, not {entry.get('file')!r}")
-    digest = entry.get("sha256")
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise PlanFormatError(f"scenario {n}: 'sha256' must be the 64-hex-digit digest of {name}")
-    return key, digest
-
-
-def _confined(path: Path, root: Path | None) -> Path:
-    """`path`, refused unless it is a regular file directly inside `root` (a symlink out, a device, a FIFO)."""
-    if root is not None:
-        real, home = path.resolve(), root.resolve()
-        if real.parent != home:
-            raise PlanFormatError(f"cached plan {path} leads outside the cache directory {root} (to {real}): "
-                                  "re-run schedcomp precompile")
-    return path
-
-
 def _without_speed(costs: CostModel) -> CostModel:
     return dataclasses.replace(costs, speed={})
-
-
-def _directory(directory: str | Path) -> Path:
-    if not isinstance(directory, (str, os.PathLike)):
-        raise SchedcompTypeError(f"a plan cache is a directory path, not {type(directory).__name__}")
-    root = Path(directory)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PlanFormatError(f"cannot create plan cache directory {root}: {exc.strerror or exc}") from None
-    return root
-
-
-def _write_plan(path: Path, plan: Plan) -> str:
-    """Write a plan atomically; its SHA-256, for the index."""
-    data = plan.to_json().encode()
-    fileio.write_atomic(path, data, PlanFormatError)
-    return hashlib.sha256(data).hexdigest()
 
 
 def precompile(
@@ -422,7 +357,7 @@ def precompile(
     costs.check_workers(topology)
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures)
-    root = _directory(directory) if directory is not None else None
+    root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None) for c in todo]
@@ -465,5 +400,5 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
                    time_limit=time_limit)
     if path is None:
         return key, plan, None
-    digest = _write_plan(Path(path), plan)
+    digest = cachefiles.write_plan(Path(path), plan)
     return key, plan if keep else None, digest
