@@ -7,23 +7,30 @@ when they differ); pipelines are sorted by signature and renumbered in that orde
 canonical scenario; `PlanCache.lookup(failed)` canonicalises the concrete failure set, takes the
 canonical plan and renames its pipelines back, in time linear in the plan's size and with no solving.
 
-On disk a cache is a directory: `index.json` (job shape, cost model, one entry per scenario) and one
-plan JSON per scenario, read on first use.
+On disk a cache is a directory: `index.json` (job shape, cost model, one entry per scenario with the
+SHA-256 of its plan file) and one plan JSON per scenario, read on first use. Nothing read from disk is
+trusted: the index is size- and depth-bounded and type-checked; a plan file must be named exactly as
+its scenario (so no `..`, absolute path or other directory), be a regular file inside the cache
+directory (no symlink out, no device), match its digest, and hold a plan for the index's job and
+scenario that passes `check`, before `lookup` returns it. All files are written atomically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schedcomp import cachefiles, fileio, limits
+from schedcomp.check import check
 from schedcomp.costs import CostModel
-from schedcomp.errors import PlanFormatError, RecoveryError, SchedcompError
+from schedcomp.errors import LimitError, PlanFormatError, RecoveryError, SchedcompError, SchedcompTypeError
 from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.memory import FAULT_FREE, MemoryLimit
 from schedcomp.topology import Topology, Worker
@@ -131,6 +138,12 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
 def scenarios(pp: int, dp: int, max_failures: int, costs: CostModel | None = None) -> list[Canonical]:
     """Every distinct recoverable failure scenario with at most `max_failures` failed workers
     (no failures included), canonical, in a deterministic order (fewest failures first)."""
+    # More than pp x (dp - 1) failures always empties a stage, so larger k adds nothing: clamp it.
+    max_failures = min(max_failures, pp * (dp - 1))
+    top = limits.SCENARIOS.value()
+    # Each failure pattern of one pipeline is a scenario of its own (dp > 1): count them before listing.
+    n_patterns = sum(math.comb(pp, size) for size in range(1, min(max_failures, pp) + 1))
+    limits.SCENARIOS.check(n_patterns, f"pp={pp} dp={dp} with up to {max_failures} failures")
     patterns = [p for size in range(1, min(max_failures, pp) + 1) for p in itertools.combinations(range(pp), size)]
     # Pipelines with equal speed signatures are interchangeable: choose patterns per class.
     speed = costs.speed if costs is not None else {}
@@ -153,7 +166,10 @@ def scenarios(pp: int, dp: int, max_failures: int, costs: CostModel | None = Non
                 chosen = [Worker(pipes[j], s) for j, i in enumerate(combo) for s in patterns[i]]
                 yield from choose(ci + 1, budget - size, failed + chosen)
 
-    for failed in choose(0, max_failures, []):
+    for visited, failed in enumerate(choose(0, max_failures, []), 1):
+        if len(seen) > top or visited > 4 * top:  # most visits are distinct scenarios: bound the walk itself
+            raise LimitError(f"pp={pp} dp={dp} with up to {max_failures} failures has more than {top:,} failure "
+                             f"scenarios: lower --max-failures, or raise the limit with {limits.SCENARIOS.env}")
         per_stage = [0] * pp
         for w in failed:
             per_stage[w.stage] += 1
@@ -181,6 +197,8 @@ class PlanCache:
     max_failures: int = 0
     plans: dict[Key, Plan] = field(default_factory=dict)
     files: dict[Key, Path] = field(default_factory=dict)
+    digests: dict[Key, str] = field(default_factory=dict)  # SHA-256 of each plan file
+    root: Path | None = None  # the directory the files must lie in (set by `load` / `save`)
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -241,54 +259,90 @@ class PlanCache:
                 f"no precompiled plan for this failure set ({n} failed worker{'s' if n != 1 else ''}; the cache covers "
                 f"up to {self.max_failures}): precompile with --max-failures {n} or compile it with schedcomp.compiler"
             )
-        try:
-            plan = Plan.from_json(path.read_text())
-        except OSError as exc:
-            raise PlanFormatError(f"cannot read cached plan {path}: {exc.strerror or exc}") from None
+        plan = self._read_plan(key, path)
         self.plans[key] = plan
+        return plan
+
+    def _read_plan(self, key: Key, path: Path) -> Plan:
+        """Read and validate one cached plan (see the module docstring); PlanFormatError naming the file."""
+        data = cachefiles.read_verified(path, self.root, self.digests.get(key))
+        try:
+            plan = Plan.from_json(data.decode("utf-8", errors="replace"))
+            topo = plan.topology
+            if (topo.pp, topo.dp, plan.microbatches) != (self.pp, self.dp, self.microbatches):
+                raise PlanFormatError(f"it is for pp={topo.pp} dp={topo.dp} M={plan.microbatches}, not the cache's "
+                                      f"pp={self.pp} dp={self.dp} M={self.microbatches}")
+            if _without_speed(plan.costs) != _without_speed(self.costs):
+                raise PlanFormatError("its cost model differs from the index's")
+            if canonical(topo, plan.costs).key != key:
+                failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
+                raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
+            check(plan)
+        except SchedcompError as exc:
+            raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
         return plan
 
     # ---- disk -------------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
         """Write every plan held in memory and the index to `directory` (created if missing)."""
-        root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
+        root = cachefiles.make_directory(directory)
         for key in self.keys():
             path = root / (key_name(key) + ".json")
-            if key in self.plans and not (self.files.get(key) == path and path.exists()):
-                path.write_text(self.plans[key].to_json())
+            if key in self.plans and not (self.files.get(key) == path and key in self.digests and path.exists()):
+                self.digests[key] = cachefiles.write_plan(path, self.plans[key])
+            elif key not in self.digests:
+                raise PlanFormatError(f"no digest for {path}: load the cache with PlanCache.load or re-run precompile")
             self.files[key] = path
+        self.root = root
         index = {
             "format": FORMAT, "version": VERSION, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
             "max_failures": self.max_failures, "costs": self.costs.to_dict(),
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
-                           "file": key_name(key) + ".json"} for key in self.keys()],
+                           "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
         }
-        (root / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        fileio.write_atomic(root / INDEX, fileio.dumps_json(index, indent=1) + "\n", PlanFormatError)
 
     @classmethod
     def load(cls, directory: str | Path) -> PlanCache:
         """Open a cache written by `save` / `precompile`; plans are read on first lookup."""
-        root = Path(directory)
-        try:
-            data = json.loads((root / INDEX).read_text())
-        except OSError as exc:
-            raise PlanFormatError(f"cannot read plan cache {root / INDEX}: {exc.strerror or exc}: "
-                                  "create one with schedcomp precompile") from None
-        except json.JSONDecodeError as exc:
-            raise PlanFormatError(f"plan cache index {root / INDEX} is not valid JSON (line {exc.lineno})") from None
+        root = cachefiles.directory_path(directory)
+        index = root / INDEX
+        if not index.exists():
+            raise PlanFormatError(f"cannot read plan cache index {index}: no such file: create the cache with "
+                                  "schedcomp precompile")
+        data = fileio.load_json(fileio.read_text(index, "plan cache index", PlanFormatError),
+                                f"plan cache index {index}", PlanFormatError)
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise PlanFormatError(f"{root / INDEX} is not a version {VERSION} schedcomp plan cache: re-run precompile")
+            raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache: re-run precompile")
         try:
-            files = {}
-            for entry in data["scenarios"]:
-                failed = tuple(sorted((w.pipeline, w.stage) for w in map(Worker.parse, entry["failed"])))
-                files[(failed, tuple(int(c) for c in entry.get("classes", ())))] = root / entry["file"]
-            return cls(pp=int(data["pp"]), dp=int(data["dp"]), microbatches=int(data["microbatches"]),
-                       costs=CostModel.from_dict(data["costs"]), max_failures=int(data["max_failures"]), files=files)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanFormatError(f"malformed plan cache index {root / INDEX}: {exc}") from None
+            pp, dp, mbs, k = (cachefiles.count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
+            limits.check_job(pp, dp, mbs)
+            costs = CostModel.from_dict(data["costs"])
+            if costs.pp != pp:
+                raise PlanFormatError(f"its cost model has {costs.pp} stages but pp={pp}")
+            costs.check_workers(Topology(pp, dp))
+            entries = data["scenarios"]
+            if not isinstance(entries, list):
+                raise PlanFormatError("'scenarios' must be a list")
+            limits.SCENARIOS.check(len(entries), "the index")
+            files, digests = {}, {}
+            for n, entry in enumerate(entries):
+                failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
+                key: Key = (failed, classes)
+                if file != key_name(key) + ".json":  # confines it: no '..', no absolute path, no other directory
+                    raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
+                files[key], digests[key] = root / file, digest
+        except KeyError as exc:
+            raise PlanFormatError(f"malformed plan cache index {index}: missing {exc}") from None
+        except SchedcompError as exc:
+            raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
+        return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
+                   root=root)
+
+
+def _without_speed(costs: CostModel) -> CostModel:
+    return dataclasses.replace(costs, speed={})
 
 
 def precompile(
@@ -310,14 +364,17 @@ def precompile(
     total, name)` is called after each plan. `jobs` > 1 compiles in that many processes, which write
     their plans themselves, so the parent does not parse them. `memory_limit` is `compile`'s (default:
     every plan within fault-free ZB-H1's per-stage peak)."""
-    if max_failures < 0:
-        raise SchedcompError(f"max_failures must be at least 0, got {max_failures}")
+    if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
+        raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
+    topology = Topology(pp, dp)  # types and the worker limit, before enumerating anything
+    limits.check_job(pp, dp, microbatches)
+    if costs is not None and not isinstance(costs, CostModel):
+        raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     costs = CostModel.uniform(pp) if costs is None else costs
+    costs.check_workers(topology)
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures)
-    root = Path(directory) if directory is not None else None
-    if root is not None:
-        root.mkdir(parents=True, exist_ok=True)
+    root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None) for c in todo]
@@ -325,14 +382,14 @@ def precompile(
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (key, plan) in enumerate(pool.imap(_compile_one, args)):
-                _record(cache, key, plan, root)
+            for i, (key, plan, digest) in enumerate(pool.imap(_compile_one, args)):
+                _record(cache, key, plan, root, digest)
                 if progress:
                     progress(i + 1, len(todo), key_name(key))
     else:
         for i, a in enumerate(args):
-            key, plan = _compile_one(a, keep=True)
-            _record(cache, key, plan, root)
+            key, plan, digest = _compile_one(a, keep=True)
+            _record(cache, key, plan, root, digest)
             if progress:
                 progress(i + 1, len(todo), key_name(key))
     log.info("precompiled %d scenarios in %.1f s", len(todo), time.perf_counter() - began)
@@ -341,14 +398,16 @@ def precompile(
     return cache
 
 
-def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None) -> None:
+def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None) -> None:
     if plan is not None:
         cache.plans[key] = plan
     if root is not None:
         cache.files[key] = root / (key_name(key) + ".json")
+    if digest is not None:
+        cache.digests[key] = digest
 
 
-def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None]:
+def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None]:
     """Compile one scenario; write it to its file when there is one, and return the plan only when it is
     not written (or `keep`), so worker processes send back just the key."""
     from schedcomp.compiler import compile
@@ -357,6 +416,6 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
                    time_limit=time_limit, memory_limit=memory_limit)
     if path is None:
-        return key, plan
-    Path(path).write_text(plan.to_json())
-    return key, plan if keep else None
+        return key, plan, None
+    digest = cachefiles.write_plan(Path(path), plan)
+    return key, plan if keep else None, digest

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NoReturn
 
-from schedcomp.errors import ValidationError
+from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import COMPUTE_KINDS, SEND_KINDS, InstrKind, Instruction, OpKind, Plan
 from schedcomp.memory import show_memory
@@ -28,17 +28,33 @@ Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
 Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
 Where = tuple[Worker, int]  # (worker, instruction index)
 
-__all__ = ["check", "memory_profile", "peak_memory"]
+__all__ = ["check", "is_checked", "memory_profile", "peak_memory"]
 
 _EPS = 1e-9
 _BACKWARD = (OpKind.B, OpKind.BW)
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
+_NO_DELTAS = dict.fromkeys(OpKind, 0.0)
+_INF = float("inf")
 
 
 def check(plan: Plan) -> None:
-    """Raise `ValidationError` if `plan` breaks a rule the runtime relies on; return None if it is sound."""
+    """Raise `ValidationError` if `plan` breaks a rule the runtime relies on; return None if it is sound.
+
+    A sound plan is marked, so `simulate` and the plan cache do not validate the same object twice
+    (plans are immutable by contract: build a new one rather than editing `streams`)."""
+    if not isinstance(plan, Plan):
+        raise SchedcompTypeError(f"check needs a Plan, got {type(plan).__name__}")
     with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
         _Checker(plan).run()
+    object.__setattr__(plan, _MARK, True)
+
+
+_MARK = "_schedcomp_checked"
+
+
+def is_checked(plan: Plan) -> bool:
+    """Whether `check(plan)` passed on this very object."""
+    return plan.__dict__.get(_MARK, False)
 
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
@@ -128,7 +144,8 @@ class _Checker:
         LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
         for w in sorted(plan.streams):
             ws = w.stage
-            deltas, held, top = _deltas(plan, ws), 0.0, tops[ws]
+            top = tops[ws]
+            deltas, held = (_deltas(plan, ws) if top != _INF else _NO_DELTAS), 0.0  # memory only with a limit
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w] = (reduce, step)
@@ -351,7 +368,9 @@ class _Checker:
         for w in streams:
             events[w].append((self.tail[w][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
             events[w].sort()  # one instruction is at most one event, so the index decides
-        group = {s: sum(1 for w in streams if w.stage == s) for s in range(self.pp)}
+        group = dict.fromkeys(range(self.pp), 0)  # one pass: a pass per stage was quadratic in workers
+        for w in streams:
+            group[w.stage] += 1
         at = dict.fromkeys(streams, 0)  # next event of each worker
         reached: set[Tensor] = set()
         parked: dict[Tensor, Worker] = {}  # tensor -> the worker waiting for it

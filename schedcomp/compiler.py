@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from schedcomp import limits
 from schedcomp.check import check, peak_memory
 from schedcomp.costs import CostModel
-from schedcomp.errors import CostModelError, MemoryLimitError, ScheduleError
+from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
@@ -49,9 +50,16 @@ def compile(
         raise ScheduleError(f"microbatches must be a positive integer, got {microbatches!r}: pass microbatches=M")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}: pass microbatches=M with M >= 1")
+    limits.check_job(pp, dp, microbatches)  # before any per-slot work
+    if not isinstance(schedule, str):
+        raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
+    if costs is not None and not isinstance(costs, CostModel):
+        raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}: "
+                                 "build one with CostModel.from_dict(...) or CostModel.load(path)")
     costs = CostModel.uniform(pp) if costs is None else costs
     if costs.pp != pp:
         raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage")
+    costs.check_workers(topology)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if topology.failed or schedule == ADAPTIVE:

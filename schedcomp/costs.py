@@ -7,28 +7,40 @@ model, `schedcomp profile`), in bytes.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedcomp.errors import CostModelError
-from schedcomp.fileio import write_atomic
+from schedcomp import fileio
+from schedcomp.errors import CostModelError, SchedcompTypeError
+from schedcomp.limits import MAX_COST, MIN_SPEED
 from schedcomp.topology import Worker
 
 FORMAT_VERSION = 1
 MEMORY_UNITS = ("units", "bytes")
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
-    values = (value,) * pp if isinstance(value, (int, float)) else tuple(value)
+    if _is_number(value):
+        values: tuple[Any, ...] = (value,) * pp
+    elif isinstance(value, (list, tuple)):
+        values = tuple(value)
+    else:
+        raise CostModelError(f"{name} must be a number or a list of one number per stage, got {type(value).__name__}")
     if len(values) != pp:
         raise CostModelError(f"{name} has {len(values)} entries but the model has {pp} stages: give one per stage")
     for v in values:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise CostModelError(f"{name} must hold finite non-negative numbers, got {v!r}")
+        # Compared before any float(): a 401-digit int would overflow; NaN fails both comparisons.
+        if not _is_number(v) or not 0 <= v <= MAX_COST:
+            shown = repr(v) if len(repr(v)) < 40 else repr(v)[:37] + "..."
+            raise CostModelError(f"{name} must hold numbers from 0 to {MAX_COST:g}, got {shown}")
     return tuple(float(v) for v in values)
 
 
@@ -41,7 +53,7 @@ def _limit(value: object, pp: int) -> float | tuple[float, ...] | None:
             raise CostModelError(f"memory_limit must be a positive finite number, got {value!r}")
         return float(value)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise CostModelError(f"memory_limit must be a number, one number per stage or None, got {value!r}")
+        raise SchedcompTypeError(f"memory_limit must be a number, one number per stage or None, got {value!r}")
     per_stage = _per_stage("memory_limit", value, pp)
     if any(v <= 0 for v in per_stage):
         raise CostModelError(f"memory_limit must be positive at every stage, got {list(per_stage)}")
@@ -78,6 +90,8 @@ class CostModel:
     memory_unit: str = "units"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward, (list, tuple)):
+            raise CostModelError(f"forward must be a list of one time per stage, got {type(self.forward).__name__}")
         pp = len(self.forward)
         if pp < 1:
             raise CostModelError("a cost model needs at least one stage")
@@ -99,11 +113,24 @@ class CostModel:
         set_(self, "memory_limit", _limit(self.memory_limit, pp))
         if self.memory_unit not in MEMORY_UNITS:
             raise CostModelError(f"memory_unit must be one of {', '.join(MEMORY_UNITS)}, got {self.memory_unit!r}")
+        if not isinstance(self.speed, Mapping):
+            raise SchedcompTypeError(f"speed must map workers to factors, got {type(self.speed).__name__}")
         speed = dict(self.speed)
         for w, v in speed.items():
-            if not isinstance(w, Worker) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise CostModelError(f"speed factor for {w} must be a positive number, got {v!r}")
+            if not isinstance(w, Worker):
+                raise CostModelError(f"speed is keyed by Worker, got {w!r}")
+            # Bounded both ways: a factor of 1e-320 made every time infinite and the solvers fail.
+            if not _is_number(v) or not MIN_SPEED <= v <= 1 / MIN_SPEED:
+                raise CostModelError(f"speed factor for {w} must be a number from {MIN_SPEED:g} to "
+                                     f"{1 / MIN_SPEED:g}, got {v!r}")
         set_(self, "speed", speed)
+
+    def check_workers(self, topology: Any) -> None:
+        """Refuse speed factors for workers outside `topology` (a typo that would silently do nothing)."""
+        for w in self.speed:
+            if not (0 <= w.pipeline < topology.dp and 0 <= w.stage < topology.pp):
+                raise CostModelError(f"the cost model has a speed factor for worker {w}, outside the job "
+                                     f"(pipelines 0..{topology.dp - 1}, stages 0..{topology.pp - 1}): drop it")
 
     @classmethod
     def uniform(
@@ -202,13 +229,19 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise CostModelError(
-                f"unknown cost model key(s) {', '.join(unknown)}: allowed keys are {', '.join(sorted(known))}"
+                f"unknown cost model key(s) {', '.join(map(repr, unknown))}: "
+                f"allowed keys are {', '.join(sorted(known))}"
             )
         missing = [k for k in ("forward", "backward_input", "backward_weight") if k not in data]
         if missing:
             raise CostModelError(f"cost model is missing {', '.join(missing)}: give one time per stage for each")
         try:
-            speed = {Worker.parse(k): float(v) for k, v in (data.get("speed") or {}).items()}
+            speed_data = data.get("speed") or {}
+            if not isinstance(speed_data, dict):
+                raise CostModelError("speed must be an object mapping workers ('1:3') to factors")
+            speed = {Worker.parse(k): v for k, v in speed_data.items()}
+            if not isinstance(data["forward"], list):
+                raise CostModelError("forward must be a list of one time per stage")
             pp = len(data["forward"])
             return cls(
                 forward=data["forward"],
@@ -225,20 +258,28 @@ class CostModel:
             )
         except CostModelError:
             raise
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CostModelError(f"malformed cost model: {exc}") from None
 
+    def to_json(self) -> str:
+        return fileio.dumps_json(self.to_dict(), indent=2) + "\n"
+
     def save(self, path: str | Path) -> None:
-        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n", CostModelError)
+        """Write the model as JSON atomically: on failure the old file stays whole."""
+        fileio.write_atomic(_path(path), self.to_json(), CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
+        path = _path(path)
+        text = fileio.read_text(path, "cost model", CostModelError)
+        data = fileio.load_json(text, f"cost model {path}", CostModelError)
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise CostModelError(f"cannot read cost model {path}: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CostModelError(f"cost model {path} is not valid JSON (line {exc.lineno}): {exc.msg}") from None
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except CostModelError as exc:
+            raise CostModelError(f"cost model {path}: {exc}") from None
+
+
+def _path(path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise SchedcompTypeError(f"a cost model path must be a string or Path, got {type(path).__name__}")
+    return Path(path)

@@ -1,13 +1,32 @@
 """Errors raised by schedcomp. Each message says what is wrong and how to fix it.
 
 The CLI turns any `SchedcompError` into one line on stderr and exit status 2.
+`SchedcompError` is a `ValueError` (bad input is a bad value), so `except ValueError` written for
+plain Python also catches ours; an argument of the wrong type raises `SchedcompTypeError`, which is
+both a `SchedcompError` and a `TypeError`.
 """
 
 from __future__ import annotations
 
 
-class SchedcompError(Exception):
+class SchedcompError(ValueError):
     """Base class: a problem with the user's input or a plan, reported in one line."""
+
+    def __init__(self, *args: object) -> None:
+        # One line whatever the input quoted in it holds (a key with a newline, a U+2028).
+        if len(args) == 1 and isinstance(args[0], str) and len(args[0].splitlines()) > 1:
+            args = (" ".join(args[0].splitlines()),)
+        super().__init__(*args)
+
+
+class SchedcompTypeError(SchedcompError, TypeError):
+    """An argument of the wrong type (e.g. `failed="1:1"` where a list of workers is due)."""
+
+
+class LimitError(SchedcompError):
+    """A job or file beyond a safety limit (workers, micro-batches, iterations, file size).
+
+    The message names the limit and the environment variable that raises it."""
 
 
 class TopologyError(SchedcompError):

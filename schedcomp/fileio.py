@@ -4,7 +4,8 @@ Every file schedcomp writes (plans, caches and their indexes, cost models, trace
 manifests) goes through `write_atomic`, so a full disk or a crash leaves the old file whole.
 Every file it reads goes through `read_text`/`read_bytes` (a size limit checked before reading,
 so `/dev/zero` or a 40 GB file is refused at once) and JSON through `load_json` (a nesting limit
-checked before parsing, so a deeply nested file is one clear error, not a RecursionError).
+checked before any caller walks the value, so a deeply nested file is one clear error, not a
+RecursionError; the size limit already bounds what parsing it can allocate).
 Failures raise the caller's `SchedcompError` subclass with one line naming the path.
 """
 
@@ -42,6 +43,17 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     On any failure the old file (if any) is left as it was and no temporary file remains.
     """
     path = Path(path)
+    if path.is_symlink():  # replace the file it points to, not the link
+        path = path.resolve()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    else:  # renaming over a device (`-o /dev/full`), a FIFO or a directory would replace it: refuse
+        if not _is_regular(st.st_mode):
+            raise error(f"cannot write {path}: it is not a regular file; give a file name")
     payload = data.encode() if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -69,7 +81,9 @@ def read_bytes(path: str | os.PathLike[str], what: str, error: type[SchedcompErr
     path = Path(path)
     limit = max_file_bytes() if limit is None else limit
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is then refused as not a regular file).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not _is_regular(st.st_mode):
                 raise error(f"{what} {path} is not a regular file")
@@ -102,13 +116,16 @@ def load_json(text: str | bytes, what: str, error: type[SchedcompError] = Schedc
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise error(f"{what} is not UTF-8 text (byte {e.start})") from None
-    depth = _nesting(text)
-    if depth > max_depth:
-        raise error(f"{what} nests {depth} levels deep, more than the {max_depth} allowed")
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float)
+    except RecursionError:  # the C parser stops itself ~1000 levels down, having built next to nothing
+        raise error(f"{what} nests more than {max_depth} levels deep") from None
     except ValueError as e:  # JSONDecodeError, and our own refusals
         raise error(f"{what} is not valid JSON: {e}") from None
+    depth = _nesting(value)
+    if depth > max_depth:  # refused before any caller walks it recursively
+        raise error(f"{what} nests {depth} levels deep, more than the {max_depth} allowed")
+    return value
 
 
 def dumps_json(value: Any, **kwargs: Any) -> str:
@@ -125,30 +142,29 @@ def finite(value: float, what: str, error: type[SchedcompError] = SchedcompError
     return value
 
 
-def _nesting(text: str) -> int:
-    """Deepest bracket nesting outside strings: a linear scan, no recursion."""
-    depth = best = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            best = max(best, depth)
-        elif ch in "]}":
-            depth -= 1
+def _nesting(value: Any) -> int:
+    """Deepest container nesting of a parsed JSON value, without recursion (only containers are
+    pushed, so a 50 MB plan of short strings is walked in a fraction of its parse time)."""
+    best, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if type(node) not in (list, dict):
+            continue
+        best = max(best, depth)
+        items = node.values() if type(node) is dict else node
+        stack.extend([(v, depth + 1) for v in items if type(v) in (list, dict)])
     return best
 
 
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ValueError(f"number {text[:20]} is too large")
+    return value
 
 
 def _bounded_int(digits: str) -> int:

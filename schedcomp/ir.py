@@ -51,12 +51,22 @@ class Op:
     stage: int
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.microbatch}.{self.pipeline}"
+        return f"{_TEXT[self.kind]}{self.microbatch}.{self.pipeline}"  # `.value` on an enum is slow
 
     @property
     def key(self) -> tuple[int, int, int]:
         """(pipeline, microbatch, stage): the slot this op fills, whatever its kind."""
         return (self.pipeline, self.microbatch, self.stage)
+
+    @classmethod
+    def trusted(cls, kind: OpKind, pipeline: int, microbatch: int, stage: int) -> Op:
+        """Build without the dataclass constructor, for loaders that checked the fields already."""
+        op = object.__new__(cls)
+        _set(op, "kind", kind)
+        _set(op, "pipeline", pipeline)
+        _set(op, "microbatch", microbatch)
+        _set(op, "stage", stage)
+        return op
 
     def with_kind(self, kind: OpKind) -> Op:
         return Op(kind, self.pipeline, self.microbatch, self.stage)
@@ -72,7 +82,7 @@ class Op:
         return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage)
 
 
-_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d+)\.(?P<pipeline>\d+)")
+_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})")
 
 
 class InstrKind(str, Enum):
@@ -99,6 +109,8 @@ class InstrKind(str, Enum):
 COMPUTE_KINDS = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
 SEND_KINDS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD})
 RECV_KINDS = frozenset({InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
+_TEXT: dict[Any, str] = {k: k.value for k in (*OpKind, *InstrKind)}  # enum -> its text (OpKind.F == InstrKind.F)
+_FORM = {k: 0 if k in COMPUTE_KINDS else 2 if k in SEND_KINDS else 3 if k in RECV_KINDS else 1 for k in InstrKind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +155,16 @@ class Instruction:
         return self.kind in COMPUTE_KINDS
 
     def __str__(self) -> str:
-        if self.kind in COMPUTE_KINDS:
-            return str(self.op)
-        if self.kind is InstrKind.LOAD:
-            return f"LOAD[{self.op}]"
-        if self.kind in SEND_KINDS:
-            return f"{self.kind.value}[{self.op}>{self.peer}]"
-        if self.kind in RECV_KINDS:
-            return f"{self.kind.value}[{self.op}<{self.peer}]"
-        return self.kind.value
+        # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
+        kind, op = self.kind, self.op
+        if op is None:
+            return _TEXT[kind]
+        o = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
+        form = _FORM[kind]
+        if form == 0:
+            return o
+        p = self.peer
+        return f"{_TEXT[kind]}[{o}{'>' if form == 2 else '<'}{p.pipeline}:{p.stage}]" if p else f"{_TEXT[kind]}[{o}]"
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Instruction:
@@ -174,7 +187,8 @@ class Instruction:
 
 
 _set = object.__setattr__  # how a frozen dataclass sets its own fields
-_INSTR_RE = re.compile(r"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+\d+\.\d+)(?:(?P<dir>[<>])(?P<peer>\d+:\d+))?\]")
+_N = r"\d{1,18}"  # bounded: int() of a 4300-digit number raises, and no count needs more than 18 digits
+_INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N})(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ The memory limit comes from `base` (a limit in units is dropped when activations
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from collections import defaultdict
@@ -29,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from schedcomp.costs import CostModel
-from schedcomp.draw.trace import read_chrome_trace
+from schedcomp.draw.trace import load_trace, read_chrome_trace
 from schedcomp.errors import CostModelError
 from schedcomp.ir import InstrKind, Op
 from schedcomp.timeline import Span
@@ -46,8 +45,9 @@ _CONSUMERS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})  # compute ops 
 
 def read_trace(path: str | Path) -> list[Span]:
     """The spans of a Chrome trace in seconds, whatever time unit it was written with."""
-    spans = read_chrome_trace(path)  # validates the file and says what is wrong with it
-    other = json.loads(Path(path).read_text()).get("otherData") or {}
+    data = load_trace(path)  # read once, bounded
+    spans = read_chrome_trace(data if isinstance(data, dict) else {"traceEvents": data}, f"trace {path}")
+    other = (data.get("otherData") or {}) if isinstance(data, dict) else {}  # a JSON-array trace has no otherData
     scale = float(other.get("seconds_per_unit", 1.0)) if isinstance(other, dict) else 1.0
     if scale == 1.0:
         return spans

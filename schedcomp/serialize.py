@@ -28,12 +28,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from schedcomp import fileio, limits
 from schedcomp.costs import CostModel
-from schedcomp.errors import PlanFormatError, SchedcompError
+from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan
 from schedcomp.topology import Topology, Worker
 
@@ -76,7 +78,7 @@ def _header(plan: Plan) -> dict[str, Any]:
 
 def _dumps(data: Any, **kw: Any) -> str:
     try:
-        return json.dumps(data, **kw)
+        return json.dumps(data, allow_nan=False, **kw)
     except (TypeError, ValueError) as exc:
         raise PlanFormatError(f"plan cannot be written as JSON ({exc}): keep plan.meta to JSON values") from None
 
@@ -84,12 +86,7 @@ def _dumps(data: Any, **kw: Any) -> str:
 def _loads(text: str, what: str) -> Any:
     if not isinstance(text, str):
         raise PlanFormatError(f"{what} must be text, got {type(text).__name__}")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanFormatError(f"{what} is not valid JSON (line {exc.lineno} column {exc.colno}): {exc.msg}") from None
-    except RecursionError:
-        raise PlanFormatError(f"{what} nests too deeply to be a plan") from None
+    return fileio.load_json(text, what, PlanFormatError)  # depth, NaN and huge ints refused before use
 
 
 def _get(data: Mapping[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
@@ -123,20 +120,23 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         failed = _get(topo, "failed", list, f"{what} topology")
         if not all(isinstance(w, str) for w in failed):
             raise PlanFormatError(f"{what}: topology failed workers must be strings like \"1:2\"")
-        topology = Topology.of(pp, dp, [Worker.parse(w) for w in failed])
+        topology = Topology.of(pp, dp, [Worker.parse(w) for w in failed])  # refuses dp=1e9 before allocating
         costs = CostModel.from_dict(_get(data, "costs", dict, what))
-    except PlanFormatError:
+        if costs.pp != topology.pp:
+            raise PlanFormatError(f"{what}: the cost model has {costs.pp} stages but the topology has pp={pp}")
+        costs.check_workers(topology)
+        microbatches = _get(data, "microbatches", int, what)
+        if microbatches < 1:
+            raise PlanFormatError(f"{what}: microbatches must be positive, got {microbatches}")
+        limits.check_job(pp, dp, microbatches)
+    except (PlanFormatError, LimitError):
         raise
     except SchedcompError as exc:
         raise PlanFormatError(f"{what}: {exc}") from None
-    if costs.pp != topology.pp:
-        raise PlanFormatError(f"{what}: the cost model has {costs.pp} stages but the topology has pp={topology.pp}")
-    microbatches = _get(data, "microbatches", int, what)
-    if microbatches < 1:
-        raise PlanFormatError(f"{what}: microbatches must be positive, got {microbatches}")
     lower_bound = data.get("lower_bound")
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
-        raise PlanFormatError(f"{what}: 'lower_bound' must be a number or null")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                    or not math.isfinite(lower_bound)):
+        raise PlanFormatError(f"{what}: 'lower_bound' must be a finite number or null")
     return {
         "topology": topology,
         "costs": costs,
@@ -187,7 +187,10 @@ def plan_to_json(plan: Plan, indent: bool = True) -> str:
 
 def plan_from_json(text: str) -> Plan:
     """Read a plan written by `plan_to_json`; PlanFormatError if it is not one."""
-    data = _loads(text, "plan")
+    return _plan_from_data(_loads(text, "plan"))
+
+
+def _plan_from_data(data: Any) -> Plan:
     fields = _parse_header(data, "plan")
     streams_data = _get(data, "streams", dict, "plan")
     streams = {}
@@ -238,19 +241,19 @@ def read_plan(text: str) -> Plan:
     if not isinstance(text, str):
         raise PlanFormatError(f"a plan must be text, got {type(text).__name__}")
     try:
-        json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        data = fileio.load_json(text, "plan", PlanFormatError)
+    except PlanFormatError:
         first = text.lstrip().split("\n", 1)[0]
         if text.lstrip().startswith("{") and not _is_json(first):
             return plan_from_json(text)  # broken JSON: say where
         return plan_from_text(text)
-    return plan_from_json(text)
+    return _plan_from_data(data)
 
 
 def _is_json(line: str) -> bool:
     try:
-        json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
+        fileio.load_json(line, "line", PlanFormatError)
+    except PlanFormatError:
         return False
     return True
 
@@ -259,7 +262,7 @@ def _is_json(line: str) -> bool:
 
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-_ACTION_RE = re.compile(r"(?P<stage>\d+)(?P<kind>[A-Z_]+?)(?P<mb>\d*)")
+_ACTION_RE = re.compile(r"(?P<stage>\d{1,18})(?P<kind>[A-Z_]+?)(?P<mb>\d{0,18})")
 
 
 def order_to_torch_csv(order: Order) -> str:
@@ -321,12 +324,20 @@ def order_from_torch_csv(
     pp = len(rows)
     per_stage: list[list[tuple[OpKind, int]]] = []
     largest = -1
+    # Rows repeat the same actions after their stage prefix: parse "F3" once (a 200k-row CSV has
+    # ~10^6 cells). Only text the full parse below accepted is ever cached, so the result is the same.
+    parsed: dict[str, tuple[OpKind, int]] = {}
     for rank, row in enumerate(rows):
         actions = []
+        prefix = str(rank)
         for col, cell in enumerate(row):
             cell = cell.strip()
             if not cell:
                 continue  # an idle step
+            hit = parsed.get(cell[len(prefix):]) if cell.startswith(prefix) else None
+            if hit is not None:
+                actions.append(hit)
+                continue
             m = _ACTION_RE.fullmatch(cell)
             if not m or m["kind"] not in _FROM_TORCH or not m["mb"]:
                 raise PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 "
@@ -336,8 +347,11 @@ def order_from_torch_csv(
                 raise PlanFormatError(f"row {rank} column {col}: {cell!r} runs stage {stage} on rank {rank}: only "
                                       "schedules with one stage per rank (stage = rank) are supported")
             mb = int(m["mb"])
-            largest = max(largest, mb)
-            actions.append((_FROM_TORCH[m["kind"]], mb))
+            action = (_FROM_TORCH[m["kind"]], mb)
+            if cell == prefix + m["kind"] + m["mb"]:
+                parsed[m["kind"] + m["mb"]] = action
+            actions.append(action)
+        largest = max([largest, *(mb for _, mb in actions)])
         per_stage.append(actions)
     if microbatches is None:
         microbatches = largest + 1
@@ -346,9 +360,13 @@ def order_from_torch_csv(
                               f"give at least {largest + 1}")
     try:
         topology = Topology.of(pp, dp)
+    except LimitError:
+        raise
     except SchedcompError as exc:
         raise PlanFormatError(str(exc)) from None
+    limits.check_job(pp, dp, microbatches)  # before building dp x pp op tuples
+    make = Op.trusted  # fields checked above: skip the frozen dataclass's per-field setattr
     ops = {
-        Worker(d, s): tuple(Op(kind, d, mb, s) for kind, mb in per_stage[s]) for d in range(dp) for s in range(pp)
+        Worker(d, s): tuple([make(kind, d, mb, s) for kind, mb in per_stage[s]]) for d in range(dp) for s in range(pp)
     }
     return Order(topology, microbatches, ops, family)

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
-from schedcomp.errors import ValidationError
+from schedcomp import limits
+from schedcomp.check import check, is_checked
+from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
 from schedcomp.timeline import Span, Timing, steady_window, timeline_metrics
@@ -105,14 +107,26 @@ class Simulation:
 # ---- the engine --------------------------------------------------------------------------------
 
 
-def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = False) -> Simulation:
+def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = False, *,
+             validate: bool = True) -> Simulation:
     """Run `plan` for `iterations` iterations over its cost model (see the module docstring).
 
-    Raises ValidationError naming a stuck worker and instruction if the plan deadlocks, or if
-    a send or receive has no partner.
+    The plan is validated first (`schedcomp.check.check`) unless it already passed it: the engine
+    times what the plan says, and a plan that breaks the runtime's rules (a send after the op that
+    needs it) would get a period it can never run at. Raises ValidationError naming the broken rule.
+    `validate=False` times a plan as written (to study the engine on hand-made, partial plans); the
+    engine still reports deadlocks and unmatched transfers it runs into, but not every broken rule.
     """
+    if not isinstance(plan, Plan):
+        raise SchedcompTypeError(f"simulate needs a Plan, got {type(plan).__name__}: compile one with "
+                                 "schedcomp.compile(...) or read one with Plan.from_json(text)")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValidationError(f"iterations must be a positive integer, got {iterations!r}")
+    limits.ITERATIONS.check(iterations, f"iterations={iterations}")
+    total = iterations * sum(len(s) for s in plan.streams.values())
+    limits.SIM_INSTRUCTIONS.check(total, f"simulating {iterations} iterations of this plan")
+    if validate and not is_checked(plan):
+        check(plan)
     streams = compile_streams(plan)
     if not any(st.instrs for st in streams):
         raise ValidationError("the plan has no instructions: compile it from a schedule first")

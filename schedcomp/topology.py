@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from schedcomp.errors import TopologyError
+from schedcomp import limits
+from schedcomp.errors import SchedcompTypeError, TopologyError
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -25,6 +26,8 @@ class Worker:
     @classmethod
     def parse(cls, text: str) -> Worker:
         """Parse `d:s` (pipeline d, stage s)."""
+        if not isinstance(text, str):
+            raise SchedcompTypeError(f"a worker is written PIPELINE:STAGE, e.g. '1:3', not {type(text).__name__}")
         try:
             d, s = text.strip().split(":")
             return cls(int(d), int(s))
@@ -41,13 +44,16 @@ class Topology:
     failed: frozenset[Worker] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pp, int) or self.pp < 1:
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
             raise TopologyError(f"pp must be a positive integer, got {self.pp!r}")
-        if not isinstance(self.dp, int) or self.dp < 1:
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise TopologyError(f"dp must be a positive integer, got {self.dp!r}")
+        limits.check_job(self.pp, self.dp)  # before anything sized by the job is built
         failed = frozenset(self.failed)
         object.__setattr__(self, "failed", failed)
         for w in failed:
+            if not isinstance(w, Worker) or not all(_is_int(x) for x in (w.pipeline, w.stage)):
+                raise SchedcompTypeError(f"failed worker {w!r} must be a Worker of two integers, e.g. Worker(1, 3)")
             if not (0 <= w.pipeline < self.dp and 0 <= w.stage < self.pp):
                 raise TopologyError(
                     f"failed worker {w} is outside the job: pipelines are 0..{self.dp - 1}, stages 0..{self.pp - 1}"
@@ -55,8 +61,8 @@ class Topology:
 
     @classmethod
     def of(cls, pp: int, dp: int = 1, failed: Iterable[Worker | tuple[int, int]] = ()) -> Topology:
-        """Build a topology, accepting failed workers as `Worker`s or `(pipeline, stage)` pairs."""
-        return cls(pp, dp, frozenset(w if isinstance(w, Worker) else Worker(*w) for w in failed))
+        """Build a topology, accepting failed workers as `Worker`s, `(pipeline, stage)` pairs or "d:s" strings."""
+        return cls(pp, dp, frozenset(as_workers(failed)))
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -80,3 +86,27 @@ class Topology:
 
     def worker_of_rank(self, rank: int) -> Worker:
         return Worker(rank // self.pp, rank % self.pp)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def as_workers(failed: object) -> list[Worker]:
+    """Failed workers given as `Worker`s, `(pipeline, stage)` pairs of integers or "d:s" strings.
+
+    Anything else (a bare string, None, a pair of floats) is refused with one line saying how to write it."""
+    how = 'give a list of workers, e.g. [(1, 3)], [Worker(1, 3)] or ["1:3"]'
+    if isinstance(failed, (str, bytes)) or failed is None or not hasattr(failed, "__iter__"):
+        raise SchedcompTypeError(f"failed must be a list of workers, not {type(failed).__name__} {failed!r}: {how}")
+    out = []
+    for w in failed:  # type: ignore[attr-defined]
+        if isinstance(w, Worker):
+            out.append(w)
+        elif isinstance(w, str):
+            out.append(Worker.parse(w))
+        elif isinstance(w, (tuple, list)) and len(w) == 2 and all(_is_int(x) for x in w):
+            out.append(Worker(w[0], w[1]))
+        else:
+            raise SchedcompTypeError(f"bad failed worker {w!r}: {how}")
+    return out

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-from pathlib import Path
 from typing import Any, NoReturn
 
+from schedcomp import fileio
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, SchedcompError
 from schedcomp.ir import Plan
@@ -24,7 +23,9 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises instead of printing usage and exiting, so errors stay one line."""
 
     def error(self, message: str) -> NoReturn:
-        raise ArgumentError(f"{self.prog}: {message} (see {self.prog} --help)")
+        # main() prefixes "schedcomp: error: ", so name only the subcommand (the program name once).
+        command = self.prog.partition(" ")[2]
+        raise ArgumentError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
 
 
 def one_line(text: str) -> str:
@@ -81,19 +82,13 @@ def worker(text: str) -> Worker:
 
 
 def read_text(path: str, what: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as exc:
-        raise PlanFormatError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise PlanFormatError(f"{what} {path} is not a text file") from None
+    """A UTF-8 regular file within the size limit (`/dev/zero` and 40 GB files are refused unread)."""
+    return fileio.read_text(path, what, PlanFormatError)
 
 
 def write_text(path: str, text: str, what: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as exc:
-        raise SchedcompError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    """Write atomically: a full disk or a crash leaves the old file whole; the error names the path."""
+    fileio.write_atomic(path, text, SchedcompError)
 
 
 def load_plan(path: str, validate: bool = True) -> Plan:
@@ -177,7 +172,7 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
 
 
 def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+    print(fileio.dumps_json(data, indent=2))  # never NaN/Infinity: those are refused, not printed
 
 
 def use_color(choice: str) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from schedcomp.cli.common import positive_int
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     base = CostModel.load(args.base) if args.base else None
     costs = profile_costs([read_trace(t) for t in args.traces], base=base, b_share=args.b_share,
                           skip=args.skip)
-    text = json.dumps(costs.to_dict(), indent=2) + "\n"
+    text = costs.to_json()
     if args.output:
         costs.save(args.output)
         print(f"wrote {args.output}: {_summary(costs)}")

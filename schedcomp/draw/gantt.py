@@ -6,10 +6,12 @@ backend is touched and it works headless.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from schedcomp import fileio
 from schedcomp.draw.style import BLOCKING, CATEGORIES, category, label
 from schedcomp.errors import SchedcompError
 from schedcomp.timeline import Span
@@ -52,10 +54,9 @@ def draw_gantt(panels: Sequence[Panel], path: str | Path, title: str = "", dpi: 
         fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=9)
     if title:
         fig.suptitle(title, fontsize=11)
-    try:
-        fig.savefig(path, format=fmt)
-    except OSError as exc:
-        raise SchedcompError(f"cannot write {path}: {exc.strerror}") from None
+    buffer = io.BytesIO()  # rendered in memory, then written atomically: a failure leaves the old file whole
+    fig.savefig(buffer, format=fmt)
+    fileio.write_atomic(path, buffer.getvalue(), SchedcompError)
 
 
 def _patch(cat: str):

@@ -13,15 +13,14 @@ microseconds and records the unit, so reading converts back.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from schedcomp import fileio, limits
 from schedcomp.draw.style import category
-from schedcomp.errors import PlanFormatError, SchedcompError
-from schedcomp.fileio import write_atomic
+from schedcomp.errors import LimitError, PlanFormatError, SchedcompError, SchedcompTypeError
 from schedcomp.ir import Instruction
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
@@ -30,7 +29,7 @@ TRACE_FORMAT = "schedcomp-trace"
 TRACE_VERSION = 1
 _STREAM_TID, _COMM_TID = 0, 1
 
-__all__ = ["read_chrome_trace", "to_chrome_trace", "write_chrome_trace"]
+__all__ = ["load_trace", "read_chrome_trace", "to_chrome_trace", "write_chrome_trace"]
 
 
 def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: str = "schedcomp") -> dict[str, Any]:
@@ -72,32 +71,30 @@ def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: 
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | Path, seconds_per_unit: float = 1.0) -> None:
-    try:
-        write_atomic(path, json.dumps(to_chrome_trace(spans, seconds_per_unit)), PlanFormatError)
-    except OSError as exc:
-        raise PlanFormatError(f"cannot write trace {path}: {exc.strerror}") from None
+    """Write the trace atomically (a failed write leaves the old file whole)."""
+    fileio.write_atomic(path, fileio.dumps_json(to_chrome_trace(spans, seconds_per_unit)), PlanFormatError)
 
 
-def read_chrome_trace(source: str | Path | Mapping[str, Any]) -> list[Span]:
+def load_trace(path: str | Path) -> Any:
+    """The JSON value of a trace file: size-bounded, UTF-8, depth-bounded, no NaN (not yet checked as a trace)."""
+    where = f"trace {path}"
+    return fileio.load_json(fileio.read_text(path, "trace", PlanFormatError), where, PlanFormatError)
+
+
+def read_chrome_trace(source: str | Path | Mapping[str, Any], name: str = "trace") -> list[Span]:
     """The spans of a trace written by `to_chrome_trace` (a path or the loaded JSON object).
 
     Events without schedcomp args (from other tools) are skipped; PlanFormatError if none is left.
+    `name` is how errors call a loaded object (e.g. "trace run1.json").
     """
-    where = "trace"
+    where = name
     if isinstance(source, Mapping):
         data: Any = source
-    else:
+    elif isinstance(source, (str, Path)):
         where = f"trace {source}"
-        try:
-            text = Path(source).read_text()
-        except OSError as exc:
-            raise PlanFormatError(f"cannot read {where}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise PlanFormatError(f"{where} is not a text file: give a Chrome trace JSON file") from None
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise PlanFormatError(f"{where} is not valid JSON: {exc}") from None
+        data = load_trace(source)
+    else:
+        raise SchedcompTypeError(f"a trace is a path or its loaded JSON object, not {type(source).__name__}")
     if isinstance(data, list):  # the JSON Array Format: events only
         events, other = data, {}
     elif isinstance(data, Mapping) and isinstance(data.get("traceEvents"), list):
@@ -105,9 +102,10 @@ def read_chrome_trace(source: str | Path | Mapping[str, Any]) -> list[Span]:
     else:
         raise PlanFormatError(f"{where} is not a Chrome trace: expected an object with a 'traceEvents' list")
     scale = other.get("seconds_per_unit", 1.0) if isinstance(other, Mapping) else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise PlanFormatError(f"{where}: otherData.seconds_per_unit must be a positive number, got {scale!r}")
     us = scale * 1e6
+    top = limits.ITERATIONS.value()
     spans = []
     for k, ev in enumerate(events):
         if not isinstance(ev, Mapping) or ev.get("ph") != "X" or not isinstance(ev.get("args"), Mapping):
@@ -119,10 +117,13 @@ def read_chrome_trace(source: str | Path | Mapping[str, Any]) -> list[Span]:
             worker = Worker.parse(str(args["worker"]))
             instruction = Instruction.parse(str(args.get("instruction", ev.get("name", ""))), worker.stage)
             iteration, index = _nonneg_int(args["iteration"]), _nonneg_int(args["index"])
-            ts, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+            ts, dur = _finite(ev["ts"]), _finite(ev.get("dur", 0.0))
             memory, peak = _bytes(args.get("memory")), _bytes(args.get("memory_peak", args.get("memory")))
-        except (SchedcompError, KeyError, TypeError, ValueError) as exc:
+        except (SchedcompError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise PlanFormatError(f"{where}: event {k} is not a schedcomp span ({exc})") from None
+        if iteration >= top:  # metrics index a list by iteration: 10^18 would try to allocate it
+            raise LimitError(f"{where}: event {k} is at iteration {iteration}, past the limit of {top:,} iterations: "
+                             f"check the trace, or raise the limit with {limits.ITERATIONS.env}")
         spans.append(Span(worker, iteration, index, instruction, ts / us, (ts + dur) / us, memory, peak))
     if not spans:
         raise PlanFormatError(f"{where} holds no schedcomp spans: write it with `schedcomp show --trace` "
@@ -137,6 +138,15 @@ def _bytes(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"memory must be a non-negative number of bytes, got {value!r}")
     return float(value)
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
 
 
 def _nonneg_int(value: Any) -> int:

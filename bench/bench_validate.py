@@ -1,0 +1,92 @@
+"""The validator's time against plan size (issue 17: it must be linear), and `import-torch` of a
+200k-row PyTorch CSV end to end (target: under 10 s).
+
+Reproduce (from the repository root):
+
+    python bench/bench_validate.py                 # both sweeps and the 200k-row import
+    python bench/bench_validate.py --max-rows 50000 # a quicker run
+
+Two sweeps, doubling the plan each step, so linear time shows as a constant time per instruction
+and a ratio near 2 between neighbouring rows (quadratic would show 4):
+- stages: a GPipe-like CSV with R rows (pp = R stages, dp = 1, 2 micro-batches), imported, lowered
+  and checked; this is the shape that was quadratic (a pass over all workers per stage).
+- pipelines: 1F1B with pp = 4 and dp = D (D workers per stage), checked.
+Times are CPU seconds of this process (`time.process_time`, single-threaded work), best of
+`--repeat`. The import row runs `schedcomp import-torch FILE -o OUT` in-process (parse, lower, check,
+atomic write) on a 200k-row CSV written to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from schedcomp.check import check
+from schedcomp.cli import main
+from schedcomp.compiler import compile
+from schedcomp.costs import CostModel
+from schedcomp.lower import lower
+from schedcomp.serialize import order_from_torch_csv
+
+
+def gpipe_csv(rows: int) -> str:
+    """Every stage runs F0 F1 BW0 BW1: a valid compute-only schedule with `rows` stages."""
+    return "".join(f"{k}F0,{k}F1,{k}B0,{k}B1\n" for k in range(rows))
+
+
+def best(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return min(times)
+
+
+def sweep(label: str, sizes: list[int], build: Callable[[int], object], repeat: int) -> None:
+    print(f"\n{label}")
+    print(f"  {'size':>8} {'instructions':>13} {'check s':>9} {'us/instr':>9} {'ratio':>6}")
+    last = None
+    for n in sizes:
+        plan = build(n)
+        count = sum(len(s) for s in plan.streams.values())
+        seconds = best(lambda plan=plan: check(plan), repeat)
+        ratio = f"{seconds / last:6.2f}" if last else f"{'':>6}"
+        print(f"  {n:>8} {count:>13} {seconds:9.3f} {seconds / count * 1e6:9.2f} {ratio}")
+        last = seconds
+
+
+def main_(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-rows", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    rows = [r for r in (12_500, 25_000, 50_000, 100_000, 200_000) if r <= args.max_rows]
+
+    def by_stages(r: int) -> object:
+        order = order_from_torch_csv(gpipe_csv(r))
+        return lower(order, CostModel.uniform(r))
+
+    sweep("stages (pp = rows, dp = 1, M = 2): CSV -> lower -> check", rows, by_stages, args.repeat)
+    sweep("pipelines (1F1B, pp = 4, M = 8, dp = D)", [1_000, 2_000, 4_000, 8_000, 16_000],
+          lambda d: compile(4, d, 8, schedule="1f1b"), args.repeat)
+
+    with tempfile.TemporaryDirectory() as d:
+        csv, out = Path(d) / "schedule.csv", Path(d) / "plan.json"
+        csv.write_text(gpipe_csv(args.max_rows))
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main(["import-torch", str(csv), "-o", str(out)])
+        wall = time.perf_counter() - t0
+        print(f"\nimport-torch of a {args.max_rows:,}-row CSV: exit {code}, {wall:.2f} s wall "
+              f"(target < 10 s), plan {out.stat().st_size / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main_()

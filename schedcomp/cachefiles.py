@@ -1,0 +1,84 @@
+"""The plan cache's files: index entries checked field by field, plan files confined to the cache
+directory and matched against their SHA-256, plans written atomically with their digest.
+
+`schedcomp.cache` decides what a scenario is; this module decides whether a file may be trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from schedcomp import fileio
+from schedcomp.errors import PlanFormatError, SchedcompTypeError
+from schedcomp.ir import Plan
+from schedcomp.topology import Topology
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def count(data: dict[str, Any], name: str) -> int:
+    """The index's integer `name` (pp, dp, microbatches: positive; max_failures: non-negative)."""
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_failures" else 1):
+        raise PlanFormatError(f"{name!r} must be a {'non-negative' if name == 'max_failures' else 'positive'} "
+                              f"integer, got {value!r}")
+    return value
+
+
+def entry(item: Any, n: int, pp: int, dp: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], Any, str]:
+    """Index scenario `n`: its sorted failed (pipeline, stage) pairs, speed classes, file field and digest."""
+    if not isinstance(item, dict) or not isinstance(item.get("failed"), list) or not isinstance(
+            item.get("classes", []), list):
+        raise PlanFormatError(f"scenario {n} must be an object with lists 'failed' and 'classes'")
+    topo = Topology.of(pp, dp, item["failed"])
+    classes = item.get("classes", [])
+    if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < dp for c in classes) or len(
+            classes) not in (0, dp):
+        raise PlanFormatError(f"scenario {n}: 'classes' must be empty or {dp} speed classes")
+    digest = item.get("sha256")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise PlanFormatError(f"scenario {n}: 'sha256' must be the 64-hex-digit digest of its plan file")
+    failed = tuple(sorted((w.pipeline, w.stage) for w in topo.failed))
+    return failed, tuple(classes), item.get("file"), digest
+
+
+def read_verified(path: Path, root: Path | None, digest: str | None) -> bytes:
+    """The bytes of a cached plan: a regular file directly inside `root` (no symlink out, no device or
+    FIFO, within the size limit) whose SHA-256 is `digest`."""
+    if root is not None:
+        real, home = path.resolve(), root.resolve()
+        if real.parent != home:
+            raise PlanFormatError(f"cached plan {path} leads outside the cache directory {root} (to {real}): "
+                                  "re-run schedcomp precompile")
+    data = fileio.read_bytes(path, "cached plan", PlanFormatError)
+    if digest is None or hashlib.sha256(data).hexdigest() != digest:
+        raise PlanFormatError(f"cached plan {path} does not match the SHA-256 in its index: it was changed or "
+                              "replaced after precompile; re-run schedcomp precompile")
+    return data
+
+
+def directory_path(directory: object) -> Path:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise SchedcompTypeError(f"a plan cache is a directory path, not {type(directory).__name__}")
+    return Path(directory)
+
+
+def make_directory(directory: object) -> Path:
+    """The cache directory, created if missing."""
+    root = directory_path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlanFormatError(f"cannot create plan cache directory {root}: {exc.strerror or exc}") from None
+    return root
+
+
+def write_plan(path: Path, plan: Plan) -> str:
+    """Write a plan atomically; its SHA-256, for the index."""
+    data = plan.to_json().encode()
+    fileio.write_atomic(path, data, PlanFormatError)
+    return hashlib.sha256(data).hexdigest()
