@@ -272,7 +272,7 @@ class PlanCache:
             if (topo.pp, topo.dp, plan.microbatches) != (self.pp, self.dp, self.microbatches):
                 raise PlanFormatError(f"it is for pp={topo.pp} dp={topo.dp} M={plan.microbatches}, not the cache's "
                                       f"pp={self.pp} dp={self.dp} M={self.microbatches}")
-            if _without_speed(plan.costs) != _without_speed(self.costs):
+            if _job_costs(plan.costs, self.costs) != _job_costs(self.costs, self.costs):
                 raise PlanFormatError("its cost model differs from the index's")
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
@@ -341,8 +341,12 @@ class PlanCache:
                    root=root)
 
 
-def _without_speed(costs: CostModel) -> CostModel:
-    return dataclasses.replace(costs, speed={})
+def _job_costs(costs: CostModel, index: CostModel) -> CostModel:
+    """What a cached plan's cost model must share with the index's: speeds are renamed with the
+    pipelines, and when the index names no memory limit each plan carries the one `compile` resolved
+    for its failure set (by default the fault-free per-stage peak), which `check` then holds it to."""
+    limit = costs.memory_limit if index.memory_limit is not None else None
+    return dataclasses.replace(costs, speed={}, memory_limit=limit)
 
 
 def precompile(

@@ -31,7 +31,7 @@ def test_the_error_family_is_catchable_as_value_and_type_errors():
     (lambda: compile(2, 2, 4, failed=None), SchedcompTypeError, "list of workers"),
     (lambda: compile(2, 2, 4, failed=[(0.5, 1)]), SchedcompTypeError, "(0.5, 1)"),
     (lambda: compile(2, 2, 4, failed=[(True, 1)]), SchedcompTypeError, "(True, 1)"),
-    (lambda: compile(2, 1, 4, memory_limit="1"), SchedcompTypeError, "memory_limit"),
+    (lambda: compile(2, 1, 4, memory_limit={"a": 1}), SchedcompTypeError, "memory_limit"),
     (lambda: compile(2, 1, 4, costs={"forward": [1, 1]}), SchedcompTypeError, "CostModel.from_dict"),
     (lambda: compile(2, 1, 4, schedule=None), SchedcompTypeError, "family name"),
     (lambda: compile(2, 1000000, 4), LimitError, "SCHEDCOMP_MAX_WORKERS"),
