@@ -18,9 +18,7 @@ sizes and dtypes (`SafeReader`); anything else in it is refused.
 from __future__ import annotations
 
 import io
-import json
 import logging
-import os
 import pickle
 import re
 import warnings
@@ -32,16 +30,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from schedcomp.errors import RecoveryError
+from schedcomp.errors import RecoveryError, SchedcompError
+from schedcomp.fileio import dumps_json, read_bytes, write_atomic
+from schedcomp.runtime.fault.checkpoint_check import (
+    CHECKPOINT_FORMAT,
+    MANIFEST,
+    Manifest,
+    check_against_stage,
+    check_metadata_matches,
+    check_storage,
+    read_manifest,
+)
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-CHECKPOINT_FORMAT = 1
 _ITER_RE = re.compile(r"iter(\d{8})")
 
 # Per-stage checkpoints are single-process saves by design (`no_dist`); DCP warns about that from
@@ -110,9 +116,8 @@ class AsyncCheckpointer:
 def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Future) -> None:
     try:
         saved.result()
-        tmp = path / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, path / MANIFEST)  # the manifest appears whole or not at all
+        # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
+        write_atomic(path / MANIFEST, dumps_json(manifest), RecoveryError)
     except Exception as e:
         log.error("checkpoint %s failed: %s", path, e)
         committed.set_exception(e)
@@ -134,28 +139,58 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
 
 def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module,
             optimizer: torch.optim.Optimizer) -> None:
-    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled)."""
+    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled).
+
+    Everything is checked before anything is allocated or loaded (see `checkpoint_check`), and the
+    tensors are read into fresh buffers first: a damaged or crafted checkpoint is a RecoveryError
+    naming the file, raised before the stage's own state is touched.
+    """
     path = checkpoint_dir(directory, iteration, stage)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        if manifest.get("format") != CHECKPOINT_FORMAT or manifest["stage"] != stage:
-            raise ValueError("format or stage mismatch")
-        specs = [TensorSpec(s["dtype"], tuple(int(n) for n in s["shape"]), s["device"]) for s in manifest["tensors"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RecoveryError(f"checkpoint {path} has no readable manifest ({e}): pick another iteration "
-                            "(see latest_complete)") from None
+    manifest, reader = checked_checkpoint(path, iteration, stage, module, optimizer)
+    specs = manifest.specs
     target = {f"t{i}": torch.empty(s.shape, dtype=s.torch_dtype) for i, s in enumerate(specs)}
-    reader = SafeReader(path)
-    metadata = reader.read_metadata()
-    kinds = {k: type(v) for k, v in metadata.state_dict_metadata.items()}
-    if kinds != dict.fromkeys(target, TensorStorageMetadata):
-        raise RecoveryError(f"checkpoint {path} does not hold exactly the tensors its manifest lists: "
-                            "it was not written by schedcomp, or is damaged")
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    _load_tensors(target, reader, path)
     tensors = [target[f"t{i}"] for i in range(len(specs))]
     on_device = [t.to(torch.device("cuda", torch.cuda.current_device())) if s.device == "cuda" else t
                  for t, s in zip(tensors, specs, strict=True)]
-    load_stage_state(module, optimizer, unflatten(manifest["skeleton"], on_device))
+    _load_into_stage(module, optimizer, manifest, on_device)
+
+
+def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module,
+                       optimizer: torch.optim.Optimizer | None) -> tuple[Manifest, SafeReader]:
+    """The checkpoint in `path`, checked against itself and against this stage, before any allocation."""
+    if not path.is_dir():
+        raise RecoveryError(f"checkpoint {path} does not exist: pick another iteration (see latest_complete)")
+    manifest = read_manifest(path, iteration, stage)
+    check_against_stage(manifest, module, optimizer)
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    check_metadata_matches(metadata, manifest, str(reader.metadata_path))
+    return manifest, reader
+
+
+def _load_tensors(target: dict[str, torch.Tensor], reader: SafeReader, path: Path) -> None:
+    try:
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    except SchedcompError:
+        raise
+    except Exception as e:  # a damaged data file: DCP wraps torch.load's complaint in its own exception
+        raise RecoveryError(f"checkpoint {path}: cannot read its tensors ({_first_line(e)}): "
+                            "pick another iteration (see latest_complete)") from None
+
+
+def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest,
+                     tensors: list[torch.Tensor]) -> None:
+    state = unflatten(manifest.skeleton, tensors)  # the skeleton was checked with the specs already
+    try:
+        load_stage_state(module, optimizer, state)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
+        raise RecoveryError(f"checkpoint manifest {manifest.path}: its state does not load into this stage "
+                            f"({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def iterations_lost(checkpointed: int | None, reached: int) -> int:
@@ -187,19 +222,38 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, except that its metadata pickle is read with an allow-list."""
+    """DCP's file reader, except that its metadata pickle is read with an allow-list, and checked.
+
+    The metadata is read and checked once (`checkpoint_check.check_storage`: every data file inside
+    the checkpoint's directory, every byte range present) and the same checked object is handed to
+    DCP every time it asks, so the file cannot change between the check and the load.
+    """
+
+    _checked: Metadata | None = None
+
+    @property
+    def metadata_path(self) -> Path:
+        return Path(self._get_metadata_path(None))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if kwargs.get("rank") is not None:
+            raise RecoveryError("schedcomp checkpoints are written by one process: per-rank metadata is not used")
+        if self._checked is None:
+            self._checked = self._read_checked()
+        self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+    def _read_checked(self) -> Metadata:
+        path = self.metadata_path
+        data = read_bytes(path, "checkpoint metadata", RecoveryError)
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise RecoveryError(f"checkpoint metadata {path} is not plain DCP metadata ({e}): "
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # anything a crafted pickle makes the allowed classes raise
+            raise RecoveryError(f"checkpoint metadata {path} is not plain DCP metadata ({_first_line(e)}): "
                                 "refusing to load it") from None
         if not isinstance(metadata, Metadata):
             raise RecoveryError(f"checkpoint metadata {path} is a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
+        check_storage(metadata, self.path, str(path))
+        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
