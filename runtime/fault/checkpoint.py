@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from schedcomp.errors import RecoveryError, SchedcompError
@@ -115,7 +116,10 @@ class AsyncCheckpointer:
 
 def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Future) -> None:
     try:
-        saved.result()
+        try:
+            saved.result()
+        except CheckpointException as e:  # a BaseException: uncaught, it would leave `committed` pending forever
+            raise RecoveryError(f"checkpoint {path} could not be written ({_first_line(e)})") from None
         # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
         write_atomic(path / MANIFEST, dumps_json(manifest), RecoveryError)
     except Exception as e:
@@ -174,7 +178,7 @@ def _load_tensors(target: dict[str, torch.Tensor], reader: SafeReader, path: Pat
         dcp.load(target, storage_reader=reader, no_dist=True)
     except SchedcompError:
         raise
-    except Exception as e:  # a damaged data file: DCP wraps torch.load's complaint in its own exception
+    except (Exception, CheckpointException) as e:  # a damaged data file: DCP wraps torch.load's complaint
         raise RecoveryError(f"checkpoint {path}: cannot read its tensors ({_first_line(e)}): "
                             "pick another iteration (see latest_complete)") from None
 
@@ -190,6 +194,9 @@ def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manife
 
 
 def _first_line(e: BaseException) -> str:
+    """One line saying what went wrong: for DCP's exception, the first failure it wraps."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
