@@ -4,7 +4,7 @@ allocation, never reading outside the checkpoint's directory, the stage left as 
 from __future__ import annotations
 
 import dataclasses
-import errno
+import json
 import os
 from pathlib import Path
 
@@ -22,10 +22,12 @@ from ckpt_craft import (
     write_metadata,
 )
 from fault_procs import demo_stage, state_digest, train_demo
+from full_disk import FullDisk
 
 from schedcomp import fileio
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, restore
+from schedcomp.runtime.fault.checkpoint_check import stored_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
 
@@ -138,8 +140,41 @@ def test_stream_transforms_are_refused(ckpt: Path, tmp_path: Path) -> None:
 
 def test_damaged_tensor_bytes_are_a_recovery_error_and_the_stage_is_untouched(ckpt: Path, tmp_path: Path) -> None:
     data = ckpt / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 1  # one bit of the last tensor's values: torch would load it without complaint
+    data.write_bytes(bytes(raw))
+    refused(tmp_path / "job", f"checkpoint {ckpt}: the stored bytes of tensor t27 do not match the digest")
+
+
+def test_unreadable_tensor_bytes_with_matching_digests_are_a_recovery_error(ckpt: Path, tmp_path: Path) -> None:
+    data = ckpt / "__0_0.distcp"
     data.write_bytes(b"\x00" * data.stat().st_size)
+    manifest = read_manifest(ckpt)  # crafted consistently: the digests describe the zeros
+    for spec, digest in zip(manifest["tensors"], stored_digests(read_metadata(ckpt), ckpt).values(), strict=True):
+        spec["sha256"] = digest
+    write_manifest(ckpt, manifest)
     refused(tmp_path / "job", f"checkpoint {ckpt}: cannot read its tensors")
+
+
+def test_metadata_sending_a_tensor_to_another_ones_bytes_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    metadata = read_metadata(ckpt)
+    keys = [k for k in metadata.storage_data if k.fqn in ("t2", "t3")]  # both float64 [5]
+    a, b = (metadata.storage_data[k] for k in keys)
+    metadata.storage_data[keys[0]], metadata.storage_data[keys[1]] = b, a
+    write_metadata(ckpt, metadata)
+    refused(tmp_path / "job", "the stored bytes of tensor t2 do not match the digest")
+
+
+def test_a_checkpoint_of_an_older_format_is_refused_with_a_reason(ckpt: Path, tmp_path: Path) -> None:
+    manifest = read_manifest(ckpt)
+    manifest["format"] = 1
+    write_manifest(ckpt, manifest)
+    refused(tmp_path / "job", "written by an older schedcomp, without digests")
+
+
+def _one_tensor(dtype: str, shape: list[int], device: str) -> str:
+    spec = {"dtype": dtype, "shape": shape, "device": device, "sha256": "0" * 64}
+    return json.dumps({"format": 2, "iteration": ITERATION, "stage": STAGE, "tensors": [spec]})
 
 
 @pytest.mark.parametrize(("text", "match"), [
@@ -147,21 +182,21 @@ def test_damaged_tensor_bytes_are_a_recovery_error_and_the_stage_is_untouched(ck
     ("{", "is not valid JSON"),
     ("[" * 5000 + "]" * 5000, "nests 5000 levels deep"),
     (b"\xff\xfe", "is not UTF-8"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": []}', "has no skeleton"),
-    ('{"format": 2, "iteration": 3, "stage": 0}', "has format 2, expected 1"),
-    ('{"format": 1, "iteration": 4, "stage": 0}', "has iteration 4, expected 3"),
-    ('{"format": 1, "iteration": 3, "stage": true}', "has stage True, expected 0"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [{"dtype": "Size", "shape": [1], "device": "cpu"}]}',
+    ('{"format": 2, "iteration": 3, "stage": 0, "tensors": []}', "has no skeleton"),
+    ('{"format": 3, "iteration": 3, "stage": 0}', "has format 3, expected 2"),
+    ('{"format": 2, "iteration": 4, "stage": 0}', "has iteration 4, expected 3"),
+    ('{"format": 2, "iteration": 3, "stage": true}', "has stage True, expected 0"),
+    (_one_tensor("Size", [1], "cpu"),
      "tensor 0 has unknown dtype 'Size'"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [{"dtype": "float32", "shape": [-1], "device": "cpu"}]}',
+    (_one_tensor("float32", [-1], "cpu"),
      "tensor 0 has shape \\[-1\\]"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [{"dtype": "float32", "shape": [1], "device": "tpu"}]}',
+    (_one_tensor("float32", [1], "tpu"),
      "tensor 0 has device 'tpu'"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"t": 7}}',
+    ('{"format": 2, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"t": 7}}',
      "skeleton names tensor 7, but there are 0"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"d": [[null, {"v": 1}]]}}',
+    ('{"format": 2, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"d": [[null, {"v": 1}]]}}',
      "a dict entry is not a"),
-    ('{"format": 1, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"d": []}}',
+    ('{"format": 2, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"d": []}}',
      "does not hold a stage state"),
 ])
 def test_a_malformed_manifest_is_one_line_naming_it(ckpt: Path, tmp_path: Path, text: str | bytes, match: str) -> None:
@@ -179,21 +214,10 @@ def test_restoring_into_another_model_names_the_first_difference(ckpt: Path, tmp
         restore(tmp_path / "job", ITERATION, STAGE, module, optimizer)
 
 
-class _FullDisk:
-    """`os` as `schedcomp.fileio` sees it, on a disk that fills up when the file is flushed."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
-
-    @staticmethod
-    def fsync(fd: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
 def test_a_failed_manifest_write_leaves_no_manifest_and_names_the_path(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     module, optimizer = demo_stage(seed=0)
-    monkeypatch.setattr(fileio, "os", _FullDisk())
+    monkeypatch.setattr(fileio, "os", FullDisk())
     path = checkpoint_dir(tmp_path, 0, 0)
     with pytest.raises(RecoveryError, match=f"cannot write {path}/{MANIFEST}: No space left on device"):
         AsyncCheckpointer(tmp_path, 0, every=1).save(0, module, optimizer).result(timeout=60)
@@ -203,7 +227,7 @@ def test_a_failed_manifest_write_leaves_no_manifest_and_names_the_path(tmp_path:
 def test_a_failed_data_write_fails_the_save_instead_of_hanging(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     module, optimizer = demo_stage(seed=0)
-    monkeypatch.setattr(os, "fsync", _FullDisk.fsync)  # DCP's own writer fails (a BaseException inside DCP)
+    monkeypatch.setattr(os, "fsync", FullDisk.fsync)  # DCP's own writer fails (a BaseException inside DCP)
     path = checkpoint_dir(tmp_path, 0, 0)
     with pytest.raises(RecoveryError, match=f"checkpoint {path} could not be written .*No space left"):
         AsyncCheckpointer(tmp_path, 0, every=1).save(0, module, optimizer).result(timeout=60)

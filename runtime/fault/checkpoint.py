@@ -12,7 +12,10 @@ One replica per stage writes (`policy`-free rule: the lowest live pipeline of th
 Restoring trusts no pickle: the tensors are loaded with DCP's `weights_only` reader, the
 structure around them comes from our JSON manifest (`transfer.flatten`), and DCP's own
 `.metadata` (a pickle) is read by an unpickler that only builds DCP's metadata classes, torch
-sizes and dtypes (`SafeReader`); anything else in it is refused.
+sizes and dtypes (`SafeReader`); anything else in it is refused. The manifest records a SHA-256
+of each tensor's stored bytes, and everything (manifest, layout against the stage's own state,
+metadata, digests) is checked before a tensor is allocated (`checkpoint_check`): a damaged or
+crafted checkpoint is one RecoveryError naming its file.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from schedcomp.runtime.fault.checkpoint_check import (
     MANIFEST,
     Manifest,
     check_against_stage,
+    check_digests,
     check_metadata_matches,
     check_storage,
     read_manifest,
+    stored_digests,
 )
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
@@ -120,6 +125,9 @@ def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Futu
             saved.result()
         except CheckpointException as e:  # a BaseException: uncaught, it would leave `committed` pending forever
             raise RecoveryError(f"checkpoint {path} could not be written ({_first_line(e)})") from None
+        digests = stored_digests(SafeReader(path).read_metadata(), path)
+        for i, spec in enumerate(manifest["tensors"]):
+            spec["sha256"] = digests[f"t{i}"]
         # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
         write_atomic(path / MANIFEST, dumps_json(manifest), RecoveryError)
     except Exception as e:
@@ -170,6 +178,7 @@ def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module
     reader = SafeReader(path)
     metadata = reader.read_metadata()
     check_metadata_matches(metadata, manifest, str(reader.metadata_path))
+    check_digests(metadata, manifest, path)
     return manifest, reader
 
 

@@ -16,15 +16,19 @@ a single tensor is allocated or a data file opened, `restore` checks, in this or
    exists, and holds the byte range named; every tensor is one whole chunk we could have written;
    no stream transforms (we never write any);
 4. the metadata against the manifest (`check_metadata_matches`): the same tensors, sizes and
-   dtypes, each stored in at least as many bytes as it holds.
+   dtypes, each stored in at least as many bytes as it holds;
+5. the stored bytes against the manifest (`check_digests`): each tensor's bytes have the SHA-256
+   the manifest recorded once DCP had written them (`stored_digests`), so changed data, or
+   metadata sending a tensor to another one's bytes, is refused before torch reads any of it.
 
 Every failure is a `RecoveryError` naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,9 @@ from schedcomp.fileio import load_json, read_text
 from schedcomp.runtime.fault.transfer import TensorSpec, stage_state, unflatten
 
 MANIFEST = "manifest.json"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: each tensor's stored bytes carry a SHA-256 digest
+_HASH_CHUNK = 1 << 20
+_OPTIMIZER_COPIES = 4  # bound on an unknown optimizer's state, in copies of the module
 _DEVICES = ("cpu", "cuda")
 _FIX = "pick another iteration (see latest_complete) or delete this checkpoint"
 
@@ -52,6 +58,7 @@ class Manifest:
     stage: int
     skeleton: Any
     specs: tuple[TensorSpec, ...]
+    digests: tuple[str, ...]  # SHA-256 of each tensor's stored bytes, as DCP wrote them
 
 
 def read_manifest(directory: Path, iteration: int, stage: int) -> Manifest:
@@ -61,6 +68,9 @@ def read_manifest(directory: Path, iteration: int, stage: int) -> Manifest:
     data = load_json(read_text(path, "checkpoint manifest", RecoveryError), what, RecoveryError)
     if not isinstance(data, dict):
         raise RecoveryError(f"{what} is a JSON {type(data).__name__}, not an object: {_FIX}")
+    if _same_int(data.get("format"), 1):
+        raise RecoveryError(f"{what} was written by an older schedcomp, without digests of its tensors: "
+                            "restart from scratch or with the schedcomp that wrote it")
     for key, want in (("format", CHECKPOINT_FORMAT), ("iteration", iteration), ("stage", stage)):
         if not _same_int(data.get(key), want):
             raise RecoveryError(f"{what} has {key} {_clip(data.get(key))}, expected {want}: {_FIX}")
@@ -70,12 +80,14 @@ def read_manifest(directory: Path, iteration: int, stage: int) -> Manifest:
     specs = tuple(_spec(s, i, what) for i, s in enumerate(tensors))
     if "skeleton" not in data:
         raise RecoveryError(f"{what} has no skeleton: {_FIX}")
-    return Manifest(path, iteration, stage, data["skeleton"], specs)
+    return Manifest(path, iteration, stage, data["skeleton"], specs, tuple(s["sha256"] for s in tensors))
 
 
 def _spec(raw: Any, i: int, what: str) -> TensorSpec:
-    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "device"}:
-        raise RecoveryError(f"{what}: tensor {i} is not {{dtype, shape, device}}: {_FIX}")
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "device", "sha256"}:
+        raise RecoveryError(f"{what}: tensor {i} is not {{dtype, shape, device, sha256}}: {_FIX}")
+    if not isinstance(raw["sha256"], str) or len(raw["sha256"]) != 64:
+        raise RecoveryError(f"{what}: tensor {i} has digest {_clip(raw['sha256'])}, not a SHA-256 in hex: {_FIX}")
     dtype, shape, device = raw["dtype"], raw["shape"], raw["device"]
     if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise RecoveryError(f"{what}: tensor {i} has unknown dtype {_clip(dtype)}: {_FIX}")
@@ -89,7 +101,7 @@ def _spec(raw: Any, i: int, what: str) -> TensorSpec:
 # ---- the manifest against the stage's own state ---------------------------------------------------
 
 
-def check_against_stage(manifest: Manifest, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def check_against_stage(manifest: Manifest, module: nn.Module, optimizer: Any) -> None:
     """Refuse a manifest whose layout is not this stage's own (module and optimizer)."""
     what = f"checkpoint manifest {manifest.path}"
     saved = unflatten_checked(manifest)
@@ -97,9 +109,43 @@ def check_against_stage(manifest: Manifest, module: nn.Module, optimizer: torch.
         raise RecoveryError(f"{what} does not hold a stage state (module and optimizer): {_FIX}")
     own = stage_state(module, optimizer)
     _check_module(saved["module"], own["module"], what)
-    # `optimizer.state_dict()` numbers the parameters in group order: their sizes, by that number.
-    numels = [p.numel() for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-    _check_optimizer(saved["optimizer"], own["optimizer"], numels, what)
+    if (own["optimizer"] is None) != (saved["optimizer"] is None):
+        raise RecoveryError(f"{what} {'has' if own['optimizer'] is None else 'lacks'} optimizer state, this "
+                            f"stage {'has none' if own['optimizer'] is None else 'has'}: {_FIX}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # `optimizer.state_dict()` numbers the parameters in group order: their sizes, by that number.
+        numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
+        _check_optimizer(saved["optimizer"], own["optimizer"], numels, what)
+    elif saved["optimizer"] is not None:
+        _check_any_optimizer(saved["optimizer"], [t.numel() for t in own["module"].values()], what)
+
+
+def _check_any_optimizer(saved: Any, module_numels: list[int], what: str) -> None:
+    """An optimizer we know only by `state_dict()`: bound its tensors by the module's own.
+
+    Per-parameter state (momentum, moments) is at most parameter-sized, and no optimizer we know
+    keeps more than a few copies of the parameters (Adam with amsgrad: three).
+    """
+    largest, total = max(module_numels, default=0), sum(module_numels)
+    specs = list(_specs_in(saved))
+    for spec in specs:
+        if _numel(spec.shape) > max(largest, 1):
+            raise RecoveryError(f"{what}: an optimizer tensor is {_describe(spec)}, bigger than any tensor of the "
+                                f"module ({largest} elements): {_FIX}")
+    if sum(_numel(s.shape) for s in specs) > _OPTIMIZER_COPIES * total + len(specs):
+        raise RecoveryError(f"{what}: the optimizer state holds more than {_OPTIMIZER_COPIES} copies of the "
+                            f"module's {total} elements: {_FIX}")
+
+
+def _specs_in(x: Any) -> Iterator[TensorSpec]:
+    if isinstance(x, TensorSpec):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _specs_in(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _specs_in(v)
 
 
 def unflatten_checked(manifest: Manifest) -> Any:
@@ -122,45 +168,35 @@ def _check_module(saved: Any, own: Mapping[str, torch.Tensor], what: str) -> Non
                                 f"{_describe(TensorSpec.of(tensor))}: it belongs to a different model or stage")
 
 
-def _check_optimizer(saved: Any, own: Mapping[str, Any] | None, numels: list[int], what: str) -> None:
-    if own is None or saved is None:
-        if own is not saved:
-            raise RecoveryError(f"{what} {'has' if own is None else 'lacks'} optimizer state, "
-                                f"this stage {'has none' if own is None else 'has'}: {_FIX}")
-        return
+def _check_optimizer(saved: Any, own: Mapping[str, Any], numels: list[int], what: str) -> None:
     if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
         raise RecoveryError(f"{what}: the optimizer state is not {{state, param_groups}}: {_FIX}")
     groups, own_groups = saved["param_groups"], own["param_groups"]
     if not isinstance(groups, list) or len(groups) != len(own_groups):
         raise RecoveryError(f"{what}: the optimizer has {_count(groups)} parameter groups, this stage's "
                             f"has {len(own_groups)}: it belongs to a different optimizer")
-    sizes: dict[Any, int] = {}  # saved parameter id -> how many elements its parameter has here
-    position = {p: i for i, p in enumerate(p for g in own_groups for p in g["params"])}
     for i, (group, own_group) in enumerate(zip(groups, own_groups, strict=True)):
         if not isinstance(group, dict) or set(group) != set(own_group):
             missing, extra = _key_diff(group, own_group)
             raise RecoveryError(f"{what}: optimizer group {i} has other settings (missing {missing}, "
                                 f"unexpected {extra}): it belongs to a different optimizer")
-        params = group["params"]
-        if (not isinstance(params, list) or len(params) != len(own_group["params"])
-                or not all(_is_int(p) for p in params)):
-            raise RecoveryError(f"{what}: optimizer group {i} does not list this stage's "
-                                f"{len(own_group['params'])} parameters: it belongs to a different model")
+        if group["params"] != own_group["params"]:  # `state_dict()` numbers parameters 0, 1, ... in group order
+            raise RecoveryError(f"{what}: optimizer group {i} lists parameters {_clip(group['params'])}, this "
+                                f"stage's optimizer numbers them {_clip(own_group['params'])}: {_FIX}")
         for key, value in group.items():
             if key != "params" and not _same_kind(value, own_group[key]):
                 raise RecoveryError(f"{what}: optimizer setting {key!r} of group {i} is {_clip(value)}, "
                                     f"not like this optimizer's {_clip(own_group[key])}: {_FIX}")
-        for saved_id, own_id in zip(params, own_group["params"], strict=True):
-            sizes[saved_id] = numels[position[own_id]]
-    state, own_state = saved["state"], own["state"]
+    # parameter number -> its number of elements (the numbers are the same on both sides, checked above)
+    sizes = dict(zip((p for g in own_groups for p in g["params"]), numels, strict=True))
+    state = saved["state"]
     if not isinstance(state, dict):
         raise RecoveryError(f"{what}: the optimizer's per-parameter state is not a dict: {_FIX}")
-    saved_to_own = dict(zip((p for g in groups for p in g["params"]), position, strict=True))
     for param, entries in state.items():
         if param not in sizes or not isinstance(entries, dict):
             raise RecoveryError(f"{what}: optimizer state for {_clip(param)}, which is not one of its parameters: "
                                 f"{_FIX}")
-        mine = own_state.get(saved_to_own[param], {})
+        mine = own["state"].get(param, {})
         for key, spec in entries.items():
             if isinstance(spec, TensorSpec):
                 _check_state_tensor(spec, mine.get(key), sizes[param], f"{what}: optimizer state {key!r} of "
@@ -245,6 +281,42 @@ def check_metadata_matches(metadata: Metadata, manifest: Manifest, source: str) 
         if stored < spec.nbytes:
             raise RecoveryError(f"{what}: tensor {name} needs {spec.nbytes} bytes but only {stored} are stored: "
                                 f"{_FIX}")
+
+
+def stored_digests(metadata: Metadata, directory: str | os.PathLike[str]) -> dict[str, str]:
+    """SHA-256 of the bytes each tensor is stored in (metadata already `check_storage`d), by tensor name.
+
+    Written into the manifest once DCP has saved, and compared before restoring: a data file whose
+    bytes changed, or metadata that sends a tensor to another tensor's bytes, is refused.
+    """
+    root = Path(directory).resolve()
+    digests = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        info = metadata.storage_data[MetadataIndex(fqn, md.chunks[0].offsets)]
+        digest = hashlib.sha256()
+        with open(root / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            left = info.length
+            while left > 0:
+                chunk = f.read(min(left, _HASH_CHUNK))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                left -= len(chunk)
+        digests[fqn] = digest.hexdigest()
+    return digests
+
+
+def check_digests(metadata: Metadata, manifest: Manifest, directory: str | os.PathLike[str]) -> None:
+    """Each tensor's stored bytes have the digest its manifest recorded."""
+    try:
+        found = stored_digests(metadata, directory)
+    except OSError as e:
+        raise RecoveryError(f"cannot read checkpoint data in {directory}: {e.strerror or e}") from None
+    for i, want in enumerate(manifest.digests):
+        if found[f"t{i}"] != want:
+            raise RecoveryError(f"checkpoint {directory}: the stored bytes of tensor t{i} do not match the digest "
+                                f"in its manifest: the data was changed or damaged; {_FIX}")
 
 
 # ---- small helpers -----------------------------------------------------------------------------------

@@ -95,19 +95,30 @@ def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
 
     The skeleton may come from a file or the network: anything `flatten` cannot have written is a
     RecoveryError, never an IndexError or TypeError. Its nesting is bounded by the JSON reader.
+    `flatten` numbers tensors in walk order and keys are unique, so a skeleton whose tensors are
+    out of that order, skipped, or whose dict repeats a key (which would silently move one tensor
+    into another's place) is refused too.
     """
+    seen = 0  # tensors met so far in walk order: the next one must be tensors[seen]
+
     def walk(x: Any) -> Any:
+        nonlocal seen
         if not isinstance(x, dict) or len(x) != 1:
             raise RecoveryError(f"malformed stage state skeleton: {_clip(x)} is not a one-key object")
         (tag, v), = x.items()
         if tag == "t":
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < len(tensors):
                 raise RecoveryError(f"stage state skeleton names tensor {_clip(v)}, but there are {len(tensors)}")
+            if v != seen:
+                raise RecoveryError(f"stage state skeleton names tensor {v} where tensor {seen} belongs")
+            seen += 1
             return tensors[v]
         if tag == "d" and isinstance(v, list):
             if not all(isinstance(kv, list) and len(kv) == 2 and _is_key(kv[0]) for kv in v):
                 raise RecoveryError("malformed stage state skeleton: a dict entry is not a [string or integer "
                                     "key, value] pair")
+            if len({k for k, _ in v}) != len(v):
+                raise RecoveryError("malformed stage state skeleton: a dict repeats a key")
             return {k: walk(item) for k, item in v}
         if tag in ("l", "u") and isinstance(v, list):
             items = [walk(item) for item in v]
@@ -119,7 +130,10 @@ def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
         raise RecoveryError(f"malformed stage state skeleton: {_clip(x)}: "
                             "the state must have been written by the same schedcomp")
 
-    return walk(skeleton)
+    state = walk(skeleton)
+    if seen != len(tensors):
+        raise RecoveryError(f"stage state skeleton places {seen} of its {len(tensors)} tensors")
+    return state
 
 
 _NON_FINITE = ("nan", "inf", "-inf")
