@@ -122,6 +122,13 @@ def test_metadata_that_disagrees_with_the_manifest_is_refused(ckpt: Path, tmp_pa
     refused(tmp_path / "job", "does not hold exactly the tensors its manifest lists")
 
 
+def test_metadata_built_without_its_tables_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    metadata = read_metadata(ckpt)  # found by the fuzz suite: a pickle may BUILD an object without them
+    del metadata.state_dict_metadata
+    write_metadata(ckpt, metadata)
+    refused(tmp_path / "job", "has no tensor or storage table")
+
+
 def test_a_byte_range_past_the_end_of_its_file_is_refused(ckpt: Path, tmp_path: Path) -> None:
     metadata = read_metadata(ckpt)
     key = next(iter(metadata.storage_data))

@@ -15,6 +15,7 @@ import json
 import math
 import pickle
 import tempfile
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 import torch
 from ckpt_craft import ITERATION, STAGE, Witness, copy_checkpoint, fresh_stage, read_metadata, write_checkpoint
 from fault_procs import state_digest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from schedcomp.errors import RecoveryError
@@ -33,24 +34,32 @@ from schedcomp.runtime.fault.transfer import flatten, stage_state
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")]
 
-FUZZ = settings(max_examples=60, deadline=timedelta(seconds=5), derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=timedelta(seconds=10), derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def genuine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor], int]:
+@dataclass(frozen=True)
+class Genuine:
     """A genuine checkpoint, its tensors (in `flatten` order), and how many bytes its data files hold."""
+
+    path: Path
+    tensors: list[torch.Tensor] = field(repr=False)
+    data_bytes: int
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory: pytest.TempPathFactory) -> Genuine:
     root = tmp_path_factory.mktemp("genuine")
     path, _ = write_checkpoint(root)
     module, optimizer, _ = fresh_stage()
     restore(root, ITERATION, STAGE, module, optimizer)
-    data = sum(p.stat().st_size for p in path.glob("*.distcp"))
-    return path, flatten(stage_state(module, optimizer))[1], data
+    data_bytes = sum(p.stat().st_size for p in path.glob("*.distcp"))
+    return Genuine(path, flatten(stage_state(module, optimizer))[1], data_bytes)
 
 
-def _restore_checked(genuine: tuple[Path, list[torch.Tensor], int], damage: Any) -> str:
+def _restore_checked(genuine: Genuine, damage: Any) -> str:
     """Copy, `damage(path, decoy)`, restore; assert the fuzz properties. Returns "loaded" or "refused"."""
-    source, tensors, data_bytes = genuine
+    source, tensors, data_bytes = genuine.path, genuine.tensors, genuine.data_bytes
     with tempfile.TemporaryDirectory(prefix="ckptfuzz-") as folder:
         root = Path(folder)
         path, decoy = copy_checkpoint(source, root / "job"), copy_checkpoint(source, root / "other")
@@ -66,14 +75,26 @@ def _restore_checked(genuine: tuple[Path, list[torch.Tensor], int], damage: Any)
             assert "\n" not in message and str(path) in message, message
             assert state_digest(module, optimizer) == before  # refused before the stage was touched
             outcome = "refused"
+            event(f"refused: {_kind(message)}")
         assert witness.outside(path, root) == [], "read outside the checkpoint"
         assert sum(witness.allocated) <= data_bytes, "allocated more than the checkpoint holds"
         if outcome == "loaded":
+            event("loaded")
             loaded = flatten(stage_state(module, optimizer))[1]
             assert len(loaded) == len(tensors)
             for got, want in zip(loaded, tensors, strict=True):
                 assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
         return outcome
+
+
+def _kind(message: str) -> str:
+    """Which check refused a checkpoint, for the statistics (`--hypothesis-show-statistics`)."""
+    for needle, kind in (("digest", "digest"), ("cannot read its tensors", "tensor bytes"),
+                         ("outside the checkpoint", "path outside"), ("checkpoint metadata", "metadata"),
+                         ("checkpoint manifest", "manifest")):
+        if needle in message:
+            return kind
+    return "other"
 
 
 # ---- the manifest --------------------------------------------------------------------------------------
@@ -107,7 +128,7 @@ def _mutate(node: Any, data: st.DataObject) -> Any:
 
 @FUZZ
 @given(data=st.data(), changes=st.integers(1, 3))
-def test_fuzz_manifest(genuine: tuple[Path, list[torch.Tensor], int], data: st.DataObject, changes: int) -> None:
+def test_fuzz_manifest(genuine: Genuine, data: st.DataObject, changes: int) -> None:
     def damage(path: Path, _decoy: Path) -> None:
         manifest = json.loads((path / MANIFEST).read_text())
         for _ in range(changes):
@@ -117,20 +138,19 @@ def test_fuzz_manifest(genuine: tuple[Path, list[torch.Tensor], int], data: st.D
     _restore_checked(genuine, damage)
 
 
-def test_fuzz_manifest_text(genuine: tuple[Path, list[torch.Tensor], int]) -> None:
+@FUZZ
+@given(cut=st.one_of(st.just(0), st.integers(0, 5000)),
+       flips=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 255)), max_size=3))
+def test_fuzz_manifest_text(genuine: Genuine, cut: int,
+                            flips: list[tuple[int, int]]) -> None:
     """Raw bytes: truncations and byte flips of the manifest's text (not only valid JSON)."""
-    @FUZZ
-    @given(cut=st.integers(0, 5000), flips=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 255)), max_size=3))
-    def run(cut: int, flips: list[tuple[int, int]]) -> None:
-        def damage(path: Path, _decoy: Path) -> None:
-            text = bytearray((path / MANIFEST).read_bytes())
-            for at, value in flips:
-                text[at % len(text)] = value
-            (path / MANIFEST).write_bytes(bytes(text[: len(text) - cut % len(text)] if cut else text))
+    def damage(path: Path, _decoy: Path) -> None:
+        text = bytearray((path / MANIFEST).read_bytes())
+        for at, value in flips:
+            text[at % len(text)] = value
+        (path / MANIFEST).write_bytes(bytes(text[: len(text) - cut % len(text)] if cut else text))
 
-        _restore_checked(genuine, damage)
-
-    run()
+    _restore_checked(genuine, damage)
 
 
 # ---- DCP's metadata and the data files -----------------------------------------------------------------
@@ -187,7 +207,7 @@ def _metadata_change(metadata: Any, decoy: Path, data: st.DataObject) -> None:
 
 @FUZZ
 @given(data=st.data(), changes=st.integers(1, 2), drop_own_data=st.booleans())
-def test_fuzz_metadata(genuine: tuple[Path, list[torch.Tensor], int], data: st.DataObject, changes: int,
+def test_fuzz_metadata(genuine: Genuine, data: st.DataObject, changes: int,
                        drop_own_data: bool) -> None:
     def damage(path: Path, decoy: Path) -> None:
         metadata = read_metadata(path)
@@ -202,9 +222,9 @@ def test_fuzz_metadata(genuine: tuple[Path, list[torch.Tensor], int], data: st.D
 
 
 @FUZZ
-@given(target=st.sampled_from([".metadata", "__0_0.distcp"]), cut=st.integers(0, 50000),
+@given(target=st.sampled_from([".metadata", "__0_0.distcp"]), cut=st.one_of(st.just(0), st.integers(0, 50000)),
        flips=st.lists(st.tuples(st.integers(0, 50000), st.integers(0, 255)), max_size=4))
-def test_fuzz_metadata_and_data_bytes(genuine: tuple[Path, list[torch.Tensor], int], target: str, cut: int,
+def test_fuzz_metadata_and_data_bytes(genuine: Genuine, target: str, cut: int,
                                       flips: list[tuple[int, int]]) -> None:
     def damage(path: Path, _decoy: Path) -> None:
         raw = bytearray((path / target).read_bytes())

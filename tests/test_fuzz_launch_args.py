@@ -13,7 +13,7 @@ import io
 import math
 from datetime import timedelta
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from schedcomp.errors import SchedcompError
@@ -62,12 +62,23 @@ def _check_job(argv: list[str]) -> str:
 @FUZZ
 @given(tokens=TOKENS, command=COMMANDS)
 def test_fuzz_launcher_arguments(tokens: list[str], command: list[str]) -> None:
-    _check_job(tokens + command)
+    event(_check_job(tokens + command))
+
+
+# Plausible values per option, drawn half of the time, so that many examples get past the
+# per-value checks to the checks across options (and some are accepted).
+PLAUSIBLE = {"--pp": ["1", "2", "4"], "--dp": ["1", "2", "3"], "--workers": ["0:0", "0:1,1:0", "1:1", "0:0,0:0"],
+             "--pipelines": ["0", "1", "0,1", "2"], "--store": ["127.0.0.1:29400", "h:1"],
+             "--serve-store": ["127.0.0.1:0", "0.0.0.0:29400"], "--store-timeout": ["0.5", "30"],
+             "--bind": ["127.0.0.1", "10.0.0.2"], "--respawn": ["0", "2"], "--respawn-delay": ["0", "0.5"],
+             "--max-restarts": ["0", "3"], "--incarnation": ["0", "1"], "--max-local-workers": ["1", "4", "64"]}
+PAIRS = st.sampled_from(sorted(PLAUSIBLE)).flatmap(
+    lambda option: st.tuples(st.just(option), st.one_of(st.sampled_from(PLAUSIBLE[option]), VALUES)))
 
 
 @FUZZ
-@given(options=st.lists(st.tuples(st.sampled_from(OPTIONS[:13]), VALUES), max_size=5), pp=VALUES)
+@given(options=st.lists(PAIRS, max_size=4), pp=st.one_of(st.sampled_from(PLAUSIBLE["--pp"]), VALUES))
 def test_fuzz_launcher_option_values(options: list[tuple[str, str]], pp: str) -> None:
     """Well-formed option/value pairs, so that most examples reach the checks across options."""
     argv = ["--pp", pp] + [token for pair in options for token in pair] + ["--", "python", "train.py"]
-    _check_job(argv)
+    event(_check_job(argv))

@@ -35,7 +35,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from schedcomp.errors import RecoveryError
 from schedcomp.fileio import load_json, read_text
@@ -219,27 +224,31 @@ def check_storage(metadata: Metadata, directory: str | os.PathLike[str], source:
     """Refuse metadata naming data outside `directory`, missing files or byte ranges, or odd chunks."""
     root = Path(directory).resolve()
     what = f"checkpoint metadata {source}"
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+    # A pickle may BUILD an allowed class with any attributes: nothing is assumed present or typed.
+    tensors, storage = (getattr(metadata, k, None) for k in ("state_dict_metadata", "storage_data"))
+    if not isinstance(tensors, dict) or not isinstance(storage, dict):
         raise RecoveryError(f"{what} has no tensor or storage table: {_FIX}")
-    for fqn, md in metadata.state_dict_metadata.items():
+    for fqn, md in tensors.items():
         if not isinstance(fqn, str) or not isinstance(md, TensorStorageMetadata):
             raise RecoveryError(f"{what}: entry {_clip(fqn)} is not a tensor: it was not written by schedcomp")
-        _check_chunks(fqn, md, metadata.storage_data, what)
+        _check_chunks(fqn, md, storage, what)
     sizes: dict[Path, int] = {}
-    for index, info in metadata.storage_data.items():
+    for index, info in storage.items():
         _check_storage_item(index, info, root, sizes, what)
 
 
 def _check_chunks(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any], what: str) -> None:
-    size, chunks = md.size, md.chunks
-    whole = (isinstance(size, torch.Size) and isinstance(chunks, list) and len(chunks) == 1
-             and isinstance(chunks[0].offsets, torch.Size) and isinstance(chunks[0].sizes, torch.Size)
-             and chunks[0].sizes == size and list(chunks[0].offsets) == [0] * len(size)
-             and isinstance(getattr(md.properties, "dtype", None), torch.dtype))
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+    chunk = chunks[0] if isinstance(chunks, list) and len(chunks) == 1 else None
+    offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+    whole = (isinstance(size, torch.Size) and isinstance(chunk, ChunkStorageMetadata)
+             and isinstance(offsets, torch.Size) and isinstance(sizes, torch.Size)
+             and sizes == size and list(offsets) == [0] * len(size)
+             and isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype))
     if not whole:  # one process wrote the stage: each tensor is one whole chunk
         raise RecoveryError(f"{what}: tensor {fqn!r} is not stored as one whole chunk of a known dtype: "
                             "it was not written by schedcomp")
-    if MetadataIndex(fqn, chunks[0].offsets) not in storage:
+    if MetadataIndex(fqn, offsets) not in storage:
         raise RecoveryError(f"{what}: tensor {fqn!r} has no storage entry: {_FIX}")
 
 
