@@ -27,10 +27,12 @@ Every failure is a `RecoveryError` naming the file and what is wrong with it.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from reprlib import repr as brief  # a value in an error message, cut short
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ def read_manifest(directory: Path, iteration: int, stage: int) -> Manifest:
                             "restart from scratch or with the schedcomp that wrote it")
     for key, want in (("format", CHECKPOINT_FORMAT), ("iteration", iteration), ("stage", stage)):
         if not _same_int(data.get(key), want):
-            raise RecoveryError(f"{what} has {key} {_clip(data.get(key))}, expected {want}: {_FIX}")
+            raise RecoveryError(f"{what} has {key} {brief(data.get(key))}, expected {want}: {_FIX}")
     tensors = data.get("tensors")
     if not isinstance(tensors, list):
         raise RecoveryError(f"{what} has no list of tensors: {_FIX}")
@@ -92,14 +94,14 @@ def _spec(raw: Any, i: int, what: str) -> TensorSpec:
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "device", "sha256"}:
         raise RecoveryError(f"{what}: tensor {i} is not {{dtype, shape, device, sha256}}: {_FIX}")
     if not isinstance(raw["sha256"], str) or len(raw["sha256"]) != 64:
-        raise RecoveryError(f"{what}: tensor {i} has digest {_clip(raw['sha256'])}, not a SHA-256 in hex: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has digest {brief(raw['sha256'])}, not a SHA-256 in hex: {_FIX}")
     dtype, shape, device = raw["dtype"], raw["shape"], raw["device"]
     if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise RecoveryError(f"{what}: tensor {i} has unknown dtype {_clip(dtype)}: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has unknown dtype {brief(dtype)}: {_FIX}")
     if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
-        raise RecoveryError(f"{what}: tensor {i} has shape {_clip(shape)}, not a list of sizes >= 0: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has shape {brief(shape)}, not a list of sizes >= 0: {_FIX}")
     if device not in _DEVICES:
-        raise RecoveryError(f"{what}: tensor {i} has device {_clip(device)}, not one of {_DEVICES}: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has device {brief(device)}, not one of {_DEVICES}: {_FIX}")
     return TensorSpec(dtype, tuple(shape), device)
 
 
@@ -134,10 +136,10 @@ def _check_any_optimizer(saved: Any, module_numels: list[int], what: str) -> Non
     largest, total = max(module_numels, default=0), sum(module_numels)
     specs = list(_specs_in(saved))
     for spec in specs:
-        if _numel(spec.shape) > max(largest, 1):
+        if math.prod(spec.shape) > max(largest, 1):
             raise RecoveryError(f"{what}: an optimizer tensor is {_describe(spec)}, bigger than any tensor of the "
                                 f"module ({largest} elements): {_FIX}")
-    if sum(_numel(s.shape) for s in specs) > _OPTIMIZER_COPIES * total + len(specs):
+    if sum(math.prod(s.shape) for s in specs) > _OPTIMIZER_COPIES * total + len(specs):
         raise RecoveryError(f"{what}: the optimizer state holds more than {_OPTIMIZER_COPIES} copies of the "
                             f"module's {total} elements: {_FIX}")
 
@@ -186,12 +188,12 @@ def _check_optimizer(saved: Any, own: Mapping[str, Any], numels: list[int], what
             raise RecoveryError(f"{what}: optimizer group {i} has other settings (missing {missing}, "
                                 f"unexpected {extra}): it belongs to a different optimizer")
         if group["params"] != own_group["params"]:  # `state_dict()` numbers parameters 0, 1, ... in group order
-            raise RecoveryError(f"{what}: optimizer group {i} lists parameters {_clip(group['params'])}, this "
-                                f"stage's optimizer numbers them {_clip(own_group['params'])}: {_FIX}")
+            raise RecoveryError(f"{what}: optimizer group {i} lists parameters {brief(group['params'])}, this "
+                                f"stage's optimizer numbers them {brief(own_group['params'])}: {_FIX}")
         for key, value in group.items():
             if key != "params" and not _same_kind(value, own_group[key]):
-                raise RecoveryError(f"{what}: optimizer setting {key!r} of group {i} is {_clip(value)}, "
-                                    f"not like this optimizer's {_clip(own_group[key])}: {_FIX}")
+                raise RecoveryError(f"{what}: optimizer setting {key!r} of group {i} is {brief(value)}, "
+                                    f"not like this optimizer's {brief(own_group[key])}: {_FIX}")
     # parameter number -> its number of elements (the numbers are the same on both sides, checked above)
     sizes = dict(zip((p for g in own_groups for p in g["params"]), numels, strict=True))
     state = saved["state"]
@@ -199,7 +201,7 @@ def _check_optimizer(saved: Any, own: Mapping[str, Any], numels: list[int], what
         raise RecoveryError(f"{what}: the optimizer's per-parameter state is not a dict: {_FIX}")
     for param, entries in state.items():
         if param not in sizes or not isinstance(entries, dict):
-            raise RecoveryError(f"{what}: optimizer state for {_clip(param)}, which is not one of its parameters: "
+            raise RecoveryError(f"{what}: optimizer state for {brief(param)}, which is not one of its parameters: "
                                 f"{_FIX}")
         mine = own["state"].get(param, {})
         for key, spec in entries.items():
@@ -213,7 +215,7 @@ def _check_state_tensor(spec: TensorSpec, own: Any, numel: int, where: str) -> N
         if (spec.dtype, spec.shape) != _layout(own):
             raise RecoveryError(f"{where} is {_describe(spec)}, but this optimizer holds "
                                 f"{_describe(TensorSpec.of(own))}: {_FIX}")
-    elif _numel(spec.shape) > max(numel, 1):  # a fresh optimizer: no state is bigger than its parameter
+    elif math.prod(spec.shape) > max(numel, 1):  # a fresh optimizer: no state is bigger than its parameter
         raise RecoveryError(f"{where} is {_describe(spec)}, bigger than its parameter ({numel} elements): {_FIX}")
 
 
@@ -230,7 +232,7 @@ def check_storage(metadata: Metadata, directory: str | os.PathLike[str], source:
         raise RecoveryError(f"{what} has no tensor or storage table: {_FIX}")
     for fqn, md in tensors.items():
         if not isinstance(fqn, str) or not isinstance(md, TensorStorageMetadata):
-            raise RecoveryError(f"{what}: entry {_clip(fqn)} is not a tensor: it was not written by schedcomp")
+            raise RecoveryError(f"{what}: entry {brief(fqn)} is not a tensor: it was not written by schedcomp")
         _check_chunks(fqn, md, storage, what)
     sizes: dict[Path, int] = {}
     for index, info in storage.items():
@@ -256,21 +258,21 @@ def _check_storage_item(index: Any, info: Any, root: Path, sizes: dict[Path, int
     rel, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
     name = getattr(index, "fqn", index)
     if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in Path(rel).parts or "\0" in rel:
-        raise RecoveryError(f"{what}: tensor {_clip(name)} is stored at {_clip(rel)}, outside the checkpoint's "
+        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at {brief(rel)}, outside the checkpoint's "
                             "directory: refusing to read it")
     path = (root / rel).resolve()
     if not path.is_relative_to(root):  # a symlink out of the directory
-        raise RecoveryError(f"{what}: tensor {_clip(name)} is stored at {rel!r}, which leads outside the "
+        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at {rel!r}, which leads outside the "
                             "checkpoint's directory: refusing to read it")
     if getattr(info, "transform_descriptors", None):
-        raise RecoveryError(f"{what}: tensor {_clip(name)} is stored through transforms "
-                            f"{_clip(info.transform_descriptors)}: schedcomp never writes those")
+        raise RecoveryError(f"{what}: tensor {brief(name)} is stored through transforms "
+                            f"{brief(info.transform_descriptors)}: schedcomp never writes those")
     if path not in sizes:
         if not path.is_file():
-            raise RecoveryError(f"{what}: data file {path} of tensor {_clip(name)} is missing: {_FIX}")
+            raise RecoveryError(f"{what}: data file {path} of tensor {brief(name)} is missing: {_FIX}")
         sizes[path] = path.stat().st_size
     if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0 and offset + length <= sizes[path]):
-        raise RecoveryError(f"{what}: tensor {_clip(name)} is stored at bytes {_clip(offset)}+{_clip(length)} of "
+        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at bytes {brief(offset)}+{brief(length)} of "
                             f"{path}, which holds {sizes[path]}: {_FIX}")
 
 
@@ -353,15 +355,8 @@ def _layout(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     return str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _describe(x: Any) -> str:
-    return f"{x.dtype} {list(x.shape)}" if isinstance(x, TensorSpec) else f"not a tensor ({_clip(x)})"
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, TensorSpec) else f"not a tensor ({brief(x)})"
 
 
 def _key_diff(saved: Any, own: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -371,8 +366,3 @@ def _key_diff(saved: Any, own: Mapping[str, Any]) -> tuple[list[Any], list[Any]]
 
 def _count(x: Any) -> str:
     return str(len(x)) if isinstance(x, list) else "no list of"
-
-
-def _clip(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -44,7 +44,9 @@ replacements), SCHEDCOMP_BIND, SCHEDCOMP_RUN (0, then 1, 2, ... after restarts),
 LOCAL_WORLD_SIZE to pick a GPU. A training script uses `FaultSession` (see `session`). The
 launcher exits 0 when some worker finished its training (exit 0) in the last run and every other
 one either finished or was lost; 1 otherwise (e.g. a restart was requested with no restart left);
-2 on bad usage.
+2 on bad usage: every argument is checked before anything starts (`launch_args`), and a launcher
+joining another's store (`--store`) waits for it at most `--store-timeout` seconds (default 30),
+so it may start first; either failure is one line on stderr.
 """
 
 from __future__ import annotations

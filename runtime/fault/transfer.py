@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from reprlib import repr as brief  # a value in an error message, cut short
 from typing import Any
 
 import torch
@@ -104,11 +105,11 @@ def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
     def walk(x: Any) -> Any:
         nonlocal seen
         if not isinstance(x, dict) or len(x) != 1:
-            raise RecoveryError(f"malformed stage state skeleton: {_clip(x)} is not a one-key object")
+            raise RecoveryError(f"malformed stage state skeleton: {brief(x)} is not a one-key object")
         (tag, v), = x.items()
         if tag == "t":
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < len(tensors):
-                raise RecoveryError(f"stage state skeleton names tensor {_clip(v)}, but there are {len(tensors)}")
+                raise RecoveryError(f"stage state skeleton names tensor {brief(v)}, but there are {len(tensors)}")
             if v != seen:
                 raise RecoveryError(f"stage state skeleton names tensor {v} where tensor {seen} belongs")
             seen += 1
@@ -127,7 +128,7 @@ def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
             return v
         if tag == "f" and v in _NON_FINITE:
             return float(v)
-        raise RecoveryError(f"malformed stage state skeleton: {_clip(x)}: "
+        raise RecoveryError(f"malformed stage state skeleton: {brief(x)}: "
                             "the state must have been written by the same schedcomp")
 
     state = walk(skeleton)
@@ -141,11 +142,6 @@ _NON_FINITE = ("nan", "inf", "-inf")
 
 def _is_key(k: Any) -> bool:
     return isinstance(k, (str, int)) and not isinstance(k, bool)
-
-
-def _clip(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
