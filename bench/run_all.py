@@ -21,6 +21,7 @@ BENCHES = [
     ("bench_split_backward.py", []),
     ("bench_fault.py", ["--quick"]),
     ("bench_rejoin.py", ["--quick"]),
+    ("bench_checkpoint.py", ["--quick"]),
 ]
 
 
