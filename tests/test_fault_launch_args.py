@@ -65,8 +65,10 @@ def test_bad_arguments_are_refused_at_parse_time_in_one_line(options: list[str],
 
 
 def test_the_limit_on_local_workers_can_be_raised_or_avoided() -> None:
-    args, _ = parse_args(["--pp", "1000000", "--max-local-workers", "2000000", *COMMAND])
-    assert len(args.workers) == 1000000
+    args, _ = parse_args(["--pp", "2000", "--max-local-workers", "2000", *COMMAND])
+    assert len(args.workers) == 2000
+    with pytest.raises(SchedcompError, match="at most 65536 worker processes fit on one host"):
+        parse_args(["--pp", "10" + "0" * 30, "--max-local-workers", "10" + "0" * 30, *COMMAND])
     args, _ = parse_args(["--pp", "4", "--dp", "1000", "--pipelines", "7,3", *COMMAND])
     assert args.workers == [Worker(d, s) for d in (7, 3) for s in range(4)]  # this host's share only
 

@@ -154,8 +154,8 @@ def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module
     """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled).
 
     Everything is checked before anything is allocated or loaded (see `checkpoint_check`), and the
-    tensors are read into fresh buffers first: a damaged or crafted checkpoint is a RecoveryError
-    naming the file, raised before the stage's own state is touched.
+    tensors are read into fresh buffers before the stage's own state is touched: a damaged or
+    crafted checkpoint is a RecoveryError naming the file, and leaves the stage as it was.
     """
     path = checkpoint_dir(directory, iteration, stage)
     manifest, reader = checked_checkpoint(path, iteration, stage, module, optimizer)

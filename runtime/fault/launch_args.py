@@ -22,6 +22,7 @@ from schedcomp.topology import Worker
 
 PROG = "python -m schedcomp.runtime.fault.launch"
 MAX_LOCAL_WORKERS = 1024  # worker processes one launcher starts; raise it with --max-local-workers
+HOST_PROCESS_LIMIT = 1 << 16  # ... up to this: the workers are listed before they start, one process each
 DEFAULT_STORE_TIMEOUT = 30.0  # seconds to wait for another launcher's store to answer (--store-timeout)
 
 T = TypeVar("T")
@@ -40,6 +41,14 @@ def count(text: str, least: int = 0) -> int:
 
 def positive(text: str) -> int:
     return count(text, least=1)
+
+
+def local_limit(text: str) -> int:
+    value = positive(text)
+    if value > HOST_PROCESS_LIMIT:
+        raise argparse.ArgumentTypeError(f"at most {HOST_PROCESS_LIMIT} worker processes fit on one host, "
+                                         f"got {value}")
+    return value
 
 
 def seconds(value: float | str, what: str = "a duration", least: float = 0.0,
@@ -106,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=count, default=3,
                    help="restarts of the whole job from its latest checkpoint when a stage is lost (default 3)")
     p.add_argument("--incarnation", type=count, default=0, help="first incarnation (1+: these are replacements)")
-    p.add_argument("--max-local-workers", type=positive, default=MAX_LOCAL_WORKERS,
+    p.add_argument("--max-local-workers", type=local_limit, default=MAX_LOCAL_WORKERS,
                    help=f"refuse to start more worker processes than this here (default {MAX_LOCAL_WORKERS})")
     p.add_argument("--no-fence", action="store_true", help="do not kill workers the others declared failed")
     p.add_argument("-v", "--verbose", action="store_true")
