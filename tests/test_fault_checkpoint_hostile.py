@@ -184,6 +184,12 @@ def _one_tensor(dtype: str, shape: list[int], device: str) -> str:
     return json.dumps({"format": 2, "iteration": ITERATION, "stage": STAGE, "tensors": [spec]})
 
 
+def _two_tensors(skeleton: object) -> str:
+    spec = {"dtype": "float32", "shape": [1], "device": "cpu", "sha256": "0" * 64}
+    return json.dumps({"format": 2, "iteration": ITERATION, "stage": STAGE, "tensors": [spec, spec],
+                       "skeleton": skeleton})
+
+
 @pytest.mark.parametrize(("text", "match"), [
     ("[1, 2]", "is a JSON list, not an object"),
     ("{", "is not valid JSON"),
@@ -205,6 +211,9 @@ def _one_tensor(dtype: str, shape: list[int], device: str) -> str:
      "a dict entry is not a"),
     ('{"format": 2, "iteration": 3, "stage": 0, "tensors": [], "skeleton": {"d": []}}',
      "does not hold a stage state"),
+    (_two_tensors({"l": [{"t": 1}, {"t": 0}]}), "names tensor 1 where tensor 0 belongs"),  # swapped in place
+    (_two_tensors({"l": [{"t": 0}]}), "places 1 of its 2 tensors"),
+    (_two_tensors({"d": [["a", {"t": 0}], ["a", {"t": 1}]]}), "a dict repeats a key"),  # the last would win
 ])
 def test_a_malformed_manifest_is_one_line_naming_it(ckpt: Path, tmp_path: Path, text: str | bytes, match: str) -> None:
     manifest = ckpt / MANIFEST
