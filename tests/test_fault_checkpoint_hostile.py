@@ -4,6 +4,7 @@ allocation, never reading outside the checkpoint's directory, the stage left as 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from pathlib import Path
@@ -26,7 +27,7 @@ from full_disk import FullDisk
 
 from schedcomp import fileio
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, restore
+from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, latest_complete, restore
 from schedcomp.runtime.fault.checkpoint_check import stored_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
@@ -261,3 +262,19 @@ def test_non_finite_optimizer_settings_round_trip(tmp_path: Path) -> None:
     restore(tmp_path, 0, 0, fresh, fresh_opt)
     assert fresh_opt.param_groups[0]["max_norm"] == float("inf")
     assert state_digest(fresh, fresh_opt) == state_digest(module, optimizer)
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_or_read_is_named(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    module, optimizer = demo_stage(seed=0)
+    (tmp_path / "iter00000000").write_text("a file where the iteration's directory goes")
+    with pytest.raises(RecoveryError, match=f"cannot create checkpoint directory {tmp_path}/iter00000000/stage0"):
+        AsyncCheckpointer(tmp_path, 0, every=1).save(0, module, optimizer)
+    assert latest_complete(tmp_path, 1) is None
+
+    def unreadable(self: Path) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(Path, "iterdir", unreadable)  # (tests run as root: chmod would not stop them)
+    with pytest.raises(RecoveryError, match=f"cannot list checkpoint directory {tmp_path}: Permission denied"):
+        latest_complete(tmp_path, 1)

@@ -102,7 +102,10 @@ class AsyncCheckpointer:
             done.set_result(iteration)
             return done
         skeleton, tensors = flatten(stage_state(module, optimizer))
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecoveryError(f"cannot create checkpoint directory {path}: {e.strerror or e}") from None
         manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage, "skeleton": skeleton,
                     "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
         future = dcp.async_save({f"t{i}": t for i, t in enumerate(tensors)},
@@ -142,7 +145,11 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
     root = Path(directory)
     if not root.is_dir():
         return None
-    done = sorted((int(m.group(1)) for p in root.iterdir() if (m := _ITER_RE.fullmatch(p.name))), reverse=True)
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError as e:
+        raise RecoveryError(f"cannot list checkpoint directory {root}: {e.strerror or e}") from None
+    done = sorted((int(m.group(1)) for name in names if (m := _ITER_RE.fullmatch(name))), reverse=True)
     for iteration in done:
         if all((checkpoint_dir(root, iteration, s) / MANIFEST).is_file() for s in range(pp)):
             return iteration
