@@ -24,6 +24,7 @@ BENCHES = [
     ("bench_rejoin.py", ["--quick"]),
     ("bench_goodput.py", ["--quick"]),
     ("bench_checkpoint.py", ["--quick"]),
+    ("bench_checkpoint_checks.py", ["--quick"]),
 ]
 
 

@@ -8,6 +8,7 @@ fails instead of blocking.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -57,6 +58,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), timeo
 
     `fn` must be importable by name (defined at a module's top level).
     """
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise RuntimeSetupError(f"nprocs must be a positive whole number of processes, got {nprocs!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise RuntimeSetupError(f"threads must be a positive whole number, got {threads!r}")
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        # a NaN deadline is never passed: a hang would block instead of failing
+        raise RuntimeSetupError(f"timeout must be a finite number of seconds above 0, got {timeout!r}")
     with tempfile.TemporaryDirectory(prefix="schedcomp-") as folder:
         store = os.path.join(folder, "store")
         port = free_port() if backend is None else 0

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from schedcomp.draw.trace import write_chrome_trace
+from schedcomp.draw.trace import to_chrome_trace
+from schedcomp.errors import RuntimeSetupError
+from schedcomp.fileio import dumps_json, write_atomic
 from schedcomp.ir import InstrKind, Plan
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
@@ -107,5 +109,9 @@ def gather_spans(trainer: PipelineTrainer, everyone: bool) -> list[Span]:
 
 
 def write_trace(spans: list[Span], path: str | Path) -> None:
-    """Write `spans` (seconds) as a Chrome/Perfetto trace with the writer the planned timelines use."""
-    write_chrome_trace(spans, path)
+    """Write `spans` (seconds) as a Chrome/Perfetto trace, in the format the planned timelines use.
+
+    Atomically: a full disk or a crash leaves the previous trace at `path` whole, and the error
+    (a RuntimeSetupError) names the path.
+    """
+    write_atomic(path, dumps_json(to_chrome_trace(spans)), RuntimeSetupError)

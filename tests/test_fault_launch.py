@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(150)
 def test_parse_args_splits_options_from_the_worker_command() -> None:
     args, command = parse_args(["--pp", "2", "--dp", "3", "--pipelines", "1", "--respawn", "2", "--",
                                 "python", "train.py", "--pp", "9"])
-    assert (args.pp, args.dp, args.respawn, args.pipelines) == (2, 3, 2, "1")
+    assert (args.pp, args.dp, args.respawn, args.pipelines) == (2, 3, 2, [1])
+    assert args.workers == [Worker(1, 0), Worker(1, 1)]  # the workers this launcher starts
     assert args.max_restarts == 3  # restarts from a checkpoint, when a stage is lost
     assert parse_args(["--pp", "2", "--max-restarts", "0", "--", "x"])[0].max_restarts == 0
     assert command == ["python", "train.py", "--pp", "9"]

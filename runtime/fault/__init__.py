@@ -10,7 +10,9 @@ training loop around it):
 - `agreement`: one view per generation for every survivor; joins; commit records.
 - `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead.
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
-- `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles.
+- `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles;
+  `checkpoint_check`: everything a restore checks first (manifest, layout, metadata, digests).
+- `launch_args`: the launcher's command line, checked whole before anything starts.
 - `restart`: checkpoints while training and a restart of the whole job when a stage is lost
   (`CheckpointPolicy`, passed to `ResilientTrainer(checkpoint=...)`).
 - `policy`: rollback and switch decisions; `residual`: what survivors finish under the lossy

@@ -12,15 +12,16 @@ One replica per stage writes (`policy`-free rule: the lowest live pipeline of th
 Restoring trusts no pickle: the tensors are loaded with DCP's `weights_only` reader, the
 structure around them comes from our JSON manifest (`transfer.flatten`), and DCP's own
 `.metadata` (a pickle) is read by an unpickler that only builds DCP's metadata classes, torch
-sizes and dtypes (`SafeReader`); anything else in it is refused.
+sizes and dtypes (`SafeReader`); anything else in it is refused. The manifest records a SHA-256
+of each tensor's stored bytes, and everything (manifest, layout against the stage's own state,
+metadata, digests) is checked before a tensor is allocated (`checkpoint_check`): a damaged or
+crafted checkpoint is one RecoveryError naming its file.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
-import os
 import pickle
 import re
 import warnings
@@ -32,16 +33,27 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from schedcomp.errors import RecoveryError
+from schedcomp.errors import RecoveryError, SchedcompError
+from schedcomp.fileio import dumps_json, read_bytes, write_atomic
+from schedcomp.runtime.fault.checkpoint_check import (
+    CHECKPOINT_FORMAT,
+    MANIFEST,
+    Manifest,
+    check_against_stage,
+    check_digests,
+    check_metadata_matches,
+    check_storage,
+    read_manifest,
+    stored_digests,
+)
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-CHECKPOINT_FORMAT = 1
 _ITER_RE = re.compile(r"iter(\d{8})")
 
 # Per-stage checkpoints are single-process saves by design (`no_dist`); DCP warns about that from
@@ -90,7 +102,10 @@ class AsyncCheckpointer:
             done.set_result(iteration)
             return done
         skeleton, tensors = flatten(stage_state(module, optimizer))
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecoveryError(f"cannot create checkpoint directory {path}: {e.strerror or e}") from None
         manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage, "skeleton": skeleton,
                     "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
         future = dcp.async_save({f"t{i}": t for i, t in enumerate(tensors)},
@@ -109,10 +124,15 @@ class AsyncCheckpointer:
 
 def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Future) -> None:
     try:
-        saved.result()
-        tmp = path / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, path / MANIFEST)  # the manifest appears whole or not at all
+        try:
+            saved.result()
+        except CheckpointException as e:  # a BaseException: uncaught, it would leave `committed` pending forever
+            raise RecoveryError(f"checkpoint {path} could not be written ({_first_line(e)})") from None
+        digests = stored_digests(SafeReader(path).read_metadata(), path)
+        for i, spec in enumerate(manifest["tensors"]):
+            spec["sha256"] = digests[f"t{i}"]
+        # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
+        write_atomic(path / MANIFEST, dumps_json(manifest), RecoveryError)
     except Exception as e:
         log.error("checkpoint %s failed: %s", path, e)
         committed.set_exception(e)
@@ -125,7 +145,11 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
     root = Path(directory)
     if not root.is_dir():
         return None
-    done = sorted((int(m.group(1)) for p in root.iterdir() if (m := _ITER_RE.fullmatch(p.name))), reverse=True)
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError as e:
+        raise RecoveryError(f"cannot list checkpoint directory {root}: {e.strerror or e}") from None
+    done = sorted((int(m.group(1)) for name in names if (m := _ITER_RE.fullmatch(name))), reverse=True)
     for iteration in done:
         if all((checkpoint_dir(root, iteration, s) / MANIFEST).is_file() for s in range(pp)):
             return iteration
@@ -134,28 +158,62 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
 
 def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module,
             optimizer: torch.optim.Optimizer) -> None:
-    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled)."""
+    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled).
+
+    Everything is checked before anything is allocated or loaded (see `checkpoint_check`), and the
+    tensors are read into fresh buffers before the stage's own state is touched: a damaged or
+    crafted checkpoint is a RecoveryError naming the file, and leaves the stage as it was.
+    """
     path = checkpoint_dir(directory, iteration, stage)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        if manifest.get("format") != CHECKPOINT_FORMAT or manifest["stage"] != stage:
-            raise ValueError("format or stage mismatch")
-        specs = [TensorSpec(s["dtype"], tuple(int(n) for n in s["shape"]), s["device"]) for s in manifest["tensors"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RecoveryError(f"checkpoint {path} has no readable manifest ({e}): pick another iteration "
-                            "(see latest_complete)") from None
+    manifest, reader = checked_checkpoint(path, iteration, stage, module, optimizer)
+    specs = manifest.specs
     target = {f"t{i}": torch.empty(s.shape, dtype=s.torch_dtype) for i, s in enumerate(specs)}
-    reader = SafeReader(path)
-    metadata = reader.read_metadata()
-    kinds = {k: type(v) for k, v in metadata.state_dict_metadata.items()}
-    if kinds != dict.fromkeys(target, TensorStorageMetadata):
-        raise RecoveryError(f"checkpoint {path} does not hold exactly the tensors its manifest lists: "
-                            "it was not written by schedcomp, or is damaged")
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    _load_tensors(target, reader, path)
     tensors = [target[f"t{i}"] for i in range(len(specs))]
     on_device = [t.to(torch.device("cuda", torch.cuda.current_device())) if s.device == "cuda" else t
                  for t, s in zip(tensors, specs, strict=True)]
-    load_stage_state(module, optimizer, unflatten(manifest["skeleton"], on_device))
+    _load_into_stage(module, optimizer, manifest, on_device)
+
+
+def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module,
+                       optimizer: torch.optim.Optimizer | None) -> tuple[Manifest, SafeReader]:
+    """The checkpoint in `path`, checked against itself and against this stage, before any allocation."""
+    if not path.is_dir():
+        raise RecoveryError(f"checkpoint {path} does not exist: pick another iteration (see latest_complete)")
+    manifest = read_manifest(path, iteration, stage)
+    check_against_stage(manifest, module, optimizer)
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    check_metadata_matches(metadata, manifest, str(reader.metadata_path))
+    check_digests(metadata, manifest, path)
+    return manifest, reader
+
+
+def _load_tensors(target: dict[str, torch.Tensor], reader: SafeReader, path: Path) -> None:
+    try:
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    except SchedcompError:
+        raise
+    except (Exception, CheckpointException) as e:  # a damaged data file: DCP wraps torch.load's complaint
+        raise RecoveryError(f"checkpoint {path}: cannot read its tensors ({_first_line(e)}): "
+                            "pick another iteration (see latest_complete)") from None
+
+
+def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest,
+                     tensors: list[torch.Tensor]) -> None:
+    state = unflatten(manifest.skeleton, tensors)  # the skeleton was checked with the specs already
+    try:
+        load_stage_state(module, optimizer, state)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
+        raise RecoveryError(f"checkpoint manifest {manifest.path}: its state does not load into this stage "
+                            f"({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """One line saying what went wrong: for DCP's exception, the first failure it wraps."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def iterations_lost(checkpointed: int | None, reached: int) -> int:
@@ -187,19 +245,38 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, except that its metadata pickle is read with an allow-list."""
+    """DCP's file reader, except that its metadata pickle is read with an allow-list, and checked.
+
+    The metadata is read and checked once (`checkpoint_check.check_storage`: every data file inside
+    the checkpoint's directory, every byte range present) and the same checked object is handed to
+    DCP every time it asks, so the file cannot change between the check and the load.
+    """
+
+    _checked: Metadata | None = None
+
+    @property
+    def metadata_path(self) -> Path:
+        return Path(self._get_metadata_path(None))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        if kwargs.get("rank") is not None:
+            raise RecoveryError("schedcomp checkpoints are written by one process: per-rank metadata is not used")
+        if self._checked is None:
+            self._checked = self._read_checked()
+        self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+    def _read_checked(self) -> Metadata:
+        path = self.metadata_path
+        data = read_bytes(path, "checkpoint metadata", RecoveryError)
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise RecoveryError(f"checkpoint metadata {path} is not plain DCP metadata ({e}): "
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # anything a crafted pickle makes the allowed classes raise
+            raise RecoveryError(f"checkpoint metadata {path} is not plain DCP metadata ({_first_line(e)}): "
                                 "refusing to load it") from None
         if not isinstance(metadata, Metadata):
             raise RecoveryError(f"checkpoint metadata {path} is a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
+        check_storage(metadata, self.path, str(path))
+        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata

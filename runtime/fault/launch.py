@@ -44,14 +44,16 @@ replacements), SCHEDCOMP_BIND, SCHEDCOMP_RUN (0, then 1, 2, ... after restarts),
 LOCAL_WORLD_SIZE to pick a GPU. A training script uses `FaultSession` (see `session`). The
 launcher exits 0 when some worker finished its training (exit 0) in the last run and every other
 one either finished or was lost; 1 otherwise (e.g. a restart was requested with no restart left);
-2 on bad usage.
+2 on bad usage: every argument is checked before anything starts (`launch_args`), and a launcher
+joining another's store (`--store`) waits for it at most `--store-timeout` seconds (default 30),
+so it may start first; either failure is one line on stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +65,7 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.runtime.fault.agreement import latest_view
+from schedcomp.runtime.fault.launch_args import DEFAULT_STORE_TIMEOUT, parse_args, seconds
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.restart import RestartRequest, restart_requested
 from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, run_store, serve_store
@@ -91,9 +94,15 @@ class Launcher:
     def __init__(self, command: Sequence[str], pp: int, dp: int, workers: Sequence[Worker] | None = None, *,
                  store: StoreAddress | None = None, serve: StoreAddress | None = None, bind: str = LOOPBACK,
                  respawn: int = 0, respawn_delay: float = 0.0, fence: bool = True, incarnation: int = 0,
-                 max_restarts: int = 3, restart_grace: float = 5.0, poll: float = 0.02) -> None:
+                 max_restarts: int = 3, restart_grace: float = 5.0, poll: float = 0.02,
+                 store_timeout: float = DEFAULT_STORE_TIMEOUT) -> None:
         if not command:
             raise RecoveryError("no worker command given: put it after `--`, e.g. -- python train.py")
+        if shutil.which(command[0]) is None:  # found now, not as a FileNotFoundError once some workers run
+            raise RecoveryError(f"worker command {command[0]!r} is not an executable file or on PATH: "
+                                "give the program that runs a worker, e.g. -- python train.py")
+        respawn_delay = seconds(respawn_delay, "respawn_delay")
+        restart_grace, poll = seconds(restart_grace, "restart_grace"), seconds(poll, "poll", least=0.001)
         topology = Topology.of(pp, dp)
         workers = tuple(workers) if workers else topology.workers
         for w in workers:
@@ -106,7 +115,8 @@ class Launcher:
         if store is None:  # this launcher serves the job's store
             self.server, store = serve_store(*((serve.host, serve.port) if serve else (LOOPBACK, 0)))
         self.address = store
-        self.root: Store = store.connect()  # every run's keys, under `run{k}/` (`store.run_store`)
+        # every run's keys, under `run{k}/` (`store.run_store`); another launcher's store may still be starting
+        self.root: Store = store.connect() if self.server else store.reach(seconds(store_timeout, "store_timeout"))
         self.run_number, self.restarts_left, self.restart_grace = 0, max_restarts, restart_grace
         self.store: Store = run_store(self.root, 0)  # the current run's keys
         self.respawn = respawn
@@ -221,7 +231,11 @@ class Launcher:
         env = WorkerEnv(self.address, slot.worker, self.pp, self.dp, slot.incarnation, self.bind, self.run_number)
         local = self.slots.index(slot)
         child_env = {**os.environ, **env.to_env(), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(self.slots))}
-        slot.proc = subprocess.Popen(self.command, env=child_env)
+        try:
+            slot.proc = subprocess.Popen(self.command, env=child_env)
+        except OSError as e:  # e.g. the program was removed or made non-executable since the launch
+            raise RecoveryError(f"cannot start worker {slot.worker} with {self.command[0]!r}: "
+                                f"{e.strerror or e}") from None
         slot.spawned_after, slot.admitted, slot.respawn_at = self._newest_generation(), None, None
         log.info("started worker %s (incarnation %d, pid %d)", slot.worker, slot.incarnation, slot.proc.pid)
 
@@ -292,51 +306,24 @@ class Launcher:
         return g
 
 
-# ---- command line --------------------------------------------------------------------------------------
-
-
-def _workers(args: argparse.Namespace) -> list[Worker] | None:
-    if args.workers:
-        return [Worker.parse(w) for w in args.workers.split(",") if w.strip()]
-    if args.pipelines:
-        return [Worker(int(d), s) for d in args.pipelines.split(",") if d.strip() for s in range(args.pp)]
-    return None
-
-
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(argv)
-    command = argv[argv.index("--") + 1:] if "--" in argv else []
-    options = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m schedcomp.runtime.fault.launch",
-                                description="Start a resilient job: one process per worker; survivors live on.")
-    p.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines")
-    p.add_argument("--workers", help="the workers this host runs, e.g. 0:0,0:1 (default: all)")
-    p.add_argument("--pipelines", help="run every stage of these pipelines here, e.g. 0,1")
-    p.add_argument("--store", type=StoreAddress.parse, help="HOST:PORT of a store another launcher serves")
-    p.add_argument("--serve-store", type=StoreAddress.parse,
-                   help=f"serve the job's store on HOST:PORT (default: {LOOPBACK} on a free port)")
-    p.add_argument("--bind", default=LOOPBACK, help="address this host's workers listen on")
-    p.add_argument("--respawn", type=int, default=0, help="replacements per worker (default 0)")
-    p.add_argument("--respawn-delay", type=float, default=0.0, help="seconds before starting a replacement")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of the whole job from its latest checkpoint when a stage is lost (default 3)")
-    p.add_argument("--incarnation", type=int, default=0, help="first incarnation (1+: these are replacements)")
-    p.add_argument("--no-fence", action="store_true", help="do not kill workers the others declared failed")
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(options), command
+# ---- command line ----------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    except SchedcompError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s launch %(levelname)s %(message)s")
     try:
-        if args.store and args.serve_store:
-            raise RecoveryError("give --store (join a store) or --serve-store (serve it), not both")
-        launcher = Launcher(command, args.pp, args.dp, _workers(args), store=args.store, serve=args.serve_store,
+        launcher = Launcher(command, args.pp, args.dp, args.workers, store=args.store, serve=args.serve_store,
                             bind=args.bind, respawn=args.respawn, respawn_delay=args.respawn_delay,
-                            fence=not args.no_fence, incarnation=args.incarnation, max_restarts=args.max_restarts)
+                            fence=not args.no_fence, incarnation=args.incarnation, max_restarts=args.max_restarts,
+                            store_timeout=args.store_timeout)
         print(f"schedcomp launch: store at {launcher.address}", file=sys.stderr, flush=True)
         return launcher.run()
     except SchedcompError as e:

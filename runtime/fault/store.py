@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -69,14 +70,45 @@ class StoreAddress:
     @classmethod
     def parse(cls, text: str) -> StoreAddress:
         host, sep, port = text.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise RecoveryError(f"bad store address {text!r}: write it as HOST:PORT, e.g. 127.0.0.1:29400")
+        if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
+            raise RecoveryError(f"bad store address {text[:60]!r}: write it as HOST:PORT with a port up to 65535, "
+                                "e.g. 127.0.0.1:29400")
         return cls(host, int(port))
 
     def connect(self, timeout: float = 30.0) -> Store:
         """A new client of the store (one per thread that uses it), inside this address's run namespace."""
         return run_store(TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=timeout)),
                          self.run)
+
+    def reach(self, timeout: float) -> Store:
+        """`connect`, once the store accepts connections, waiting at most `timeout` seconds for that.
+
+        TCPStore's own client retries a refused connection for about twice its timeout and then
+        raises with a C++ stack dump; probing with a plain socket first gives one clear line, in
+        bounded time, and still lets a launcher start a little before the one serving the store.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                socket.create_connection((self.host, self.port), timeout=max(left, 0.05)).close()
+                break
+            except socket.gaierror as e:
+                raise RecoveryError(f"cannot resolve the store's host {self.host!r} ({e.strerror}): "
+                                    "fix --store") from None
+            except (OSError, OverflowError) as e:
+                if left <= 0:
+                    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or "timed out"
+                    raise RecoveryError(f"cannot reach the job's store at {self} within {timeout:g} s ({reason}): "
+                                        "start the launcher that serves it (--serve-store) or fix --store; "
+                                        "wait longer with --store-timeout") from None
+                time.sleep(min(0.1, max(left, 0.0)))
+        try:
+            return self.connect()
+        except RuntimeError as e:  # torch.distributed's DistNetworkError / DistStoreError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RecoveryError(f"{self} accepts connections but is not the job's store ({first}): "
+                                "fix --store") from None
 
     def scoped(self, run: int) -> StoreAddress:
         """The same store, with clients inside run `run`'s namespace."""
@@ -94,7 +126,7 @@ def serve_store(host: str = LOOPBACK, port: int = 0, timeout: float = 30.0) -> t
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(1024)
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: a port past 65535
         sock.close()
         raise RecoveryError(f"cannot listen on {host}:{port} for the job's store ({e}): pick a free port") from None
     bound = sock.getsockname()[1]

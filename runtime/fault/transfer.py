@@ -14,8 +14,10 @@ code. The state moves as one byte buffer, so it arrives bit-exact whatever the d
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from reprlib import repr as brief  # a value in an error message, cut short
 from typing import Any
 
 import torch
@@ -72,13 +74,15 @@ def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
             return {"t": len(tensors) - 1}
         if isinstance(x, dict):
             for k in x:
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                if not _is_key(k):
                     raise RecoveryError(f"state key {k!r} is neither a string nor an integer: cannot move it")
             return {"d": [[k, walk(v)] for k, v in x.items()]}
         if isinstance(x, list):
             return {"l": [walk(v) for v in x]}
         if isinstance(x, tuple):
             return {"u": [walk(v) for v in x]}
+        if isinstance(x, float) and not math.isfinite(x):
+            return {"f": repr(x)}  # JSON has no NaN or infinity: "nan", "inf", "-inf"
         if x is None or isinstance(x, (bool, int, float, str)):
             return {"v": x}
         raise RecoveryError(f"a {type(x).__name__} in the stage state cannot be moved without pickling: "
@@ -87,26 +91,57 @@ def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
     return walk(obj), tensors
 
 
-def unflatten(skeleton: Any, tensors: list[Tensor]) -> Any:
-    """Inverse of `flatten`."""
+def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
+    """Inverse of `flatten` (`tensors` may also be `TensorSpec`s, to check a layout before allocating).
+
+    The skeleton may come from a file or the network: anything `flatten` cannot have written is a
+    RecoveryError, never an IndexError or TypeError. Its nesting is bounded by the JSON reader.
+    `flatten` numbers tensors in walk order and keys are unique, so a skeleton whose tensors are
+    out of that order, skipped, or whose dict repeats a key (which would silently move one tensor
+    into another's place) is refused too.
+    """
+    seen = 0  # tensors met so far in walk order: the next one must be tensors[seen]
+
     def walk(x: Any) -> Any:
+        nonlocal seen
         if not isinstance(x, dict) or len(x) != 1:
-            raise RecoveryError("malformed stage state skeleton: sender and receiver must run the same schedcomp")
+            raise RecoveryError(f"malformed stage state skeleton: {brief(x)} is not a one-key object")
         (tag, v), = x.items()
         if tag == "t":
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < len(tensors):
+                raise RecoveryError(f"stage state skeleton names tensor {brief(v)}, but there are {len(tensors)}")
+            if v != seen:
+                raise RecoveryError(f"stage state skeleton names tensor {v} where tensor {seen} belongs")
+            seen += 1
             return tensors[v]
-        if tag == "d":
+        if tag == "d" and isinstance(v, list):
+            if not all(isinstance(kv, list) and len(kv) == 2 and _is_key(kv[0]) for kv in v):
+                raise RecoveryError("malformed stage state skeleton: a dict entry is not a [string or integer "
+                                    "key, value] pair")
+            if len({k for k, _ in v}) != len(v):
+                raise RecoveryError("malformed stage state skeleton: a dict repeats a key")
             return {k: walk(item) for k, item in v}
-        if tag == "l":
-            return [walk(item) for item in v]
-        if tag == "u":
-            return tuple(walk(item) for item in v)
-        if tag == "v":
+        if tag in ("l", "u") and isinstance(v, list):
+            items = [walk(item) for item in v]
+            return items if tag == "l" else tuple(items)
+        if tag == "v" and (v is None or isinstance(v, (bool, int, float, str))):
             return v
-        raise RecoveryError(f"unknown tag {tag!r} in a stage state skeleton: "
-                            "sender and receiver must run the same schedcomp")
+        if tag == "f" and v in _NON_FINITE:
+            return float(v)
+        raise RecoveryError(f"malformed stage state skeleton: {brief(x)}: "
+                            "the state must have been written by the same schedcomp")
 
-    return walk(skeleton)
+    state = walk(skeleton)
+    if seen != len(tensors):
+        raise RecoveryError(f"stage state skeleton places {seen} of its {len(tensors)} tensors")
+    return state
+
+
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _is_key(k: Any) -> bool:
+    return isinstance(k, (str, int)) and not isinstance(k, bool)
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
