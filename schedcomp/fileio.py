@@ -11,6 +11,7 @@ Failures raise the caller's `SchedcompError` subclass with one line naming the p
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -43,18 +44,21 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     On any failure the old file (if any) is left as it was and no temporary file remains.
     """
     path = Path(path)
-    if path.is_symlink():  # replace the file it points to, not the link
-        path = path.resolve()
+    payload = data.encode() if isinstance(data, str) else data
     try:
-        st = os.stat(path)
+        st = os.stat(path)  # follows links: what would be written
     except FileNotFoundError:
         pass
     except OSError as e:
         raise error(f"cannot write {path}: {e.strerror or e}") from None
-    else:  # renaming over a device (`-o /dev/full`), a FIFO or a directory would replace it: refuse
-        if not _is_regular(st.st_mode):
+    else:
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            _write_stream(path, payload, error)  # `-o /dev/null`, `-o /dev/stdout | jq`: nothing to replace
+            return
+        if not _is_regular(st.st_mode):  # renaming over a directory or socket would replace it: refuse
             raise error(f"cannot write {path}: it is not a regular file; give a file name")
-    payload = data.encode() if isinstance(data, str) else data
+    if path.is_symlink():  # replace the file it points to, not the link
+        path = path.resolve()
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
@@ -73,6 +77,22 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
         Path(tmp).unlink(missing_ok=True)
         raise error(f"cannot write {path}: {e.strerror or e}; the old file, if any, is unchanged") from None
     _fsync_dir(path.parent)
+
+
+def _write_stream(path: Path, payload: bytes, error: type[SchedcompError]) -> None:
+    """Write to a character device or a FIFO in place. O_NONBLOCK on open: a FIFO nobody reads is
+    refused at once (ENXIO) instead of hanging; the writes themselves then block as usual."""
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        reason = "nobody is reading that FIFO" if e.errno == errno.ENXIO else (e.strerror or str(e))
+        raise error(f"cannot write {path}: {reason}") from None
+    try:
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "wb", closefd=True) as f:
+            f.write(payload)
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def read_bytes(path: str | os.PathLike[str], what: str, error: type[SchedcompError] = SchedcompError,

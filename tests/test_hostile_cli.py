@@ -200,16 +200,30 @@ def test_json_output_is_always_valid_json(work):
         print_json({"period": float("nan")})
 
 
-def test_output_over_a_fifo_or_directory_is_refused_and_kept(work):
-    """Renaming over a non-regular file would replace it (`-o /dev/full` replaced the device)."""
+def test_output_to_a_device_or_fifo_is_written_in_place_never_replaced(work):
+    """Renaming over a non-regular file would replace it (`-o /dev/full` once replaced the device): a device
+    or a FIFO is written in place (`-o /dev/null`, `-o /dev/stdout | jq`), a FIFO nobody reads is refused at
+    once instead of hanging, and a directory is refused."""
     import stat
+    import threading
 
+    compile_to = ("compile", "--pp", "2", "-m", "2", "--schedule", "1f1b", "-o")
     os.mkfifo(work / "fifo")
     (work / "dir").mkdir()
-    for target in ("fifo", "dir"):
-        assert_refused(cli("compile", "--pp", "2", "-m", "2", "--schedule", "1f1b", "-o", target),
-                       target, "not a regular file")
+    assert_refused(cli(*compile_to, "dir"), "dir", "not a regular file")
+    assert_refused(cli(*compile_to, "fifo"), "fifo", "nobody is reading that FIFO")
+    assert_refused(cli(*compile_to, "/dev/full"), "/dev/full", "No space left on device")
+    assert cli(*compile_to, "/dev/null").code == 0
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append((work / "fifo").read_bytes()))
+    reader.start()
+    while not got and reader.is_alive():  # the writer may only open once the reader has
+        if cli(*compile_to, "fifo").code == 0:
+            break
+    reader.join(timeout=30)
+    assert json.loads(got[0])["microbatches"] == 2
     assert stat.S_ISFIFO(os.stat(work / "fifo").st_mode) and (work / "dir").is_dir()
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 def test_output_through_a_symlink_replaces_its_target_not_the_link(work):
