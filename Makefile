@@ -27,10 +27,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# Everything but the tests marked `multiprocess` (worker processes, whole jobs, > ~5 s): under a minute.
+# Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s): under a minute.
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not multiprocess"
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

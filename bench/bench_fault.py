@@ -45,7 +45,8 @@ seen by heartbeats only), (b) only cuts it off (`partition`), or (c) does (a) an
 again). Seconds from the harness's stamp to the re-run iteration completed on every survivor
 (`recovered`), the detection time it includes by design, and `over` = recovered - detection (the
 target is < 2 s); for (b), `fenced`: seconds until the cut-off host's launcher had exited (its
-workers fence themselves after the detection time, the launcher after twice that).
+workers fence themselves after the detection time, the launcher after twice that); `rounds`: the
+recoveries a survivor went through, `failed`: the final failed set.
 `--table 4` runs it alone; `--detection-time` sets the heartbeat timeout.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
@@ -265,7 +266,7 @@ def table_hosts(detection: float) -> None:
     if why is not None:
         print(f"skipped: {why}")
         return
-    print(f"{'what':>14} {'recovered':>9} {'detection':>9} {'over':>6} {'fenced':>7}")
+    print(f"{'what':>14} {'recovered':>9} {'detection':>9} {'over':>6} {'fenced':>7} {'rounds':>6} failed")
     gate, lost = 2, 2
     with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as plans:
         precompile(2, 3, 2, 3, directory=plans, time_limit=1.0)
@@ -297,7 +298,10 @@ def table_hosts(detection: float) -> None:
             rerun = max(rec["rerun"] for r in results.values() for rec in r["recoveries"])
             recovered = max(r["completed_at"][str(rerun)] for r in results.values()) - killed
             fenced = f"{float(fenced) - killed:>7.2f}" if fenced else f"{'-':>7}"
-            print(f"{what:>14} {recovered:>9.2f} {detection:>9.2f} {recovered - detection:>6.2f} {fenced}", flush=True)
+            rounds = max(len(r["recoveries"]) for r in results.values())  # recoveries each survivor went through
+            failed = ",".join(next(iter(results.values()))["failed"])
+            print(f"{what:>14} {recovered:>9.2f} {detection:>9.2f} {recovered - detection:>6.2f} {fenced} {rounds:>6} "
+                  f"{failed}", flush=True)
 
 
 def main() -> None:

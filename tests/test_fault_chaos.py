@@ -27,7 +27,7 @@ from schedcomp.topology import Worker
 
 PP, DP, MICROBATCHES, ITERATIONS = 4, 2, 4, 5
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.multiprocess]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ GATE, HEALED = 2, 4  # the damage is done at the start of GATE; the partition he
 DETECTION = 6.0  # seconds: the heartbeat timeout, and how long a cut-off worker waits before it fences itself
 LOST = 2  # the host that is lost or cut off (pipeline 2)
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.multiprocess]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 WHY_NOT = unavailable()
 needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces unavailable: {WHY_NOT}")
