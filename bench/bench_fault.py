@@ -46,7 +46,8 @@ again). Seconds from the harness's stamp to the re-run iteration completed on ev
 (`recovered`), the detection time it includes by design, and `over` = recovered - detection (the
 target is < 2 s); for (b), `fenced`: seconds until the cut-off host's launcher had exited (its
 workers fence themselves after the detection time, the launcher after twice that); `rounds`: the
-recoveries a survivor went through, `failed`: the final failed set.
+recoveries a survivor recorded (a death during recovery restarts it inside the same record), `failed`:
+the final failed set (1:1 in it shows that the second death happened).
 `--table 4` runs it alone; `--detection-time` sets the heartbeat timeout.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the

@@ -13,7 +13,8 @@ command per line on its stdin:
 
 `python tests/hosts_job.py stale WORKER GENERATION` (run on a healed host, with the launcher's
 environment for that worker) plays a worker that outlived a cut: it tries to agree on the
-generation after GENERATION and prints whether it was evicted.
+generation after GENERATION, again after each newer one as a session would, and prints whether
+it was evicted or joined.
 """
 
 from __future__ import annotations
@@ -137,13 +138,20 @@ def stale(worker: str, generation: str) -> None:
     store = env.store.connect()
     beat = Heartbeat(env.store, env.worker, env.incarnation).start()
     detector = FailureDetector(env.store, env.worker, detection_time=5.0).start()
-    last = View(int(generation), Topology.of(env.pp, env.dp))
+    view = View(int(generation), Topology.of(env.pp, env.dp))
     latest = latest_view(store)
-    try:
-        view = agree(store, last, env.worker, detector, timeout=30.0)
-        outcome = {"evicted": None, "joined": view.generation}
-    except Evicted as e:
-        outcome = {"evicted": str(e), "joined": None}
+    outcome: dict = {"evicted": None, "joined": None, "passed": []}
+    # As `FaultSession.recover` would: agree on the generation after the one it knows; a newer
+    # one proposed since trips its detector, so it agrees again, until it is out or current.
+    while outcome["evicted"] is None and outcome["joined"] is None:
+        try:
+            view = agree(store, view, env.worker, detector, timeout=30.0)
+        except Evicted as e:
+            outcome["evicted"] = str(e)
+            break
+        outcome["passed"].append(view.generation)
+        if latest_view(store).generation == view.generation:
+            outcome["joined"] = view.generation
     detector.stop()
     beat.stop()
     print(json.dumps({"worker": worker, "latest": latest.generation if latest else None, **outcome}), flush=True)

@@ -80,7 +80,9 @@ def survivors_finish(job: HostJob, reference: list[dict]) -> dict[str, dict]:
     assert_matches_reference(results, reference, SURVIVORS, ITERATIONS, DP * MICROBATCHES)
     for r in results.values():
         assert r["failed"] == LOST_WORKERS, r["failed"]  # nobody came back
-        assert [rec["rerun"] for rec in r["recoveries"]] == [GATE], r["recoveries"]
+        # the lost workers are declared together, or one heartbeat check apart (a second round)
+        reruns = [rec["rerun"] for rec in r["recoveries"]]
+        assert reruns[0] == GATE and len(reruns) <= 2 and all(i >= GATE for i in reruns), r["recoveries"]
     return results
 
 
