@@ -56,7 +56,6 @@ class Fence:
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.fired = False
 
     def contact(self) -> None:
         """The store answered just now."""
@@ -77,7 +76,6 @@ class Fence:
         while not self._stop.wait(self.limit / self.checks):
             silent = time.monotonic() - self._last
             if silent > self.limit:
-                self.fired = True
                 self.action(f"{self.what}: no answer from the job's store for {silent:.1f} s (limit {self.limit:g} s): "
                             f"{self.consequence}")
                 return
