@@ -6,6 +6,7 @@ Reproduce (about 2 minutes on a 2-core machine, plus about 2 minutes per Table 3
     python bench/bench_fault.py            # 4 and 8 processes, both detection paths, 3 state sizes
     python bench/bench_fault.py --quick    # 4 processes, smallest sizes, 2 rows of Table 3
     python bench/bench_fault.py --table 3 --quick   # only Table 3 (recovery vs checkpoint-restart)
+    python bench/bench_fault.py --table 4           # only Table 4 (several hosts: host lost, partition; root)
 
 Table 1. Survivors spin all-reduces over the world group; the bench kills one worker per round
 (SIGKILL, reaped by the launcher, which leaves a death notice: "notice"), or stops it (SIGSTOP: no
@@ -34,6 +35,20 @@ interrupted iteration finished on every survivor without the lost micro-batches 
 the samples it dropped, of 16). `relaunch`: the part of `restart` until the last fresh process was
 up with torch imported (teardown, process start, imports), before it joins, restores and re-runs.
 `--table 3` runs it alone.
+
+Table 4. Several hosts on one machine (`tests/netns_hosts.py`: three network namespaces on a bridge,
+needs root and `ip`), pp = 2, dp = 3, host h running pipeline h under its own launcher, the store on
+host 0, the chaos-test model. The job stands still at the start of iteration 2 while the harness
+(a) cuts host 2 off and kills all its processes (`host lost`: no death notice, no connection reset:
+seen by heartbeats only), (b) only cuts it off (`partition`), or (c) does (a) and worker 1:1, on host
+1, dies right after the survivors agreed on the first recovery (`+ 2nd death`: recovery starts
+again). Seconds from the harness's stamp to the re-run iteration completed on every survivor
+(`recovered`), the detection time it includes by design, and `over` = recovered - detection (the
+target is < 2 s); for (b), `fenced`: seconds until the cut-off host's launcher had exited (its
+workers fence themselves after the detection time, the launcher after twice that); `rounds`: the
+recoveries a survivor recorded (a death during recovery restarts it inside the same record), `failed`:
+the final failed set (1:1 in it shows that the second death happened).
+`--table 4` runs it alone; `--detection-time` sets the heartbeat timeout.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
 launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/resilient_procs.py resilient`.
@@ -237,14 +252,70 @@ def table_training(seeds: list[int]) -> None:
                   flush=True)
 
 
+def table_hosts(detection: float) -> None:
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
+    from hosts_job import HostJob
+    from netns_hosts import Hosts, unavailable
+
+    from schedcomp.cache import precompile
+
+    print(f"\nTable 4: several hosts (network namespaces), pp=2 dp=3, detection {detection:g} s: "
+          "seconds from the damage to the re-run iteration completed on every survivor")
+    why = unavailable()
+    if why is not None:
+        print(f"skipped: {why}")
+        return
+    print(f"{'what':>14} {'recovered':>9} {'detection':>9} {'over':>6} {'fenced':>7} {'rounds':>6} failed")
+    gate, lost = 2, 2
+    with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as plans:
+        precompile(2, 3, 2, 3, directory=plans, time_limit=1.0)
+        for what, victims, kill in (("host lost", "", True), ("partition", "", False),
+                                    ("+ 2nd death", "1:1@rec", True)):
+            hosts = Hosts(3)
+            job = HostJob(hosts, 2, 3, 4, plans, detection=detection, gates=[gate], victims=victims)
+            try:
+                job.wait_count(f"at_gate/{gate}", 6)
+                hosts.cut(lost)
+                if kill:
+                    hosts.kill_all(lost)
+                job.ask("stamp", "killed_at")
+                job.ask("set", f"gate/{gate}")
+                fenced = ""
+                if not kill:
+                    job.finish(lost, timeout=300)
+                    fenced = f"{time.time():.6f}"
+                results = {}
+                for h in (0, 1):
+                    code, got, err = job.finish(h, timeout=300)
+                    if code != 0:
+                        raise RuntimeError(f"host {h}'s launcher exited {code}:\n{err[-3000:]}")
+                    results.update(got)
+            finally:
+                job.close()
+                hosts.close()
+            killed = next(r["killed_at"] for r in results.values())
+            rerun = max(rec["rerun"] for r in results.values() for rec in r["recoveries"])
+            recovered = max(r["completed_at"][str(rerun)] for r in results.values()) - killed
+            fenced = f"{float(fenced) - killed:>7.2f}" if fenced else f"{'-':>7}"
+            rounds = max(len(r["recoveries"]) for r in results.values())  # recoveries each survivor went through
+            failed = ",".join(next(iter(results.values()))["failed"])
+            print(f"{what:>14} {recovered:>9.2f} {detection:>9.2f} {recovered - detection:>6.2f} {fenced} {rounds:>6} "
+                  f"{failed}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--detection-time", type=float, default=3.0)
-    p.add_argument("--table", type=int, choices=(1, 2, 3), help="run only this table")
+    p.add_argument("--table", type=int, choices=(1, 2, 3, 4), help="run only this table")
     args = p.parse_args()
     if args.table == 3:
         table_training([0, 1] if args.quick else [0, 1, 2])
+        return
+    if args.table == 4:
+        table_hosts(args.detection_time)
         return
     shapes = [(2, 2)] if args.quick else [(2, 2), (4, 2)]
     print("Table 1: seconds from a worker's death (median over survivors and rounds)")
@@ -262,6 +333,7 @@ def main() -> None:
         t = state_transfer(mb)
         print(f"{t['bytes'] / 2**20:>8.0f} {t['seconds']:>8.3f} {t['bytes'] / t['seconds'] / 1e9:>6.2f}", flush=True)
     table_training([0, 1] if args.quick else [0, 1, 2])
+    table_hosts(args.detection_time)
 
 
 if __name__ == "__main__":

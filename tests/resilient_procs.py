@@ -57,6 +57,30 @@ def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
 
 
+def assert_matches_reference(results: dict[str, dict], reference: list[dict], expected: set[str], iterations: int,
+                             chunks: int, tolerance: float = 1e-10) -> None:
+    """Every worker of `expected` reported; each replica's stage equals the fault-free `reference`
+    (float64, `tolerance`); its ledger shows every micro-batch entered each iteration's update
+    exactly once; and all of them ended in the same generation."""
+    assert set(results) == expected, sorted(results)
+    for r in results.values():
+        stage = int(r["worker"].split(":")[1])
+        assert r["iterations"] == iterations
+        for name, value in reference[stage].items():
+            got = r["state"][name]
+            diff = max(abs(a - b) for a, b in zip(_flat(got), _flat(value), strict=True))
+            assert diff <= tolerance, (r["worker"], name, diff)
+        first = r["resumed_at"] or 0
+        assert sorted(map(int, r["ledger"])) == list(range(first, iterations)), r["worker"]
+        for i, counts in r["ledger"].items():
+            assert counts == [1.0] * chunks, (r["worker"], i, counts)
+    assert len({r["generation"] for r in results.values()}) == 1
+
+
+def _flat(x) -> list[float]:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
 def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[int, set[int]]]) -> list[dict]:
     """The model the lossy policy trains: stage s's update in iteration i is the mean gradient over the
     global-batch chunks in `held[i][s]` (all chunks for iterations not in `held`), one process."""
@@ -110,6 +134,9 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     `victims`: see `parse_victims`. `hold`: at the start of that iteration, while some worker is
     failed, wait until its replacement has announced itself (so that it is admitted in time).
+    Environment: CHAOS_DETECTION, the detection time (default 15 s); CHAOS_GATES, iterations
+    (comma-separated) at whose start every worker counts itself in `at_gate/G` and waits for the
+    key `gate/G` (the harness cuts or kills hosts while the job stands still there).
     """
     import functools
 
@@ -137,11 +164,17 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
 
     # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
     # workers are seen at once through the launcher's death notices anyway
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
-                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
+    session = FaultSession(env, detection_time=float(os.environ.get("CHAOS_DETECTION", "15")), group_timeout=30.0,
+                           agree_timeout=90.0, backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
     kill = kill_at(at, env.worker, env.incarnation)
+    gates = {int(g) for g in os.environ.get("CHAOS_GATES", "").split(",") if g}
 
     def before(iteration: int, index: int, ins) -> None:
+        if iteration in gates and index == 0:
+            session.store.add(f"at_gate/{iteration}", 1)
+            deadline = time.monotonic() + CHILD_DEADLINE
+            while not session.store.check([f"gate/{iteration}"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if iteration == int(hold) and index == 0 and session.view.failed:
             deadline = time.monotonic() + 60
             while not pending_joins(session.store, session.view) and time.monotonic() < deadline:

@@ -37,6 +37,7 @@ def test_without_failures_every_strategy_is_measured_against_the_same_reference(
         assert o.relative_throughput == pytest.approx(24.0 / o.period)
 
 
+@pytest.mark.slow  # > 5 s: simulates every strategy under failures
 def test_strategies_under_failures():
     out = _by_name(compare(4, 4, 8, failed=[(1, 1), (2, 3)]))
     assert out["fault-free"].relative_throughput == 1.0
@@ -49,6 +50,7 @@ def test_strategies_under_failures():
     assert out["adaptive"].period < out["drop-pipeline"].period
 
 
+@pytest.mark.slow  # > 5 s
 def test_strategies_that_need_a_restart_say_so():
     out = _by_name(compare(4, 2, 4, failed=[(0, 1), (1, 2)]))
     assert math.isinf(out["drop-pipeline"].period) and out["drop-pipeline"].relative_throughput == 0.0
@@ -59,6 +61,7 @@ def test_strategies_that_need_a_restart_say_so():
     assert math.isfinite(out["oobleck"].period)
 
 
+@pytest.mark.slow  # > 5 s
 def test_oobleck_splits_the_batch_by_throughput():
     """One pipeline of two loses a stage: it becomes a 3-stage pipeline with 4/3-slower stages, and
     takes fewer micro-batches than the intact one; the slower of the two sets the period."""
@@ -77,6 +80,7 @@ def test_the_plain_construction_runs_and_validates():
     assert simulate(plan).period > 0
 
 
+@pytest.mark.slow  # > 5 s
 def test_compare_cli_prints_a_table_and_json(capsys):
     assert main(["compare", "--pp", "4", "--dp", "2", "--microbatches", "4", "--fail", "1:2"]) == 0
     out = capsys.readouterr().out

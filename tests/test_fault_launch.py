@@ -25,6 +25,7 @@ def test_parse_args_splits_options_from_the_worker_command() -> None:
     assert command == ["python", "train.py", "--pp", "9"]
 
 
+@pytest.mark.slow
 def test_launcher_reports_deaths_and_replaces_only_the_dead() -> None:
     # Worker 0:1 fails once; the others wait for its replacement, then everyone exits 0.
     script = textwrap.dedent("""
@@ -48,6 +49,7 @@ def test_launcher_reports_deaths_and_replaces_only_the_dead() -> None:
     assert all(s.returncode == 0 for s in launcher.slots)
 
 
+@pytest.mark.slow
 def test_training_survives_a_sigkill_and_the_replacement_rejoins_bit_exact() -> None:
     iterations, victim, kill_at, hold_at = 14, Worker(1, 1), 3, 6
     results, err = run_job(2, 2, ["--respawn", "1"],

@@ -28,7 +28,7 @@ __all__ = ["cache_dir"]  # a fixture, used by name
 CHUNKS = DP * MICROBATCHES
 TOLERANCE = 1e-10
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from fault_procs import children, result, start, wait_count
 from schedcomp.runtime.fault.store import Keys, WorkerEnv, serve_store
 from schedcomp.topology import Topology, Worker
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def _run(victim: Worker, *, stall: bool, notice: bool) -> list[dict]:

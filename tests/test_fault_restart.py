@@ -50,6 +50,7 @@ pytestmark = [pytest.mark.timeout(300),
 # ---- end to end -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_losing_a_whole_stage_restarts_the_job_from_its_checkpoint(tmp_path: Path) -> None:
     plans, ckpt = tmp_path / "plans", tmp_path / "ckpt"
     precompile(PP, DP, MICROBATCHES, 2, directory=plans, time_limit=1.0)
@@ -119,6 +120,7 @@ _RESTARTING_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_launcher_restarts_every_worker_in_a_fresh_namespace() -> None:
     launcher = Launcher([sys.executable, "-c", _RESTARTING_WORKER], pp=2, dp=1, respawn=1, max_restarts=2,
                         restart_grace=0.5, poll=0.01)
@@ -133,6 +135,7 @@ def test_launcher_restarts_every_worker_in_a_fresh_namespace() -> None:
     assert restart_requested(launcher.store) is None  # run 1 asked for nothing
 
 
+@pytest.mark.slow
 def test_launcher_without_restarts_left_ends_the_job() -> None:
     survivor_leaves = 'store.wait([Keys.restart()]); sys.exit(1)'  # after the request: no replacement either
     launcher = Launcher([sys.executable, "-c", _RESTARTING_WORKER.replace('store.wait(["never"])', survivor_leaves)],

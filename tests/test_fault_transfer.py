@@ -65,6 +65,7 @@ def test_snapshot_restores_parameters_buffers_and_optimizer_state_exactly() -> N
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_replacement_receives_its_stage_state_bit_exact_from_a_live_replica() -> None:
     _server, address = serve_store()  # keep the server alive for the whole test
     with children() as procs:

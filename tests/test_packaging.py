@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import schedcomp
 import schedcomp.runtime
 import schedcomp.schedules
@@ -20,6 +22,7 @@ def test_editable_install_maps_the_three_folders() -> None:
     assert Path(schedcomp.runtime.__file__).parent == ROOT / "runtime"
 
 
+@pytest.mark.slow  # > 5 s: a pip install in a subprocess
 def test_normal_install_imports_from_site_packages_only(tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(

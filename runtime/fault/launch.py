@@ -33,10 +33,19 @@ incarnation 0 and the respawn budget (`--respawn`) starts over, so a job starts 
 (1 + max restarts) x (1 + respawn) processes per worker.
 
 (`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
-the store must outlive the job: put it where failures are least likely, or give it no workers.
-A whole host lost is detected by heartbeats (`detection_time`), since no launcher is left there
-to leave death notices; its workers' replacements can be started by a new launcher on another
+the store must outlive the job: put it where failures are least likely, or give it no workers;
+once its own workers are done it keeps serving while other hosts' workers still beat. A whole
+host lost is detected by heartbeats (`detection_time`), since no launcher is left there to
+leave death notices; its workers' replacements can be started by a new launcher on another
 host with `--workers ... --store ... --incarnation 1`.
+
+A network partition: the side with the store goes on (after `detection_time` its survivors
+declare the others failed and re-plan). The other side fences itself: each of its workers exits
+once it has had no answer from the store for `detection_time` (`fence`, exit status 75), and
+its launcher, with no answer for `--store-timeout` seconds, kills what is left of its workers and
+exits with status 75. When the network heals nothing comes back silently: a process that
+outlived the cut finds itself in the failed set (`agreement.Evicted`), and a replacement
+rejoins only through an announced join.
 
 Each worker finds its identity in the environment (`WorkerEnv.from_env()`): SCHEDCOMP_STORE,
 SCHEDCOMP_WORKER (d:s), SCHEDCOMP_SHAPE (pp,dp), SCHEDCOMP_INCARNATION (0, then 1, 2, ... for
@@ -46,7 +55,8 @@ launcher exits 0 when some worker finished its training (exit 0) in the last run
 one either finished or was lost; 1 otherwise (e.g. a restart was requested with no restart left);
 2 on bad usage: every argument is checked before anything starts (`launch_args`), and a launcher
 joining another's store (`--store`) waits for it at most `--store-timeout` seconds (default 30),
-so it may start first; either failure is one line on stderr.
+so it may start first; either failure is one line on stderr; 75 when this host lost the store (see
+partitions above).
 """
 
 from __future__ import annotations
@@ -65,10 +75,20 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.runtime.fault.agreement import latest_view
+from schedcomp.runtime.fault.fence import FENCED_EXIT, Fence, exit_fenced
 from schedcomp.runtime.fault.launch_args import DEFAULT_STORE_TIMEOUT, parse_args, seconds
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.restart import RestartRequest, restart_requested
-from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, run_store, serve_store
+from schedcomp.runtime.fault.store import (
+    LOOPBACK,
+    SEALED,
+    Keys,
+    StoreAddress,
+    WorkerEnv,
+    get_int,
+    run_store,
+    serve_store,
+)
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -95,7 +115,7 @@ class Launcher:
                  store: StoreAddress | None = None, serve: StoreAddress | None = None, bind: str = LOOPBACK,
                  respawn: int = 0, respawn_delay: float = 0.0, fence: bool = True, incarnation: int = 0,
                  max_restarts: int = 3, restart_grace: float = 5.0, poll: float = 0.02,
-                 store_timeout: float = DEFAULT_STORE_TIMEOUT) -> None:
+                 store_timeout: float = DEFAULT_STORE_TIMEOUT, linger: float = 6.0) -> None:
         if not command:
             raise RecoveryError("no worker command given: put it after `--`, e.g. -- python train.py")
         if shutil.which(command[0]) is None:  # found now, not as a FileNotFoundError once some workers run
@@ -103,6 +123,7 @@ class Launcher:
                                 "give the program that runs a worker, e.g. -- python train.py")
         respawn_delay = seconds(respawn_delay, "respawn_delay")
         restart_grace, poll = seconds(restart_grace, "restart_grace"), seconds(poll, "poll", least=0.001)
+        store_timeout = seconds(store_timeout, "store_timeout", least=0.001)
         topology = Topology.of(pp, dp)
         workers = tuple(workers) if workers else topology.workers
         for w in workers:
@@ -111,12 +132,13 @@ class Launcher:
                                     f"stages 0..{pp - 1}")
         self.command, self.pp, self.dp, self.bind = list(command), pp, dp, bind
         self.fence, self.respawn_delay, self.poll = fence, respawn_delay, poll
+        self.store_timeout, self.linger = store_timeout, linger
         self.server = None
         if store is None:  # this launcher serves the job's store
             self.server, store = serve_store(*((serve.host, serve.port) if serve else (LOOPBACK, 0)))
         self.address = store
         # every run's keys, under `run{k}/` (`store.run_store`); another launcher's store may still be starting
-        self.root: Store = store.connect() if self.server else store.reach(seconds(store_timeout, "store_timeout"))
+        self.root: Store = store.connect() if self.server else store.reach(store_timeout)
         self.run_number, self.restarts_left, self.restart_grace = 0, max_restarts, restart_grace
         self.store: Store = run_store(self.root, 0)  # the current run's keys
         self.respawn = respawn
@@ -137,19 +159,59 @@ class Launcher:
         """Start the workers and watch them until none is left; returns the launcher's exit code."""
         stop: list[int] = []
         previous = {s: signal.signal(s, lambda sig, _frame: stop.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Only a launcher that reaches the store over the network can lose it (the server is not
+        # in this process): with no answer for store_timeout, this host is cut off (see partitions).
+        cut = (Fence(self.store_timeout, f"launcher of {', '.join(str(s.worker) for s in self.slots)}",
+                     "this host is cut off from the job: stopping its workers", action=self._cut_off)
+               if self.server is None else None)
         try:
             self.start()
+            if cut is not None:
+                cut.start()
             while self.step():
+                if cut is not None:
+                    cut.contact()
                 if stop:
                     log.warning("signal %d: stopping every worker", stop[0])
                     self.terminate()
                     return 128 + stop[0]
                 time.sleep(self.poll)
+            if cut is not None:
+                cut.stop()
+            self._serve_other_hosts()
             return self.exit_code()
         finally:
+            if cut is not None:
+                cut.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.terminate()
+
+    def _cut_off(self, message: str) -> None:
+        """The store is out of reach: kill every local worker (they fence themselves too) and exit 75."""
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.kill()
+        exit_fenced(message)
+
+    def _serve_other_hosts(self) -> None:
+        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s).
+
+        Without this, the store would vanish under workers of other hosts still leaving the job
+        (closing their groups), and they would fence themselves instead of exiting cleanly.
+        """
+        local = {s.worker for s in self.slots}
+        remote = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
+        if self.server is None or not remote:
+            return
+        beats, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 20 * self.linger
+        while time.monotonic() < deadline:
+            now = [get_int(self.store, Keys.heartbeat(w), 0) for w in remote]
+            if now != beats:
+                beats, quiet_since = now, time.monotonic()
+            elif time.monotonic() - quiet_since > self.linger:
+                return
+            time.sleep(min(0.5, self.linger / 4))
 
     def step(self) -> bool:
         """One round of watching: restart, reap, notify, fence, replace. False once nothing is left to watch."""
@@ -247,6 +309,8 @@ class Launcher:
             self._finished = True
             log.info("worker %s finished", slot.worker)
             return
+        if code == FENCED_EXIT:
+            log.warning("worker %s fenced itself: it had no answer from the store at %s", slot.worker, self.address)
         if self._request is not None or restart_requested(self.store) is not None:
             log.info("worker %s left (exit status %s): its run asked for a restart", slot.worker, code)
             return  # no notice, no replacement: the whole job restarts (or ends, with no restart left)

@@ -107,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"serve the job's store on HOST:PORT (default: {LOOPBACK} on a free port)")
     p.add_argument("--store-timeout", type=_arg(lambda t: seconds(t, "--store-timeout", least=0.1)),
                    default=DEFAULT_STORE_TIMEOUT,
-                   help=f"seconds to wait for the store of --store to answer (default {DEFAULT_STORE_TIMEOUT:g})")
+                   help=f"seconds to wait for the store of --store to answer at start; later, seconds without "
+                        f"an answer before this host counts itself cut off: it stops its workers and exits 75 "
+                        f"(default {DEFAULT_STORE_TIMEOUT:g})")
     p.add_argument("--bind", type=_arg(_host), default=LOOPBACK, help="address this host's workers listen on")
     p.add_argument("--respawn", type=count, default=0, help="replacements per worker (default 0)")
     p.add_argument("--respawn-delay", type=_arg(lambda t: seconds(t, "--respawn-delay")), default=0.0,

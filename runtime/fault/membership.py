@@ -13,6 +13,9 @@ Detection, each worker in its own background threads, each with its own store cl
       (a hung process, a dead host or a cut network: no clocks are compared across hosts), or
       it has not beaten at all within `startup_time` (slow starts are not failures);
   (c) the executor declared it failed (`declare_failed`, e.g. after an operation timed out).
+  Its polls are also this worker's proof of contact with the store: with `fence` on (the
+  default), a worker whose detector has had no answer from the store for `detection_time`
+  exits (`fence.Fence`): by then the others have declared it failed, as (b) does for them.
   It trips its `signal` when the current generation is broken: a member failed, another worker
   proposed a newer generation (other than one that only admits replacements at an iteration
   boundary), or the executor reported a communication error (`report`). An
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from schedcomp.errors import RecoveryError
+from schedcomp.runtime.fault.fence import Fence
 from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, get_int
 from schedcomp.topology import Topology, Worker
 
@@ -165,6 +169,7 @@ class FailureDetector:
     poll: float = 0.05
     startup_time: float = 120.0  # how long a worker that never beat may take to start (importing torch...)
     signal: threading.Event = field(default_factory=threading.Event)
+    fence: bool = True  # exit the process when the store is silent for detection_time (see `fence`)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -174,6 +179,7 @@ class FailureDetector:
         self._failed_set: frozenset[Worker] = frozenset()  # the watched view's failed workers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fence = Fence(self.detection_time, f"worker {self.me}") if self.fence else None
         self.reason = ""
 
     # ---- what the worker calls ------------------------------------------------------------------
@@ -183,11 +189,15 @@ class FailureDetector:
             self.watch(view)
         self._thread = threading.Thread(target=self._run, name=f"detector-{self.me}", daemon=True)
         self._thread.start()
+        if self._fence is not None:
+            self._fence.start()
         atexit.register(self.stop)  # see Heartbeat.start
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._fence is not None:
+            self._fence.stop()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         atexit.unregister(self.stop)
@@ -258,6 +268,8 @@ class FailureDetector:
                         ensured = frozenset(watched)
                     counts = store.multi_get([Keys.heartbeat(w) for w in watched]) if watched else []
                     self._check_beats(watched, [int(c) for c in counts], now)
+                if self._fence is not None:
+                    self._fence.contact()
             except Exception as e:  # the store is gone: nobody can agree on anything any more
                 self._trip(f"store unreachable: {e}")
                 return

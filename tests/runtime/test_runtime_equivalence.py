@@ -29,6 +29,8 @@ from schedcomp.profile import profile_costs, read_trace
 from schedcomp.runtime.launch import spawn
 from schedcomp.schedules import fault_free_order
 
+pytestmark = pytest.mark.slow  # every test spawns a process group
+
 H, SEQ, ROWS, ITERATIONS = 8, 3, 2, 3  # hidden, sequence length, rows per micro-batch, steps
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -12,6 +13,8 @@ from schedcomp.compiler import compile
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.launch import spawn
 from schedcomp.runtime.trainer import PipelineTrainer
+
+pytestmark = pytest.mark.slow  # every test spawns a process group
 
 
 def _start(rank: int, schedules: tuple[str, ...], out: str) -> None:
