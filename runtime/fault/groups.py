@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, Store
 
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.fault.membership import View
+from schedcomp.runtime.fault.membership import WAITER_THREAD, GenerationAborted, View
 from schedcomp.runtime.fault.store import LOOPBACK
 from schedcomp.topology import Worker
 
@@ -49,7 +50,8 @@ class Generation:
     """
 
     def __init__(self, store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
-                 timeout: float = 60.0, device: torch.device | None = None) -> None:
+                 timeout: float = 60.0, device: torch.device | None = None,
+                 abort: Abort | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise RecoveryError(f"backend {backend!r} cannot be rebuilt per generation: use gloo or nccl")
         self.view, self.me, self.backend, self.host = view, me, backend, host
@@ -57,7 +59,8 @@ class Generation:
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                                  else torch.device("cpu"))
-        self._store = PrefixStore(f"gen{view.generation}", store)
+        self._store = store  # the job's store: each group gets the keys gen{G}/{call}:{members}/
+        self.abort = abort
         self._calls = 0
         self._groups: list[ProcessGroup] = []
 
@@ -77,9 +80,13 @@ class Generation:
         name = f"schedcomp.gen{self.generation}.{call}"
         # The prefix names the call *and* its members: workers of different stages make their own
         # stage's group at the same call index, and must not share keys.
-        store = PrefixStore(f"{call}:{'-'.join(map(str, members))}", self._store)
-        pg = _make_group(store, members.index(self.rank), len(members), self.backend, self.host, self.timeout,
-                         self.device, name)
+        prefix = f"gen{self.generation}/{call}:{'-'.join(map(str, members))}"
+        args = (members.index(self.rank), len(members), self.backend, self.host, self.timeout, self.device, name)
+        if self.abort is None:
+            store = PrefixStore(prefix, self._store)
+            pg = _make_group(store, *args)
+        else:
+            pg, store = _make_group_abortably(prefix, args, self.abort)
         _register(pg, name, self.backend, store, {r: i for i, r in enumerate(members)})
         self._groups.append(pg)
         return pg
@@ -153,22 +160,70 @@ class Groups:
 
 
 def regroup(store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
-            timeout: float = 60.0, device: torch.device | None = None) -> Groups:
+            timeout: float = 60.0, device: torch.device | None = None, abort: Abort | None = None,
+            graveyard: Graveyard | None = None) -> Groups:
     """Build this worker's groups for the (sealed) `view`: the world over its members, and its stage.
 
     Every member of the view calls it; it returns once the groups this worker belongs to are
-    connected (the stage groups of other stages are built by their own members only).
+    connected (the stage groups of other stages are built by their own members only). With
+    `abort`, it raises `GenerationAborted` as soon as the generation breaks (the groups built so
+    far go to `graveyard`).
     """
-    gen = Generation(store, view, me, backend=backend, host=host, timeout=timeout, device=device)
-    world = gen.new_group(range(gen.size))
-    stage = None
-    for s in range(view.topology.pp):
-        members = view.topology.stage_group(s)
-        if len(members) > 1:
-            group = gen.group_of(members)
-            if s == me.stage:
-                stage = group
+    gen = Generation(store, view, me, backend=backend, host=host, timeout=timeout, device=device, abort=abort)
+    try:
+        world = gen.new_group(range(gen.size))
+        stage = None
+        for s in range(view.topology.pp):
+            members = view.topology.stage_group(s)
+            if len(members) > 1:
+                group = gen.group_of(members)
+                if s == me.stage:
+                    stage = group
+    except BaseException:
+        gen.close(graveyard)
+        raise
     return Groups(gen, world, stage)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """How a group construction gives up: a fresh store client for its thread, and the generation's signal."""
+
+    connect: Callable[[], Store]  # a new client of the job's store (`StoreAddress.connect`)
+    signal: threading.Event  # set when the generation breaks (`FailureDetector.signal`)
+
+
+def _make_group_abortably(prefix: str, args: tuple, abort: Abort) -> tuple[ProcessGroup, Store]:
+    """`_make_group` in a thread of its own, given up (`GenerationAborted`) as soon as `abort.signal` trips.
+
+    Gloo's construction waits for every member's address in the store and for its connections,
+    and nothing interrupts it but the group timeout: a member that died after the agreement
+    would hold everyone there. So a thread builds the group, on a store client of its own (a
+    client serves one call at a time, and the agreement that follows an abort needs ours), and
+    this thread watches it and the signal. An abandoned construction ends when its timeout passes.
+    """
+    done, out = threading.Event(), []
+
+    def build() -> None:
+        try:
+            if args[5].type == "cuda":  # a new thread starts on device 0: build on the caller's device
+                torch.cuda.set_device(args[5])
+            store = PrefixStore(prefix, abort.connect())
+            out.append((_make_group(store, *args), store))
+        except BaseException as e:  # handed to the caller below, unless it gave up
+            out.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name=WAITER_THREAD, daemon=True).start()
+    delay = 1e-4
+    while not done.wait(delay):
+        if abort.signal.is_set() and not done.is_set():
+            raise GenerationAborted("the generation broke while its groups were built: agree on the next one")
+        delay = min(2 * delay, 5e-3)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def _make_group(store: Store, rank: int, size: int, backend: str, host: str, timeout: datetime.timedelta,
