@@ -24,6 +24,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   the model trained is exactly the fault-free one). Workers that stepped the iteration being
   re-run restore their snapshot (and record the undo), everyone switches to the cached plan for
   the new failed set and re-runs from there. A failure during recovery starts recovery again.
+- Every wait of a recovery (agreement, the store meeting and group construction of a new
+  generation, replica transfers, the lossy finish, the final meeting) gives up as soon as the
+  failure detector finds a member dead, so a second death never holds the others for a group
+  timeout. The final meeting is in the store: once every member arrived, a later death
+  changes nothing (`FaultSession.finish` / `finished`).
 - Replacements (`--respawn`): at an iteration boundary the survivors admit them
   (`session.boundary` / `admit`), rebuild their groups, and the stage's donor replica sends its
   parameters and optimizer state with the iteration to resume at; the plan switches back.

@@ -136,3 +136,14 @@ def precompile_plan(cache_dir: str):
     from schedcomp.cache import PlanCache
 
     return PlanCache.load(cache_dir).lookup([])
+
+
+def test_a_death_after_the_final_meeting_changes_nothing(cache_dir, reference) -> None:
+    # Issue 11: once every worker has arrived at the final meeting the job is done everywhere; a
+    # worker that dies then must not send the others back into recovery (nor make them wait for
+    # the ones that already left).
+    victim = Worker(1, 2)
+    results = launch(cache_dir, f"{victim}@end")
+    check(results, reference, {victim})
+    for r in results.values():
+        assert r["recoveries"] == [], (r["worker"], r["recoveries"])

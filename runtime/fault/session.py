@@ -19,6 +19,8 @@
             decision = session.rollback()          # undo half-applied steps, re-run decision.rerun
             if session.me in decision.undo: snapshot.restore()
             it = decision.rerun; hand_over(it)
+        (then, inside the same try: session.finish() -- leave together; on a failure there, stop
+        if session.finished(): everyone had arrived, a death after the meeting changes nothing)
 
     hand_over(it): after any change of generation, for each of `session.joiners()` at my stage, if
     `session.donor_for(stage) == session.me`: send_stage_state(..., info={"iteration": it}).
