@@ -113,7 +113,6 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback, intact: bool) -
         trainer.recent = {i: current} if current is not None else {}
         trainer.stage.discard()
         trainer.stage.optimizer.zero_grad(set_to_none=True)
-    rt._arrive()
     trainer.regroup(rt.lookup(view.topology), session.groups.rank, session.generation.new_group, rt._wait)
     trainer.comm.connect(channels(plan, among=view.members))
     ledger = current.ledger if current is not None and current.ledger is not None else \
@@ -122,13 +121,13 @@ def finish_interrupted(rt: ResilientTrainer, decision: Rollback, intact: bool) -
     if residual.donor is not None:  # its replica stepped: take that state (and what it counted) instead
         rt.snapshot.take(i)
         got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
-                               src=session.groups.rank_of(residual.donor))
+                               src=session.groups.rank_of(residual.donor), wait=rt._wait)
         ledger.copy_(torch.tensor(got.info["ledger"], dtype=torch.float64))
         stage.optimizer.zero_grad(set_to_none=True)
         session.commit(i)
     for recipient in residual.recipients:
         send_stage_state(stage.module, stage.optimizer, session.groups.world, [session.groups.rank_of(recipient)],
-                         info={"ledger": report.ledger.get(i, ledger.tolist())})
+                         info={"ledger": report.ledger.get(i, ledger.tolist())}, wait=rt._wait)
     batch = rt.batch_for(i)
     it = trainer.resume(i, batch, residual, step=rt._step(i, checkpoint=False), ledger=ledger)
     lost = skipped_chunks(residual.lost, plan.microbatches)

@@ -24,6 +24,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   the model trained is exactly the fault-free one). Workers that stepped the iteration being
   re-run restore their snapshot (and record the undo), everyone switches to the cached plan for
   the new failed set and re-runs from there. A failure during recovery starts recovery again.
+- Every wait of a recovery (agreement, the store meeting and group construction of a new
+  generation, replica transfers, the lossy finish, the final meeting) gives up as soon as the
+  failure detector finds a member dead, so a second death never holds the others for a group
+  timeout. The final meeting is in the store: once every member arrived, a later death
+  changes nothing (`FaultSession.finish` / `finished`).
 - Replacements (`--respawn`): at an iteration boundary the survivors admit them
   (`session.boundary` / `admit`), rebuild their groups, and the stage's donor replica sends its
   parameters and optimizer state with the iteration to resume at; the plan switches back.
@@ -46,7 +51,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from schedcomp.errors import RecoveryError
@@ -133,7 +137,6 @@ class ResilientTrainer:
         module = build_module(self.build_stage, session.me.stage, session.env.pp)
         view = session.start() if session.view is None else session.view
         plan = self.lookup(view.topology)
-        self._arrive()
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self._wait,
@@ -149,7 +152,7 @@ class ResilientTrainer:
                                     "restart the job from a checkpoint")
             receiving = time.time()
             got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
-                                   src=session.groups.rank_of(donor))
+                                   src=session.groups.rank_of(donor), wait=self._wait)
             assert session.announced_at is not None and session.admitted_at is not None
             self.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(),
                                             got.nbytes)
@@ -233,6 +236,8 @@ class ResilientTrainer:
         while True:
             try:
                 view = session.recover()
+                if session.finished():  # everyone had trained every iteration: a death after the final meeting
+                    return self.iterations
                 agreed = time.perf_counter() - noticed
                 decision = session.rollback()
                 if self.after_recovery is not None:
@@ -255,7 +260,6 @@ class ResilientTrainer:
                                   report.skipped_samples):
                         table.pop(i, None)
                 plan = self.lookup(view.topology)
-                self._arrive()
                 trainer.regroup(plan, session.groups.rank, session.generation.new_group, self._wait)
                 self._hand_over(decision.rerun)
                 report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
@@ -267,22 +271,6 @@ class ResilientTrainer:
                 trainer.abandon()
                 intact = False
 
-    def _arrive(self, poll: float = 0.002) -> None:
-        """Wait until every member of the generation is here, or raise if it breaks meanwhile.
-
-        Building a gloo group waits for every member's address in the store and cannot be
-        interrupted: a member that died after the agreement would hold the others there for the
-        whole group timeout. Meeting first in the store, watching the signal, narrows that window
-        to the group construction itself.
-        """
-        session = self.session
-        assert session.view is not None
-        key = f"gen{session.view.generation}/arrived"
-        session.store.add(key, 1)
-        while session.store.add(key, 0) < len(session.view.members):
-            if session.signal.wait(poll):
-                raise GenerationAborted("a member failed before the generation's groups were built: agree again")
-
     def _hand_over(self, resume_at: int) -> None:
         """After a change of generation: the donor of this stage sends its state to each replacement."""
         session, trainer, report = self.session, self.trainer, self.report
@@ -291,7 +279,7 @@ class ResilientTrainer:
         for joiner in session.joiners():
             if joiner.stage == stage and session.donor_for(stage) == session.me:
                 send_stage_state(trainer.stage.module, trainer.stage.optimizer, session.groups.world,
-                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at})
+                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at}, wait=self._wait)
                 report.handed_over += 1
 
     def _boundary(self, completed: int) -> None:
@@ -302,7 +290,6 @@ class ResilientTrainer:
         if switch is None:
             return
         view = session.admit(switch)
-        self._arrive()
         trainer.regroup(self.lookup(view.topology), session.groups.rank, session.generation.new_group, self._wait)
         self._hand_over(completed + 1)
         report.admitted.append(completed + 1)
@@ -323,9 +310,11 @@ class ResilientTrainer:
                         self._boundary(i - 1)
                 # Leave together: a worker that left early could not re-run a last iteration that a
                 # failure in a slower stage rolls back.
-                self._wait(dist.all_reduce(torch.ones(1), group=self.session.groups.world, async_op=True))
+                self.session.finish()
                 break
             except (GenerationAborted, RuntimeError) as e:
+                if self.session.finished():  # the meeting was complete: a death after it changes nothing
+                    break
                 if self.last_resort.restart_on_any_failure:
                     self.last_resort.give_up(e)
                 try:

@@ -198,6 +198,75 @@ def scenario_regroup(victim: str, stall: str) -> None:
     groups.close()
 
 
+def scenario_die_before_groups(victim: str, arrive: str) -> None:
+    """A member dies after generation 0 is sealed, before its groups exist (`arrive` = "1": after the
+    store meeting, so the others are inside gloo's group construction when it dies). The others
+    must give up on that generation at once and regroup without it, with a group timeout far
+    longer than the test's."""
+    from schedcomp.runtime.fault.agreement import agree, join_job
+    from schedcomp.runtime.fault.groups import Abort, Graveyard, regroup
+    from schedcomp.runtime.fault.membership import GenerationAborted
+    from schedcomp.runtime.fault.protocol import meet
+    from schedcomp.topology import Worker
+
+    env, store, _beat, detector = _setup(detection_time=30.0)  # only the death notice can tell
+    me, doomed = env.worker, Worker.parse(victim)
+    view = join_job(store, env.pp, env.dp, me, detector)
+    if me == doomed:
+        if arrive == "1":
+            store.add(f"gen{view.generation}/arrived", 1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    graveyard, aborted = Graveyard(), None
+
+    def enter(view):
+        meet(store, f"gen{view.generation}/arrived", len(view.members), detector.signal)
+        return regroup(store, view, me, timeout=600.0, abort=Abort(env.store.connect, detector.signal),
+                       graveyard=graveyard)
+
+    try:
+        enter(view)
+    except GenerationAborted as e:
+        aborted = str(e)
+    view = agree(store, view, me, detector, timeout=60.0)
+    groups = enter(view)
+    values = [float(2**i) for i in range(env.pp * env.dp)]
+    emit({"worker": str(me), "aborted": aborted, "generation": view.generation,
+          "failed": sorted(map(str, view.failed)), "second": _check_groups(groups, values), "rank": groups.rank})
+    groups.close()
+
+
+def scenario_stalled_recipient() -> None:
+    """Replica transfer to a recipient that hangs (SIGSTOP) before receiving: the donor, waiting
+    abortably, gives up once heartbeats declare the recipient failed (group timeout: 600 s)."""
+    import torch
+    from torch import nn
+
+    from schedcomp.runtime.fault.agreement import join_job
+    from schedcomp.runtime.fault.groups import Abort, regroup
+    from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
+    from schedcomp.runtime.fault.transfer import send_stage_state
+    from schedcomp.topology import Worker
+
+    env, store, _beat, detector = _setup(detection_time=2.0)
+    me = env.worker
+    view = join_job(store, env.pp, env.dp, me, detector)
+    groups = regroup(store, view, me, timeout=600.0, abort=Abort(env.store.connect, detector.signal))
+    if me != Worker(0, 0):
+        store.add("ready", 1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    store.wait(["ready"])
+    module = nn.Linear(4096, 4096, dtype=torch.float64)  # 128 MiB: more than the sockets buffer
+    try:
+        send_stage_state(module, None, groups.world, [groups.rank_of(Worker(1, 0))],
+                         wait=lambda work: wait_abortable(work, detector.signal))
+        aborted = None
+    except GenerationAborted as e:
+        aborted = str(e)
+    emit({"worker": str(me), "aborted": aborted, "failed": sorted(map(str, detector.failed()))})
+    os._exit(0)  # a waiter thread is still blocked in gloo on the stopped peer
+
+
 def demo_stage(seed: int):
     """A stage with every kind of state: float64 and bf16 parameters, int and bool buffers, Adam state."""
     import torch
@@ -352,7 +421,8 @@ def scenario_train(iterations: str, victim: str, kill_at: str, hold_at: str) -> 
     session.close()
 
 
-SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train}
+SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train": scenario_train,
+             "die_before_groups": scenario_die_before_groups, "stalled_recipient": scenario_stalled_recipient}
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)

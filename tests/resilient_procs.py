@@ -115,14 +115,15 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
 
 
 def parse_victims(spec: str) -> tuple[dict, dict]:
-    """`d:s@it.idx,...` (die before instruction idx of iteration it) and `d:s@rec` (die while recovering)."""
+    """`d:s@it.idx,...` (die before instruction idx of iteration it), `d:s@rec` (die while recovering)
+    and `d:s@end` (die once training is over, after the final meeting; in `recovering` as "end")."""
     from schedcomp.topology import Worker
 
     at, recovering = {}, {}
     for item in filter(None, spec.split(",")):
         who, _, where = item.partition("@")
-        if where == "rec":
-            recovering[Worker.parse(who)] = True
+        if where in ("rec", "end"):
+            recovering[Worker.parse(who)] = where
         else:
             it, _, idx = where.partition(".")
             at[Worker.parse(who)] = (int(it), int(idx))
@@ -159,7 +160,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     at, recovering = parse_victims(victims)
 
     def die_while_recovering(rerun: int) -> None:
-        if env.worker in recovering and env.incarnation == 0:
+        if recovering.get(env.worker) == "rec" and env.incarnation == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
@@ -188,6 +189,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
                                after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"))
     report = trainer.run(int(iterations))
+    if recovering.get(env.worker) == "end":
+        os.kill(os.getpid(), signal.SIGKILL)
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "iterations": report.iterations,
           "skipped": {str(i): v for i, v in report.skipped.items()},
           "skipped_samples": {str(i): v for i, v in report.skipped_samples.items()},

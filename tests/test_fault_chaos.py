@@ -99,23 +99,36 @@ def test_failure_during_recovery(cache_dir, reference) -> None:
 
 
 def test_rejoin_then_a_second_failure(cache_dir) -> None:
-    # 0:1 dies in iteration 1 and is replaced; the replacement is admitted at iteration 6 with the
-    # state of its stage's replica 1:1, which then dies in iteration 7: the replacement alone
-    # carries stage 1 to the end, so its state must be exact.
+    # 0:1 dies in iteration 1 and is replaced; the replacement is admitted with the state of its
+    # stage's replica 1:1, which then dies in iteration 7: the replacement alone carries stage 1
+    # to the end, so its state must be exact. The survivors hold at iteration 3 until it has
+    # announced itself, so it enters at iteration 6 at the latest; on a loaded machine it may
+    # announce before they finished re-running iteration 1, and enter at iteration 4.
     iterations, a, b = 9, Worker(0, 1), Worker(1, 1)
     results = launch(cache_dir, f"{a}@1.5,{b}@7.3", iterations=iterations, respawn=1, hold=3, timeout=200.0)
     check(results, chaos_reference(PP, DP * MICROBATCHES, iterations), {a, b}, iterations, rejoined={a})
     joined = results[str(a)]
-    assert joined["incarnation"] == 1 and joined["resumed_at"] == 6
+    assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5, 6)
     way_in = joined["rejoined"]
     assert way_in["announced_at"] <= way_in["admitted_at"] <= way_in["received_at"] <= way_in["loaded_at"]
     assert way_in["received_bytes"] > 0
     assert all(r["rejoined"] is None for w, r in results.items() if w != str(a))
     assert all(r["failed"] == [str(b)] for r in results.values())
-    assert all(6 in r["admitted"] for w, r in results.items() if w != str(a))
+    assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(a))
 
 
 def precompile_plan(cache_dir: str):
     from schedcomp.cache import PlanCache
 
     return PlanCache.load(cache_dir).lookup([])
+
+
+def test_a_death_after_the_final_meeting_changes_nothing(cache_dir, reference) -> None:
+    # Issue 11: once every worker has arrived at the final meeting the job is done everywhere; a
+    # worker that dies then must not send the others back into recovery (nor make them wait for
+    # the ones that already left).
+    victim = Worker(1, 2)
+    results = launch(cache_dir, f"{victim}@end")
+    check(results, reference, {victim})
+    for r in results.values():
+        assert r["recoveries"] == [], (r["worker"], r["recoveries"])

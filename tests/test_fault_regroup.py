@@ -61,3 +61,26 @@ def test_sigkill_with_death_notice_regroups_survivors() -> None:
 def test_hung_worker_is_detected_by_heartbeats() -> None:
     victim = Worker(0, 1)  # stopped, not dead: only its silent heartbeat gives it away
     _check(_run(victim, stall=True, notice=False), victim)
+
+
+@pytest.mark.parametrize("inside_construction", [False, True], ids=["before-meeting", "inside-construction"])
+def test_death_between_agreement_and_groups_restarts_the_round(inside_construction: bool) -> None:
+    # Issue 11: the others waited in gloo's group construction for the dead member until the group
+    # timeout (600 s here, longer than this test may run). They must give up as soon as its death
+    # notice arrives (`GenerationAborted`, not gloo's timeout error) and regroup without it.
+    pp, dp, victim = 2, 2, Worker(0, 1)
+    server, address = serve_store()
+    workers = Topology.of(pp, dp).workers
+    with children() as procs:
+        for w in workers:
+            procs.append(start(WorkerEnv(address, w, pp, dp, 0).to_env(), "die_before_groups", str(victim),
+                               "1" if inside_construction else "0"))
+        procs[workers.index(victim)].wait(timeout=90)
+        server.set(Keys.dead(victim), "0")  # what the launcher does when it reaps a worker
+        server.add(Keys.events(), 1)
+        results = [result(p) for w, p in zip(workers, procs, strict=True) if w != victim]
+    values = {w: float(2**i) for i, w in enumerate(workers)}
+    for r in results:
+        assert r["aborted"] is not None and "broke" in r["aborted"], r
+        assert r["failed"] == [str(victim)] and r["generation"] == results[0]["generation"] >= 1
+        assert r["second"]["world_sum"] == sum(v for w, v in values.items() if w != victim)

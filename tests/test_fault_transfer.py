@@ -76,3 +76,17 @@ def test_replacement_receives_its_stage_state_bit_exact_from_a_live_replica() ->
     assert receiver["after"] == donor["after"] == donor["before"]
     assert receiver["bytes"] == donor["bytes"] > 0
     assert receiver["trained"] == donor["trained"]  # and they stay in step afterwards
+
+
+@pytest.mark.timeout(240)
+def test_a_donor_gives_up_on_a_recipient_that_hangs_mid_transfer() -> None:
+    # Issue 11: a blocking send to a recipient that stopped held the donor for the group timeout
+    # (600 s here, longer than this test may run). Waiting abortably, the donor gives up once
+    # heartbeats declare the recipient failed.
+    _server, address = serve_store()  # the store lives as long as this name
+    with children() as procs:
+        for w in (Worker(0, 0), Worker(1, 0)):
+            procs.append(start(WorkerEnv(address, w, 1, 2, 0).to_env(), "stalled_recipient"))
+        donor = result(procs[0])
+    assert donor["aborted"] is not None and "broke" in donor["aborted"], donor
+    assert donor["failed"] == ["1:0"]

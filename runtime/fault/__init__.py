@@ -8,7 +8,11 @@ training loop around it):
   launcher's environment (`WorkerEnv`).
 - `membership`: `View` (generation + failed set), `Heartbeat`, `FailureDetector`, `wait_work`.
 - `agreement`: one view per generation for every survivor; joins; commit records.
-- `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead.
+- `protocol`: the agreement's steps and the meetings of a change of generation, one store
+  operation per step (what `tests/test_fault_protocol.py` model-checks); every wait in them
+  gives up when the failure detector finds a member dead.
+- `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead; their
+  construction gives up when the generation breaks (`Abort`).
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
 - `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles;
   `checkpoint_check`: everything a restore checks first (manifest, layout, metadata, digests).

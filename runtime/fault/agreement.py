@@ -36,16 +36,12 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.membership import FailureDetector, View
-from schedcomp.runtime.fault.store import SEALED, SUPERSEDED, Keys, get_int
-from schedcomp.topology import Topology, Worker
+from schedcomp.runtime.fault.protocol import DONE, begin, step, waiting_for
+from schedcomp.runtime.fault.protocol import Evicted as Evicted  # raised by `agree`; importable from here
+from schedcomp.runtime.fault.store import SEALED, Keys, get_int
+from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
-
-NEWS = "news"  # not an outcome: our detector found a member failed while we waited
-
-
-class Evicted(RecoveryError):
-    """This worker was declared failed by the others: exit, and let the launcher start a replacement."""
 
 
 class AgreementTimeout(RecoveryError):
@@ -59,37 +55,22 @@ def agree(store: Store, view: View, me: Worker, detector: FailureDetector, *, jo
     `view` is the last generation this worker ran (or, for a replacement, any generation it
     knows of: it waits for a later one that admits it, with `propose=False`). `joiners` are
     replacements admitted by this change (workers failed in `view`). On return the detector
-    watches the new view's members.
+    watches the new view's members. The steps are `protocol.step`'s (the model checks those).
     """
     deadline = time.monotonic() + timeout
-    dead = set(detector.failed())
-    generation = view.generation + 1
-    failed = (set(view.failed) - set(joiners)) | dead
-    while True:
-        proposal = View(generation, Topology.of(view.topology.pp, view.topology.dp, failed)) if propose else None
-        winner = _adopt(store, proposal, generation, deadline, poll)
-        if me in winner.failed:
-            if propose:
-                raise Evicted(f"worker {me} was declared failed in generation {winner.generation}: "
-                              "exit and let the launcher start a replacement")
-            generation += 1  # a replacement waits for a view that admits it
-            continue
-        detector.watch(winner)
-        dead |= detector.failed()
-        if not dead - winner.failed:
-            store.add(Keys.ack(winner.generation), 1)
-            outcome = _wait_for_outcome(store, winner, detector, deadline, poll)
-            if outcome == SEALED:
-                log.info("worker %s: generation %d sealed, failed: %s", me, winner.generation,
-                         ", ".join(map(str, sorted(winner.failed))) or "none")
-                return winner
-            dead |= detector.failed()
-        failed = set(winner.failed) | dead
-        if dead - winner.failed and _supersede(store, winner, failed) == SEALED:
-            return winner  # too late: our news breaks the sealed generation at once (see _supersede)
-        log.info("worker %s: generation %d superseded (also failed: %s)", me, winner.generation,
-                 ", ".join(map(str, sorted(dead - winner.failed))) or "-")
-        generation, view = winner.generation + 1, winner
+    r = begin(view, me, detector, joiners=joiners, propose=propose)
+    while r.phase != DONE:
+        after = step(store, detector, r)
+        if after == r:
+            _tick(deadline, poll, waiting_for(store, r))
+        elif after.generation != r.generation and r.winner is not None:
+            log.info("worker %s: generation %d superseded (also failed: %s)", me, r.winner.generation,
+                     ", ".join(map(str, sorted(after.failed - r.winner.failed))) or "-")
+        r = after
+    assert r.winner is not None
+    log.info("worker %s: generation %d sealed, failed: %s", me, r.winner.generation,
+             ", ".join(map(str, sorted(r.winner.failed))) or "none")
+    return r.winner
 
 
 def join_job(store: Store, pp: int, dp: int, me: Worker, detector: FailureDetector, *,
@@ -112,48 +93,6 @@ def sealed_before(store: Store, generation: int) -> View | None:
         if store.check([Keys.outcome(g)]) and store.get(Keys.outcome(g)).decode() == SEALED:
             return View.from_json(store.get(Keys.view(g)))
     return None
-
-
-def _adopt(store: Store, proposal: View | None, generation: int, deadline: float, poll: float) -> View:
-    key = Keys.view(generation)
-    if proposal is not None:
-        text = store.compare_set(key, "", proposal.to_json())
-    else:
-        while not store.check([key]):
-            _tick(deadline, poll, f"no generation {generation} was proposed")
-        text = store.get(key)
-    store.add(Keys.events(), 1)  # wake every detector: a generation change is under way
-    return View.from_json(text)
-
-
-def _wait_for_outcome(store: Store, view: View, detector: FailureDetector, deadline: float, poll: float) -> str:
-    """SEALED or SUPERSEDED once decided, or NEWS when our detector finds a member failed first."""
-    g = view.generation
-    while True:
-        if store.check([Keys.outcome(g)]):
-            return store.get(Keys.outcome(g)).decode()
-        if store.add(Keys.ack(g), 0) >= len(view.members):
-            return _decide(store, g, SEALED)
-        if detector.failed() - view.failed:
-            return NEWS
-        _tick(deadline, poll, f"generation {g} was not sealed ({store.add(Keys.ack(g), 0)} of "
-                              f"{len(view.members)} members acknowledged)")
-
-
-def _supersede(store: Store, view: View, failed: set[Worker]) -> str:
-    """Propose the next generation with what we know, then try to retire `view`; returns `view`'s outcome.
-
-    The proposal goes first, so whoever sees `view` superseded finds our news in the next view. If
-    `view` was sealed meanwhile, the proposal stays: every detector sees it and breaks `view`.
-    """
-    store.compare_set(Keys.view(view.generation + 1), "", view.next(failed).to_json())
-    outcome = _decide(store, view.generation, SUPERSEDED)
-    store.add(Keys.events(), 1)  # wake every detector
-    return outcome
-
-
-def _decide(store: Store, generation: int, outcome: str) -> str:
-    return store.compare_set(Keys.outcome(generation), "", outcome).decode()
 
 
 def _tick(deadline: float, poll: float, what: str) -> None:

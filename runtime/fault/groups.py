@@ -1,6 +1,6 @@
 """Process groups for one generation, built without the dead: `regroup(store, view, me) -> Groups`.
 
-Each generation gets a fresh key space, `PrefixStore(f"gen{G}", store)`, and its groups are
+Each generation gets a fresh key space (`gen{G}/...` in the job's store), and its groups are
 backend objects (`ProcessGroupGloo`, `ProcessGroupNCCL`) constructed directly on it by their
 members only: nothing waits for a rank that is gone, and no `init_process_group` /
 `new_group` over the old world is needed (there may be no default group at all).
@@ -31,8 +31,9 @@ import contextlib
 import datetime
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from torch.distributed import PrefixStore, ProcessGroup, Store
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.runtime.comm import backend_config, backend_spec, served_devices
-from schedcomp.runtime.fault.membership import View
+from schedcomp.runtime.fault.membership import WAITER_THREAD, GenerationAborted, View
 from schedcomp.runtime.fault.store import LOOPBACK
 from schedcomp.topology import Worker
 
@@ -59,7 +60,8 @@ class Generation:
     """
 
     def __init__(self, store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
-                 timeout: float = 60.0, device: torch.device | None = None) -> None:
+                 timeout: float = 60.0, device: torch.device | None = None,
+                 abort: Abort | None = None) -> None:
         try:
             self.spec = backend_spec(backend)
         except RuntimeSetupError as e:
@@ -72,7 +74,8 @@ class Generation:
         self.timeout = datetime.timedelta(seconds=timeout)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.spec.get("cuda") == "nccl"
                                  else torch.device("cpu"))
-        self._store = PrefixStore(f"gen{view.generation}", store)
+        self._store = store  # the job's store: each group gets the keys gen{G}/{call}:{members}/
+        self.abort = abort
         self._calls = 0
         self._groups: list[ProcessGroup] = []
 
@@ -92,8 +95,13 @@ class Generation:
         name = f"schedcomp.gen{self.generation}.{call}"
         # The prefix names the call *and* its members: workers of different stages make their own
         # stage's group at the same call index, and must not share keys.
-        store = PrefixStore(f"{call}:{'-'.join(map(str, members))}", self._store)
-        pg = _make_group(store, members.index(self.rank), len(members), self.spec, self.host, self.timeout, name)
+        prefix = f"gen{self.generation}/{call}:{'-'.join(map(str, members))}"
+        args = (members.index(self.rank), len(members), self.spec, self.host, self.timeout, name)
+        if self.abort is None:
+            store = PrefixStore(prefix, self._store)
+            pg = _make_group(store, *args)
+        else:
+            pg, store = _make_group_abortably(prefix, args, self.device, self.abort)
         # One backend: its plain name (what `dist.get_backend` says of a `new_group`); both: torch's list form.
         config = backend_config(self.spec) if len(self.spec) > 1 else self.backend
         _register(pg, name, config, store, {r: i for i, r in enumerate(members)})
@@ -170,22 +178,71 @@ class Groups:
 
 
 def regroup(store: Store, view: View, me: Worker, *, backend: str = "gloo", host: str = LOOPBACK,
-            timeout: float = 60.0, device: torch.device | None = None) -> Groups:
+            timeout: float = 60.0, device: torch.device | None = None, abort: Abort | None = None,
+            graveyard: Graveyard | None = None) -> Groups:
     """Build this worker's groups for the (sealed) `view`: the world over its members, and its stage.
 
     Every member of the view calls it; it returns once the groups this worker belongs to are
-    connected (the stage groups of other stages are built by their own members only).
+    connected (the stage groups of other stages are built by their own members only). With
+    `abort`, it raises `GenerationAborted` as soon as the generation breaks (the groups built so
+    far go to `graveyard`).
     """
-    gen = Generation(store, view, me, backend=backend, host=host, timeout=timeout, device=device)
-    world = gen.new_group(range(gen.size))
-    stage = None
-    for s in range(view.topology.pp):
-        members = view.topology.stage_group(s)
-        if len(members) > 1:
-            group = gen.group_of(members)
-            if s == me.stage:
-                stage = group
+    gen = Generation(store, view, me, backend=backend, host=host, timeout=timeout, device=device, abort=abort)
+    try:
+        world = gen.new_group(range(gen.size))
+        stage = None
+        for s in range(view.topology.pp):
+            members = view.topology.stage_group(s)
+            if len(members) > 1:
+                group = gen.group_of(members)
+                if s == me.stage:
+                    stage = group
+    except BaseException:
+        gen.close(graveyard)
+        raise
     return Groups(gen, world, stage)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """How a group construction gives up: a fresh store client for its thread, and the generation's signal."""
+
+    connect: Callable[[], Store]  # a new client of the job's store (`StoreAddress.connect`)
+    signal: threading.Event  # set when the generation breaks (`FailureDetector.signal`)
+
+
+def _make_group_abortably(prefix: str, args: tuple, device: torch.device,
+                          abort: Abort) -> tuple[ProcessGroup, Store]:
+    """`_make_group` in a thread of its own, given up (`GenerationAborted`) as soon as `abort.signal` trips.
+
+    Gloo's construction waits for every member's address in the store and for its connections,
+    and nothing interrupts it but the group timeout: a member that died after the agreement
+    would hold everyone there. So a thread builds the group, on a store client of its own (a
+    client serves one call at a time, and the agreement that follows an abort needs ours), and
+    this thread watches it and the signal. An abandoned construction ends when its timeout passes.
+    """
+    done, out = threading.Event(), []
+
+    def build() -> None:
+        try:
+            if device.type == "cuda":  # a new thread starts on device 0: build on the caller's device
+                torch.cuda.set_device(device)
+            store = PrefixStore(prefix, abort.connect())
+            out.append((_make_group(store, *args), store))
+        except BaseException as e:  # handed to the caller below, unless it gave up
+            out.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name=WAITER_THREAD, daemon=True).start()
+    delay = 1e-4
+    while not done.wait(delay):
+        if abort.signal.is_set() and not done.is_set():
+            raise GenerationAborted("the generation broke while its groups were built: agree on the next one")
+        delay = min(2 * delay, 5e-3)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def _make_group(store: Store, rank: int, size: int, spec: dict[str, str], host: str,

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -68,7 +69,7 @@ class View:
     def failed(self) -> frozenset[Worker]:
         return self.topology.failed
 
-    @property
+    @cached_property  # the model checker asks for it millions of times
     def members(self) -> tuple[Worker, ...]:
         """The live workers, in rank order (the same order as `Plan.workers`)."""
         return self.topology.live_workers
@@ -177,6 +178,7 @@ class FailureDetector:
         self._declared: set[Worker] = set()
         self._generation = -1
         self._failed_set: frozenset[Worker] = frozenset()  # the watched view's failed workers
+        self._recheck = False  # `watch` asks the thread to read the death notices again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence = Fence(self.detection_time, f"worker {self.me}") if self.fence else None
@@ -203,7 +205,8 @@ class FailureDetector:
         atexit.unregister(self.stop)
 
     def watch(self, view: View) -> None:
-        """Watch the members of `view` from now on; clears the signal.
+        """Watch the members of `view` from now on; clears the signal (and sets it again at once when
+        a member of `view` is already known failed: that view is broken from the start).
 
         A worker watched before keeps its heartbeat clock, so agreeing on a view never makes a
         hung worker look fresh again.
@@ -216,8 +219,12 @@ class FailureDetector:
             self._watch = {w: self._watch.get(w) or _Watch(since=now) for w in members}
             self._generation = view.generation
             self._failed_set = view.failed
+            self._recheck = True  # read the death notices again: a new member may have died before we watched it
             self.signal.clear()
             self.reason = ""
+            known = sorted(w for w, s in self._watch.items() if s.failed) + sorted(self._declared & members)
+        if known:  # a member we already know failed: this view is broken from the start
+            self._trip(f"{known[0]} failed before generation {view.generation} was agreed", view.generation)
 
     def failed(self) -> frozenset[Worker]:
         """Watched workers found failed so far (a snapshot)."""
@@ -256,7 +263,9 @@ class FailureDetector:
                     watched = tuple(self._watch)
                     generation = self._generation
                 latest = store.add(Keys.events(), 0)
-                if latest != events:  # something happened: look for death notices and newer generations
+                with self._lock:
+                    recheck, self._recheck = self._recheck, False
+                if latest != events or recheck:  # something happened: look for death notices and newer generations
                     events = latest
                     self._check_notices(store, watched, generation)
                 now = time.monotonic()
@@ -282,20 +291,11 @@ class FailureDetector:
                 self._watch[w].failed = True
         for w in newly:
             self._trip(f"{w} failed (death notice)")  # a failed member breaks whatever generation we watch
-        if generation >= 0 and store.check([Keys.view(generation + 1)]) and not self._admission(store, generation + 1):
-            self._trip(f"generation {generation + 1} was proposed", generation)
-
-    def _admission(self, store: dist.Store, generation: int) -> bool:
-        """Whether `generation` only admits replacements (its failed set shrinks), and still stands.
-
-        Survivors agree on an admission at an iteration boundary; a worker still finishing the
-        iteration before it must not abort it, it will get to that boundary and join them.
-        """
-        proposed = View.from_json(store.get(Keys.view(generation)))
         with self._lock:
             current = self._failed_set
-        superseded = store.check([Keys.outcome(generation)]) and store.get(Keys.outcome(generation)).decode() != SEALED
-        return proposed.failed < current and not superseded
+        if generation >= 0 and store.check([Keys.view(generation + 1)]) and \
+                not admits_only(store, generation + 1, current):
+            self._trip(f"generation {generation + 1} was proposed", generation)
 
     def _check_beats(self, watched: tuple[Worker, ...], counts: list[int], now: float) -> None:
         newly = []
@@ -311,6 +311,17 @@ class FailureDetector:
                     newly.append((w, now - s.since))
         for w, silent in newly:
             self._trip(f"{w} failed (no heartbeat for {silent:.1f}s)")
+
+
+def admits_only(store: dist.Store, generation: int, current_failed: frozenset[Worker]) -> bool:
+    """Whether the proposed `generation` only admits replacements (its failed set shrinks) and still stands.
+
+    Survivors agree on an admission at an iteration boundary; a worker still finishing the
+    iteration before it must not abort it, it will get to that boundary and join them.
+    """
+    proposed = View.from_json(store.get(Keys.view(generation)))
+    superseded = store.check([Keys.outcome(generation)]) and store.get(Keys.outcome(generation)).decode() != SEALED
+    return proposed.failed < current_failed and not superseded
 
 
 def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5, max_poll: float = 1e-3) -> None:

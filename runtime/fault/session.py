@@ -19,6 +19,8 @@
             decision = session.rollback()          # undo half-applied steps, re-run decision.rerun
             if session.me in decision.undo: snapshot.restore()
             it = decision.rerun; hand_over(it)
+        (then, inside the same try: session.finish() -- leave together; on a failure there, stop
+        if session.finished(): everyone had arrived, a death after the meeting changes nothing)
 
     hand_over(it): after any change of generation, for each of `session.joiners()` at my stage, if
     `session.donor_for(stage) == session.me`: send_stage_state(..., info={"iteration": it}).
@@ -48,10 +50,11 @@ from schedcomp.runtime.fault.agreement import (
     propose_switch,
     sealed_before,
 )
-from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
+from schedcomp.runtime.fault.groups import Abort, Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import WAITER_THREAD, FailureDetector, Heartbeat, View
 from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
-from schedcomp.runtime.fault.store import WorkerEnv
+from schedcomp.runtime.fault.protocol import meet, met
+from schedcomp.runtime.fault.store import Keys, WorkerEnv
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class FaultSession:
         self.groups: Groups | None = None
         self.announced_at: float | None = None  # a replacement: when it announced itself
         self.admitted_at: float | None = None  # when `start` returned (joined or admitted)
+        self._finals: list[tuple[str, int]] = []  # the final meetings this worker went to (key, size)
 
     # ---- joining -------------------------------------------------------------------------------------
 
@@ -178,15 +182,38 @@ class FaultSession:
     # ---- plumbing ---------------------------------------------------------------------------------------
 
     def _enter(self, view: View) -> None:
-        # A survivor's previous generation is the one it ran; a replacement looks it up, so that
-        # both agree on who ran before (donors, commit records).
+        """Meet the other members of `view` in the store, then build its groups; both give up
+        (`GenerationAborted`) as soon as the generation breaks, e.g. a member died after the
+        agreement: nobody waits for a group timeout (see `protocol.Meeting`, `groups.Abort`)."""
+        # A survivor's previous generation is the one it adopted before; a replacement looks it
+        # up, so that both agree on who ran before (donors, commit records). Every member of a
+        # sealed generation adopts it, so this holds even when building its groups broke off.
         self.previous = self.view if self.view is not None else sealed_before(self.store, view.generation)
         self.view = view
+        meet(self.store, f"gen{view.generation}/arrived", len(view.members), self.signal)
         self.groups = regroup(self.store, view, self.me, backend=self.backend, host=self.env.bind,
-                              timeout=self.group_timeout, device=self.device)
+                              timeout=self.group_timeout, device=self.device,
+                              abort=Abort(self.env.store.connect, self.signal), graveyard=self.graveyard)
         self.graveyard.sweep()
         log.info("worker %s: generation %d, rank %d of %d", self.me, view.generation, self.groups.rank,
                  len(view.members))
+
+    def finish(self) -> None:
+        """The final meeting: return once every member of the generation got here (every worker
+        trained every iteration), or raise `GenerationAborted` if the generation breaks first.
+
+        A worker whose meeting broke asks `finished()` before recovering: a death after everyone
+        arrived changes nothing, and the workers that already left must not be waited for.
+        """
+        assert self.view is not None
+        key, size = f"gen{self.view.generation}/final", len(self.view.members)
+        self._finals.append((key, size))
+        if not self.finished():
+            meet(self.store, key, size, self.signal)
+
+    def finished(self) -> bool:
+        """Whether a final meeting this worker went to was complete (then the job is done everywhere)."""
+        return any(met(self.store, key, size) for key, size in self._finals)
 
     def close(self, linger: float = 10.0) -> None:
         """Leave the job. Call it once training is over on every member (after `run` returns).
@@ -206,3 +233,6 @@ class FaultSession:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.detector.stop()
         self.heartbeat.stop()
+        if self.finished():  # tell the others at once that we left (a worker still recovering waits for no one)
+            self.store.set(Keys.dead(self.me), str(self.env.incarnation))
+            self.store.add(Keys.events(), 1)

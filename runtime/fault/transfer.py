@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from reprlib import repr as brief  # a value in an error message, cut short
 from typing import Any
@@ -199,6 +199,13 @@ def decode_header(data: bytes) -> tuple[Any, list[TensorSpec], dict[str, Any]]:
 # ---- replica recovery ----------------------------------------------------------------------------
 
 
+Wait = Callable[[dist.Work], None]
+
+
+def _block(work: dist.Work) -> None:
+    work.wait()
+
+
 @dataclass(frozen=True)
 class Received:
     """What `recv_stage_state` got besides the state: its size and the sender's `info`."""
@@ -209,12 +216,15 @@ class Received:
 
 def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
                      dst: Iterable[int], device: torch.device | None = None,
-                     info: dict[str, Any] | None = None) -> int:
+                     info: dict[str, Any] | None = None, wait: Wait | None = None) -> int:
     """Send this replica's stage state to the ranks `dst` of `group`; returns the bytes sent to each.
 
     Three messages per receiver: sizes, a JSON header (skeleton, tensor specs and `info`, plain
     data such as the iteration to resume at), the bytes. `device`: where the transfer buffers
-    live (a CUDA device under NCCL; default: the CPU).
+    live (a CUDA device under NCCL; default: the CPU). `wait(work)` waits for each message
+    (default: `work.wait()`); pass one that gives up when the generation breaks (`membership.
+    wait_abortable`), so that a recipient dying mid-transfer does not hold the sender for the
+    group timeout.
     """
     device = device or torch.device("cpu")
     skeleton, tensors = flatten(stage_state(module, optimizer))
@@ -224,20 +234,21 @@ def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
     for rank in dst:
         for t in (sizes, header, payload):
-            dist.send(t, dst=rank, group=group)
+            (wait or _block)(dist.isend(t, dst=rank, group=group))
     return payload.numel()
 
 
 def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
-                     src: int, device: torch.device | None = None) -> Received:
-    """Receive a stage state from rank `src` of `group` into `module` and `optimizer`."""
+                     src: int, device: torch.device | None = None, wait: Wait | None = None) -> Received:
+    """Receive a stage state from rank `src` of `group` into `module`, `optimizer` (`wait`: see `send_stage_state`)."""
     device = device or torch.device("cpu")
+    wait = wait or _block
     sizes = torch.zeros(2, dtype=torch.int64, device=device)
-    dist.recv(sizes, src=src, group=group)
+    wait(dist.irecv(sizes, src=src, group=group))
     header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-    dist.recv(header, src=src, group=group)
+    wait(dist.irecv(header, src=src, group=group))
     payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-    dist.recv(payload, src=src, group=group)
+    wait(dist.irecv(payload, src=src, group=group))
     skeleton, specs, info = decode_header(header.cpu().numpy().tobytes())
     load_stage_state(module, optimizer, unflatten(skeleton, from_bytes(payload, specs)))
     return Received(payload.numel(), info)
