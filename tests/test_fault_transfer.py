@@ -79,6 +79,7 @@ def test_replacement_receives_its_stage_state_bit_exact_from_a_live_replica() ->
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_donor_gives_up_on_a_recipient_that_hangs_mid_transfer() -> None:
     # Issue 11: a blocking send to a recipient that stopped held the donor for the group timeout
     # (600 s here, longer than this test may run). Waiting abortably, the donor gives up once
