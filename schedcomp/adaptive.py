@@ -20,7 +20,8 @@ inputs only, never on the clock or the machine's load. The local search stops on
 wall-clock limit is only a safety net (`solvers.cpsat.WALL_FACTOR`), far above what the deterministic limit
 takes on a loaded machine, so it cannot change the answer in normal conditions.
 
-The bound is the larger of the work-conservation bound and CP-SAT's, so every plan carries its gap.
+The bound is the largest of the work-conservation bound, the memory warm-up bound under a memory limit
+(`solvers.bounds`) and CP-SAT's, so every plan carries its gap.
 The figure of merit is the steady-state period with a staggered optimizer (`synchronous=True`
 optimises for a global optimizer barrier instead).
 """
@@ -36,7 +37,7 @@ from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Op, Order
 from schedcomp.route import assign_orphans, balanced_quota
-from schedcomp.solvers.bounds import work_bound
+from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.problem import Problem, order_from_sequences
@@ -109,7 +110,7 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     _ = problem.survivors  # RecoveryError when a stage has no live worker
     problem.check_memory()
-    bound = work_bound(problem)
+    bound = lower_bound(problem)
     best = greedy(problem, bound=bound, synchronous=synchronous, time_budget=min(GREEDY_POLISH_SECONDS, time_limit / 4))
     use_cpsat = solver == "cpsat" or (solver == "auto" and cpsat_fits(problem, time_limit))
     if not use_cpsat or best.period <= bound * (1 + _TOL):
@@ -142,7 +143,7 @@ def greedy(
 
     `time_budget` is in nominal seconds, turned into a fixed work budget (`improve.work_of`): the
     result depends on the inputs only, not on how fast this machine runs."""
-    bound = work_bound(problem) if bound is None else bound
+    bound = lower_bound(problem) if bound is None else bound
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
     best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
