@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from solver_helpers import all_schedules, exact_makespan, exact_period, memory_ok
 
@@ -81,7 +81,6 @@ def test_work_bound_is_below_the_exact_period(problem):
     assert FastTimer(problem, 40).score(sol.seqs)[0] == pytest.approx(exact, abs=1e-6)
 
 
-@settings(max_examples=150)
 @given(problems(max_pp=4, max_dp=3, max_mb=4), st.integers(0, 2))
 def test_memory_bound_is_below_the_exact_period_of_any_schedule_found(problem, seed):
     """The warm-up bound holds for the greedy schedule and for local-search variants of it (other

@@ -29,7 +29,9 @@ peaks has a work bound of 30 and a memory bound of 33, the period the greedy sch
 
 from __future__ import annotations
 
+import heapq
 import math
+from dataclasses import dataclass
 
 from schedcomp.route import balanced_quota
 from schedcomp.solvers.problem import Problem
@@ -61,46 +63,74 @@ def memory_bound(problem: Problem) -> float:
     """The memory warm-up bound of the module docstring (0.0 without a memory limit)."""
     if problem.costs.memory_limit is None:
         return 0.0
+    fast = _Fastest.of(problem)
+    memo: dict[tuple[int, float, int], float] = {}
+
+    def warmup(w: Worker, n: int) -> float:  # workers of a stage differ only by their speed factor
+        key = (w.stage, problem.costs.speed.get(w, 1.0), n)
+        if key not in memo:
+            memo[key] = _warmup(problem, fast, w, n)
+        return memo[key]
+
     bound = 0.0
     m = problem.microbatches
     for s, group in enumerate(problem.survivors):
-        counts = {w: m for w in group}
-        for _ in problem.orphan_slots[s]:  # water-filling: each re-routed slot where the bound grows least
-            w = min(group, key=lambda v: (_warmup(problem, v, counts[v] + 1), v))
+        counts = dict.fromkeys(group, m)
+        # Water-filling: each re-routed slot goes where the bound grows least (optimal for a min-max of
+        # non-decreasing functions), a heap keyed by each worker's bound with one slot more.
+        heap = [(warmup(w, m + 1), w) for w in group] if problem.orphan_slots[s] else []
+        heapq.heapify(heap)
+        for _ in problem.orphan_slots[s]:
+            _, w = heapq.heappop(heap)
             counts[w] += 1
-        bound = max(bound, max(_warmup(problem, w, n) for w, n in counts.items()))
+            heapq.heappush(heap, (warmup(w, counts[w] + 1), w))
+        bound = max(bound, max(warmup(w, n) for w, n in counts.items()))
     return bound
 
 
-def _fastest(problem: Problem, kind_index: int, stage: int) -> float:
-    return min(problem.duration(problem.kinds[kind_index], w) for w in problem.survivors[stage])
+@dataclass(frozen=True)
+class _Fastest:
+    """Per stage, the fastest live worker's F, backward (B or BW) and W time, and its cheapest step."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    step: tuple[float, ...]
+
+    @classmethod
+    def of(cls, problem: Problem) -> _Fastest:
+        def fastest(k: int) -> tuple[float, ...]:
+            if k >= len(problem.kinds):
+                return (0.0,) * problem.pp  # fused: the W is part of BW
+            return tuple(min(problem.duration(problem.kinds[k], w) for w in g) for g in problem.survivors)
+
+        step = tuple(min(problem.step_time(problem.worker_id(w)) for w in g) for g in problem.survivors)
+        return cls(fastest(0), fastest(1), fastest(2), step)
 
 
-def _warmup(problem: Problem, worker: Worker, n: int) -> float:
+def _warmup(problem: Problem, fast: _Fastest, worker: Worker, n: int) -> float:
     """Least time from one iteration's first F on `worker` (running `n` slots) to the next one's."""
     costs, pp, s = problem.costs, problem.pp, worker.stage
     split = len(problem.kinds) == 3
     f, b = problem.duration(problem.kinds[0], worker), problem.duration(problem.kinds[1], worker)
     w = problem.duration(problem.kinds[2], worker) if split else 0.0
     a, limit = costs.activation[s], costs.limit_at(s)
-    rt = sum(_fastest(problem, 0, j) + _fastest(problem, 1, j) for j in range(s + 1, pp)) + 2 * (pp - 1 - s) * costs.p2p
+    rt = sum(fast.forward[j] + fast.backward[j] for j in range(s + 1, pp)) + 2 * (pp - 1 - s) * costs.p2p
     k0 = n if a <= 0 else min(n, math.floor(limit / a + _TOL))
     idle = max(0.0, f + rt - k0 * f)
-    wid = problem.worker_id(worker)
-    work = n * (f + b + w) + idle + problem.allreduce_times[s] + problem.step_time(wid)
+    own_step = problem.allreduce_times[s] + problem.step_time(problem.worker_id(worker))
+    work = n * (f + b + w) + idle + own_step
     t_free = _time_to_free(n * a - limit * (1 + _TOL), a, costs.frees_at(s) if split else 1.0, b, w, n - 1)
     if t_free is None:
         return work  # the n-th F can never run (check_memory refuses such limits): nothing more to claim
     last_f = (n - 1) * f + t_free + (idle if t_free > 0 else 0.0)
     back = last_f + f + rt + b  # the end of that slot's B on `worker`
-    best = max(work, back + w + problem.allreduce_times[s] + problem.step_time(wid))
+    best = max(work, back + w + own_step)
     forward = 0.0
     for j in range(s - 1, -1, -1):
-        back += costs.p2p + _fastest(problem, 1, j)
-        forward += _fastest(problem, 0, j) + costs.p2p
-        w_j = _fastest(problem, 2, j) if split else 0.0
-        step_j = min(problem.step_time(problem.worker_id(v)) for v in problem.survivors[j])
-        best = max(best, back + w_j + problem.allreduce_times[j] + step_j + forward)
+        back += costs.p2p + fast.backward[j]
+        forward += fast.forward[j] + costs.p2p
+        best = max(best, back + fast.weight[j] + problem.allreduce_times[j] + fast.step[j] + forward)
     return best
 
 
