@@ -40,8 +40,9 @@ from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import improve
+from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem, order_from_sequences
-from schedcomp.solvers.timing import peak_memory, time_sequences
+from schedcomp.solvers.timing import peak_memory, time_sequences, within_limits
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ def greedy(
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
     best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
-    for i, params in enumerate(portfolio(problem)):
+    variants = portfolio(problem)
+    for i, params in enumerate(variants):
         seqs = list_schedule(problem, params, assignment, quota)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         # Ties on the period go to the schedule holding less memory, then to the shorter first iteration.
@@ -156,6 +158,14 @@ def greedy(
             best = key
         if best is not None and best[0] <= bound * (1 + _TOL):
             break  # provably optimal: nothing to gain from the rest
+    if best is not None and best[0] > bound * (1 + _TOL):
+        # The plain construction as one more candidate (ties go to the list scheduler): the list scheduler
+        # is work-conserving and can lose to 1F1B's strict alternation (see `solvers.plain`).
+        seqs = plain_sequences(problem)
+        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
+        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, len(variants), "plain", seqs)
+        if timing.ok and key[:4] < best[:4] and within_limits(problem, seqs):
+            best = key
     if best is None:
         raise ScheduleError("no list-scheduler variant produced a runnable schedule (a bug): report the inputs")
     period, _, makespan, _, variant, seqs = best
