@@ -29,7 +29,9 @@ its first at the earliest. From there: the forward (1), the round trip (4), its 
 and W of that micro-batch before stage 0 steps (2), the next iteration's first forward at stage 0 (1):
 24 + 1 + 4 + 1 + 2 + 1 = 33 units from one iteration's first forward on that worker to the next
 one's (the docstring of `solvers.bounds` has the general argument; the same count gives 72 in the
-second case, where the last case's 37 is one above its bound).
+second case). The last case's 37 is one above its bound: CP-SAT (`solver="cpsat"`, `time_limit=100`,
+about 100 s here) finds 36 and so proves it optimal; `compile`'s default ("auto", 10 s) runs the greedy
+solver on a model that size.
 
 Reproduce:  python bench/bench_memory.py          (CPU; adds CUDA when a GPU is present)
             python bench/bench_memory.py --cpu    (CPU only)
