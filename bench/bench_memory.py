@@ -11,18 +11,27 @@ allocator). `planned_vs_measured(device)` returns one row per worker; `bench/ben
 
 It also prints what memory safety costs: the period of the default (memory-safe) plan against the
 plan with the limit lifted and with one global limit at the fault-free peak, unit costs, greedy solver
-where CP-SAT would not run anyway (`compile`'s default solver "auto"). Measured on the 2-core dev machine:
+where CP-SAT would not run anyway (`compile`'s default solver "auto"), and the proven lower bound of
+the default plan (`solvers.bounds.lower_bound`: work conservation and the memory warm-up bound).
+Measured on the 2-core dev machine:
 
-    case                          none   global ZB-H1 max   fault-free per stage (default)
-    pp4 dp8 M8, 3:1 failed          30          31                  33
-    pp8 dp4 M16, 0:3 failed         66          68                  72
-    pp4 dp4 M8, 1:1 failed          33          35                  37
+    case                          none   global ZB-H1 max   fault-free per stage (default)   bound
+    pp4 dp8 M8, 3:1 failed          30          31                  33                        33
+    pp8 dp4 M16, 0:3 failed         66          68                  72                        72
+    pp4 dp4 M8, 1:1 failed          33          35                  37                        36
 
-The issue asked for <= 32 and <= 70. The per-stage limit binds at the failed stage: its busiest survivor
-(10 of stage 1's 64 slots in the first case, 30 units of work) may hold 3.5 units where ZB-H1's stage 0
-holds 4, so at the start of each iteration it can run 3 forwards before the first backward returns
-(4 units later) and idles 2 units; plus 1 unit waiting for stage 0 unless stage 0 runs ahead. CP-SAT
-(20 s) finds nothing better than 33.
+The issue asked for <= 32 and <= 70: no schedule reaches them under the per-stage limits, and the
+plans found are optimal. The per-stage limit binds at the failed stage: its busiest survivor (10 slots
+in the first case) may hold 3.5 units. Each iteration it starts holding nothing, can run 3 forwards
+before the first gradient comes back (4 units after the first forward ends), so it idles 2 units;
+before its 10th forward it must have freed 6.5 units (13 B or W), so that forward starts 24 units after
+its first at the earliest. From there: the forward (1), the round trip (4), its B (1), stage 0's B
+and W of that micro-batch before stage 0 steps (2), the next iteration's first forward at stage 0 (1):
+24 + 1 + 4 + 1 + 2 + 1 = 33 units from one iteration's first forward on that worker to the next
+one's (the docstring of `solvers.bounds` has the general argument; the same count gives 72 in the
+second case). The last case's 37 is one above its bound: CP-SAT (`solver="cpsat"`, `time_limit=100`,
+about 100 s here) finds 36 and so proves it optimal; `compile`'s default ("auto", 10 s) runs the greedy
+solver on a model that size.
 
 Reproduce:  python bench/bench_memory.py          (CPU; adds CUDA when a GPU is present)
             python bench/bench_memory.py --cpu    (CPU only)
@@ -101,7 +110,8 @@ SAFETY_CASES = [(4, 8, 8, (3, 1)), (8, 4, 16, (0, 3)), (4, 4, 8, (1, 1))]
 
 
 def safety_cost() -> list[dict[str, Any]]:
-    """Periods of each `SAFETY_CASES` job with no limit, a global limit at ZB-H1's peak, and the default."""
+    """Periods of each `SAFETY_CASES` job with no limit, a global limit at ZB-H1's peak, and the default,
+    with the default plan's proven lower bound."""
     from schedcomp.costs import CostModel
     from schedcomp.memory import family_stage_peaks
     from schedcomp.simulator import simulate
@@ -109,9 +119,11 @@ def safety_cost() -> list[dict[str, Any]]:
     rows = []
     for pp, dp, mbs, failed in SAFETY_CASES:
         peak = max(family_stage_peaks("zb-h1", pp, mbs, CostModel.uniform(pp)))
-        periods = {name: simulate(compile(pp, dp, mbs, failed=[failed], schedule="adaptive", memory_limit=limit)).period
-                   for name, limit in (("none", None), ("global", peak), ("fault-free", "fault-free"))}
-        rows.append({"case": f"pp{pp} dp{dp} M{mbs}, {failed[0]}:{failed[1]} failed", **periods})
+        plans = {name: compile(pp, dp, mbs, failed=[failed], schedule="adaptive", memory_limit=limit)
+                 for name, limit in (("none", None), ("global", peak), ("fault-free", "fault-free"))}
+        rows.append({"case": f"pp{pp} dp{dp} M{mbs}, {failed[0]}:{failed[1]} failed",
+                     **{name: simulate(plan).period for name, plan in plans.items()},
+                     "bound": plans["fault-free"].lower_bound})
     return rows
 
 
@@ -120,9 +132,9 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU only, even with a GPU")
     parser.add_argument("--periods", action="store_true", help="only the cost of memory safety (no torch job)")
     args = parser.parse_args()
-    print(f"{'case':<26} {'none':>6} {'global ZB-H1 max':>17} {'fault-free per stage':>21}")
+    print(f"{'case':<26} {'none':>6} {'global ZB-H1 max':>17} {'fault-free per stage':>21} {'bound':>6}")
     for r in safety_cost():
-        print(f"{r['case']:<26} {r['none']:6g} {r['global']:17g} {r['fault-free']:21g}")
+        print(f"{r['case']:<26} {r['none']:6g} {r['global']:17g} {r['fault-free']:21g} {r['bound']:6g}")
     if args.periods:
         return 0
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.cpu else [])

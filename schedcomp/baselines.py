@@ -6,7 +6,8 @@ iteration, so the ratio of periods), and peak activation memory. Each strategy's
 its function's docstring. A strategy that cannot continue without a checkpoint restart reports an
 infinite period and a relative throughput of 0.
 
-Also here: `rerouted_1f1b_order`, the plain construction the adaptive schedules must beat.
+Also here: `rerouted_1f1b_order` (from `solvers.plain`), the plain construction the adaptive schedules
+must beat.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
 from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, ScheduleError
-from schedcomp.ir import Op, OpKind, Order, Plan
+from schedcomp.ir import Op, Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, resolve_limit
 from schedcomp.schedules.one_f_one_b import stage_order
 from schedcomp.simulator import simulate
+from schedcomp.solvers.plain import rerouted_1f1b_order as rerouted_1f1b_order  # re-exported
 from schedcomp.topology import Topology, Worker
 
 STRATEGIES = (
@@ -371,43 +373,3 @@ def _one_pipeline_1f1b(costs: CostModel, microbatches: int) -> _Run:
     ops = {Worker(0, s): stage_order(costs.pp, microbatches, s) for s in range(costs.pp)}
     plan = lower(Order(topo, microbatches, ops, "1f1b"), costs)
     return _simulated(plan, synchronous=True)
-
-
-# ---- the plain construction ------------------------------------------------------------------------
-
-
-def rerouted_1f1b_order(topology: Topology, microbatches: int, *, split: bool = True) -> Order:
-    """Plain "1F1B with re-routed micro-batches appended": every live worker runs its own pipeline's
-    1F1B (with split backward, B then W at once), then, for each failed worker of its stage, a
-    contiguous block of that worker's micro-batches (blocks dealt to the peers in pipeline order),
-    each block as its own 1F1B. It can deadlock when failures cross (two pipelines each running the
-    other's micro-batches); the adaptive schedules must never be slower than it where it runs."""
-    pp, m = topology.pp, microbatches
-    for s in range(pp):
-        if not topology.stage_group(s):
-            raise RecoveryError(f"every worker of stage {s} has failed: recovery needs a checkpoint")
-
-    def expand(ops: Iterable[Op]) -> list[Op]:
-        out: list[Op] = []
-        for o in ops:
-            if split and o.kind is OpKind.BW:
-                out += [o.with_kind(OpKind.B), o.with_kind(OpKind.W)]
-            else:
-                out.append(o)
-        return out
-
-    seqs: dict[Worker, list[Op]] = {}
-    for w in topology.live_workers:
-        seqs[w] = expand(Op(o.kind, w.pipeline, o.microbatch, w.stage) for o in stage_order(pp, m, w.stage))
-    for failed in sorted(topology.failed):
-        peers = topology.stage_group(failed.stage)
-        sizes = [m // len(peers) + (1 if i < m % len(peers) else 0) for i in range(len(peers))]
-        first = 0
-        for peer, size in zip(peers, sizes, strict=True):
-            block = list(range(first, first + size))
-            first += size
-            if not block:
-                continue
-            one = stage_order(pp, size, failed.stage)
-            seqs[peer] += expand(Op(o.kind, failed.pipeline, block[o.microbatch], failed.stage) for o in one)
-    return Order(topology, m, {w: tuple(v) for w, v in seqs.items()}, "1f1b-rerouted")

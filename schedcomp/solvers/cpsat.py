@@ -32,7 +32,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from schedcomp.solvers.bounds import work_bound
+from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import Timing
 
@@ -203,7 +203,7 @@ def solve_cpsat(
         for wid in live:
             m.add(first[wid] + period >= (finish if synchronous else step_end[wid]))
         if t_exact:
-            m.add(period >= math.floor(work_bound(problem) * tscale + 1e-9))
+            m.add(period >= math.floor(lower_bound(problem) * tscale + 1e-9))  # prunes; never cuts an order
         m.minimize(period)
     else:
         m.minimize(finish)

@@ -51,17 +51,29 @@ class Timing:
 DEADLOCK = Timing(INF, INF, ())
 
 
-def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
-    """Largest activation memory any worker holds (memory depends on the order only)."""
+def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[int, float]:
+    """The most activation memory each worker (id) holds running its sequence (memory depends on the
+    order only)."""
     nk, pp = len(problem.kinds), problem.pp
     table = np.array([[problem.costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)])
-    peak = 0.0
-    for seq in seqs.values():
+    peaks = {}
+    for wid, seq in seqs.items():
         if len(seq):
             ops = np.asarray(seq, dtype=np.int64)
-            held = np.cumsum(table[(ops // nk) % pp, ops % nk])
-            peak = max(peak, float(held.max()))
-    return peak
+            peaks[wid] = float(np.cumsum(table[(ops // nk) % pp, ops % nk]).max())
+    return peaks
+
+
+def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
+    """Largest activation memory any worker holds."""
+    return max(worker_peaks(problem, seqs).values(), default=0.0)
+
+
+def within_limits(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> bool:
+    """Whether every worker stays within its stage's memory limit (with the validator's tolerance)."""
+    costs = problem.costs
+    return all(peak <= costs.limit_at(wid % problem.pp) * (1 + 1e-9)
+               for wid, peak in worker_peaks(problem, seqs).items())
 
 
 def time_sequences(
