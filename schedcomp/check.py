@@ -138,7 +138,8 @@ class _Checker:
         dp, mbs, pp = topo.dp, plan.microbatches, self.pp
         failed = topo.failed
         for w in plan.streams:
-            if not isinstance(w, Worker) or not (0 <= w.pipeline < dp and 0 <= w.stage < pp) or (failed and w in failed):
+            live = isinstance(w, Worker) and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed)
+            if not live:
                 who = w if isinstance(w, Worker) else None
                 self.fail(who, None, f"stream for {w}, which is not a live worker of the topology: drop it")
         if len(plan.streams) != dp * pp - len(failed):  # distinct live workers: as many as live ones, or one lacks
@@ -411,7 +412,7 @@ class _Checker:
                 e += 1
             at[r] = e
         # A worker that did not reach the end of its events waits at the instruction of the next one.
-        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks) if at[r] < len(events[r])}
+        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)
         if stuck:
             topo = self.plan.topology
