@@ -34,7 +34,13 @@ def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[floa
         raise CostModelError(f"{name} must be a number or a list of one number per stage, got {type(value).__name__}")
     if len(value) != pp:
         raise CostModelError(f"{name} has {len(value)} entries but the model has {pp} stages: give one per stage")
-    return tuple(_cost(name, v) for v in value)
+    try:  # per-stage lists repeat a few values (pp may be 200k): check each (type, value) once, in order
+        distinct = list(dict.fromkeys((type(v), v) for v in value))
+    except TypeError:  # an unhashable entry: check them all, in order
+        return tuple(_cost(name, v) for v in value)
+    for _, v in distinct:
+        _cost(name, v)
+    return tuple(map(float, value))
 
 
 def _cost(name: str, v: Any) -> float:
