@@ -178,7 +178,7 @@ def plan_to_json(plan: Plan, indent: bool = True) -> str:
     """The versioned JSON form of `plan`: one line per header key and per worker's stream, or one
     line in all with `indent=False`."""
     data = _header(plan)
-    streams = {str(w): [str(i) for i in plan.streams[w]] for w in sorted(plan.streams)}
+    streams = {str(w): list(map(str, plan.streams[w])) for w in sorted(plan.streams)}
     if not indent:
         return _dumps({**data, "streams": streams}, separators=(",", ":"))
     # One line per key and per stream keeps files diff-able without a line per instruction.
