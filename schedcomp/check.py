@@ -138,7 +138,8 @@ class _Checker:
         dp, mbs, pp = topo.dp, plan.microbatches, self.pp
         failed = topo.failed
         for w in plan.streams:
-            live = isinstance(w, Worker) and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed)
+            live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
+                    and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))
             if not live:
                 who = w if isinstance(w, Worker) else None
                 self.fail(who, None, f"stream for {w}, which is not a live worker of the topology: drop it")

@@ -231,6 +231,9 @@ def test_workers_must_be_live_and_have_streams() -> None:
     rejected(replace(plan, streams=streams), "1:3", None, "no stream")
     failed = replace(plan, topology=Topology.of(4, 2, [(1, 3)]))
     rejected(failed, "1:3", None, "not a live worker")
+    streams = dict(plan.streams)
+    streams[Worker(1.0, 3)] = streams.pop(W("1:3"))  # type: ignore[arg-type]  # workers are numbered by integers
+    rejected(replace(plan, streams=streams), "1.0:3", None, "not a live worker")
 
 
 def test_op_at_the_wrong_stage() -> None:
