@@ -60,12 +60,6 @@ def _lower(
             if op.kind is F:
                 runner[(op.pipeline, op.microbatch, op.stage)] = x
 
-    def missing(d: int, m: int, stage: int) -> ScheduleError:
-        return ScheduleError(
-            f"the order has no F for micro-batch {m} of pipeline {d} at stage {stage}, which a neighbouring "
-            "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
-        )
-
     # Every op sends at most one tensor: per worker, per op index, (tensor, receiver) or None.
     sends: list[list[tuple[Tensor, int] | None]] = []
     # Per receiver, per sender: the tensors on that channel in the sender's order (FIFO per channel).
@@ -84,7 +78,7 @@ def _lower(
                 continue
             y = runner.get(to)
             if y is None:
-                raise missing(*to)
+                raise _missing(*to)
             out.append((tensor, y))
             lst = inbound[y].get(x)
             if lst is None:
@@ -105,6 +99,13 @@ def _lower(
         solver=solver,
         lower_bound=lower_bound,
         meta=dict(meta or {}),
+    )
+
+
+def _missing(d: int, m: int, stage: int) -> ScheduleError:
+    return ScheduleError(
+        f"the order has no F for micro-batch {m} of pipeline {d} at stage {stage}, which a neighbouring "
+        "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
     )
 
 
@@ -133,12 +134,15 @@ def _stream(
         tensor: Tensor | None = None
         if kind is F and s > 0:
             tensor = ("act", d, m, s - 1)
-            consumer[tensor] = (op, runner[(d, m, s - 1)])
         elif (kind is B or kind is BW) and s < pp - 1:
             tensor = ("grad", d, m, s + 1)
-            consumer[tensor] = (op, runner[(d, m, s + 1)])
+        if tensor is not None:
+            x = runner.get(tensor[1:])
+            if x is None:
+                raise _missing(*tensor[1:])
+            consumer[tensor] = (op, x)
         needs.append(tensor)
-    position: dict[Tensor, int] = {}
+    position: dict[Tensor, int] = {}  # tensor -> its place on its channel
     for x, tensors in inbound.items():
         for i, t in enumerate(tensors):
             position[t] = i
@@ -149,6 +153,14 @@ def _stream(
                     f"{workers[x]} sends {w} a tensor of micro-batch {t[2]} of pipeline {t[1]} but {w} runs no {what} "
                     f"for it at stage {stage}: run F, B and W of a (pipeline, micro-batch, stage) on one worker"
                 )
+    for op, t in zip(ops, needs, strict=True):
+        if t is not None and (t not in position or consumer[t][1] not in inbound):
+            what = "activation" if t[0] == "act" else "gradient"
+            raise ScheduleError(
+                f"{w} runs {op} of stage {op.stage}, but {workers[consumer[t][1]]}, which runs stage {t[3]}'s F "
+                f"of it, does not send it the {what} it needs: give every (pipeline, micro-batch, stage) exactly "
+                "one F and one B or BW, run on one worker"
+            )
 
     out: list[Instruction] = []
     posted: dict[int, int] = {}  # sender -> how many of its sends to us are received
