@@ -7,10 +7,13 @@ producer, each receive before its consumer, right peers, matched one to one); FI
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
 The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run); the deadlock check is a Kahn pass over the
-wait-for graph (stream order, send -> consumer, one node per stage's ALLREDUCE), walked stream by
-stream over each stream's waits and posts only. A send counts as posted when its stream reaches
-the SEND instruction (the runtime posts it there), which is never earlier than its producer.
+channel ids: hashing dataclasses dominated the run), and per-worker tables are lists indexed by
+rank; the checks that hold for every sound plan (every output sent, every send received, FIFO per
+channel) compare counts or whole sets first and only walk item by item to name the first failure.
+The deadlock check is a Kahn pass over the wait-for graph (stream order, send -> consumer, one node
+per stage's ALLREDUCE), walked stream by stream over each stream's waits and posts only. A send
+counts as posted when its stream reaches the SEND instruction (the runtime posts it there), which is
+never earlier than its producer.
 """
 
 from __future__ import annotations
