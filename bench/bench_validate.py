@@ -13,7 +13,8 @@ and a ratio near 2 between neighbouring rows (quadratic would show 4):
 - pipelines: 1F1B with pp = 4 and dp = D (D workers per stage), checked.
 Times are CPU seconds of this process (`time.process_time`, single-threaded work), best of
 `--repeat`. The import row runs `schedcomp import-torch FILE -o OUT` in-process (parse, lower, check,
-atomic write) on a 200k-row CSV written to a temporary directory.
+JSON, atomic write) once on a 200k-row CSV written to a temporary directory, and prints its wall-clock
+and CPU seconds (on a shared machine the CPU figure is the one that does not depend on the load).
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ def main_(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as d:
         csv, out = Path(d) / "schedule.csv", Path(d) / "plan.json"
         csv.write_text(gpipe_csv(args.max_rows))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with contextlib.redirect_stdout(io.StringIO()):
             code = main(["import-torch", str(csv), "-o", str(out)])
-        wall = time.perf_counter() - t0
-        print(f"\nimport-torch of a {args.max_rows:,}-row CSV: exit {code}, {wall:.2f} s wall "
-              f"(target < 10 s), plan {out.stat().st_size / 1e6:.1f} MB")
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"\nimport-torch of a {args.max_rows:,}-row CSV: exit {code}, {wall:.2f} s wall, {cpu:.2f} s CPU "
+              f"(target < 10 s; wall exceeds CPU when other processes share the cores), "
+              f"plan {out.stat().st_size / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

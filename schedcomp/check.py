@@ -7,10 +7,13 @@ producer, each receive before its consumer, right peers, matched one to one); FI
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
 The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run); the deadlock check is a Kahn pass over the
-wait-for graph (stream order, send -> consumer, one node per stage's ALLREDUCE), walked stream by
-stream over each stream's waits and posts only. A send counts as posted when its stream reaches
-the SEND instruction (the runtime posts it there), which is never earlier than its producer.
+channel ids: hashing dataclasses dominated the run), and per-worker tables are lists indexed by
+rank; the checks that hold for every sound plan (every output sent, every send received, FIFO per
+channel) compare counts or whole sets first and only walk item by item to name the first failure.
+The deadlock check is a Kahn pass over the wait-for graph (stream order, send -> consumer, one node
+per stage's ALLREDUCE), walked stream by stream over each stream's waits and posts only. A send
+counts as posted when its stream reaches the SEND instruction (the runtime posts it there), which is
+never earlier than its producer.
 """
 
 from __future__ import annotations
@@ -89,20 +92,24 @@ class _Checker:
         self.plan = plan
         self.pp = plan.topology.pp
         self.mbs = plan.microbatches
+        # Per-worker state lives in lists indexed by rank (`Topology.rank`), not in dicts keyed by
+        # `Worker`: hashing the dataclass cost more than the rules (a 200k-row CSV has 200k workers).
+        self.nw = plan.topology.dp * self.pp
+        self.workers: list[Worker] = []  # the streams' workers, in rank order (set by `scan`)
         self.comp: dict[int, Where] = {}  # op id -> where it runs
         self.sends: list[tuple[Worker, int, Instruction, int]] = []  # (worker, index, instruction, slot)
         self.recvs: list[tuple[Worker, int, Instruction, int]] = []
         self.loads: dict[int, Where] = {}  # slot -> its LOAD
-        self.tail: dict[Worker, tuple[list[int], list[int]]] = {}  # indexes of ALLREDUCE and of STEP
+        self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
         self.sent: dict[int, Where] = {}
         self.received: dict[int, tuple[Where, int]] = {}  # tensor -> (receive, its consumer's index)
         # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
         self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
         self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
-        # Per worker, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
+        # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
-        self.events: dict[Worker, list[tuple[int, int, int]]] = {}
+        self.events: list[list[tuple[int, int, int]]] = []
 
     def run(self) -> None:
         self.scan()
@@ -132,23 +139,29 @@ class _Checker:
     def scan(self) -> None:
         plan, topo = self.plan, self.plan.topology
         dp, mbs, pp = topo.dp, plan.microbatches, self.pp
+        failed = topo.failed
         for w in plan.streams:
-            if not isinstance(w, Worker) or not topo.is_live(w):
+            live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
+                    and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))
+            if not live:
                 who = w if isinstance(w, Worker) else None
                 self.fail(who, None, f"stream for {w}, which is not a live worker of the topology: drop it")
-        for w in topo.live_workers:
-            if w not in plan.streams:
-                self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
+        if len(plan.streams) != dp * pp - len(failed):  # distinct live workers: as many as live ones, or one lacks
+            for w in topo.live_workers:
+                if w not in plan.streams:
+                    self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
+        self.workers = sorted(plan.streams)
+        self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
         LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
-        for w in sorted(plan.streams):
+        for w in self.workers:
             ws = w.stage
             top = tops[ws]
             deltas, held = (_deltas(plan, ws) if top != _INF else _NO_DELTAS), 0.0  # memory only with a limit
             reduce: list[int] = []
             step: list[int] = []
-            self.tail[w] = (reduce, step)
+            self.tail[w.pipeline * pp + ws] = (reduce, step)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
                 if op is None:
@@ -250,7 +263,7 @@ class _Checker:
         sent, received, out, into = self.sent, self.received, self.out, self.into
         F, SEND_ACT, RECV_ACT = OpKind.F, InstrKind.SEND_ACT, InstrKind.RECV_ACT
         nw = self.plan.topology.dp * pp
-        events = self.events = {w: [] for w in sorted(self.plan.streams)}
+        events = self.events = [[] for _ in range(nw)]
         ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
         ev: list[tuple[int, int, int]] = []
         for w, i, ins, slot in self.sends:
@@ -279,7 +292,7 @@ class _Checker:
             else:
                 channel.append(tensor)
             if w is not ev_of:
-                ev_of, ev = w, events[w]
+                ev_of, ev = w, events[w.pipeline * pp + w.stage]
             ev.append((i, 1, tensor))
         ev_of = None
         for w, j, ins, slot in self.recvs:
@@ -310,27 +323,34 @@ class _Checker:
             else:
                 channel.append((tensor, j))
             if w is not ev_of:
-                ev_of, ev = w, events[w]
+                ev_of, ev = w, events[w.pipeline * pp + w.stage]
             ev.append((consumer[1], 0, tensor))
-        for cid, (w, i) in comp.items():
-            k, slot = cid & 3, cid >> 2
-            s = slot % pp
-            if k == 0 and s < pp - 1 and slot * 2 not in sent:
-                self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-            if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
-                self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
-        for tensor, (w, i) in sent.items():
-            if tensor not in received:
-                self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
+        # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
+        # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
+        # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
+        # the first one that is not.
+        if len(sent) != 2 * self.plan.topology.dp * self.mbs * (pp - 1):
+            for cid, (w, i) in comp.items():
+                k, slot = cid & 3, cid >> 2
+                s = slot % pp
+                if k == 0 and s < pp - 1 and slot * 2 not in sent:
+                    self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
+                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
+                    self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
+        if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
+            for tensor, (w, i) in sent.items():
+                if tensor not in received:
+                    self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
-        topo = self.plan.topology
+        topo, out, into = self.plan.topology, self.out, self.into
         nw = topo.dp * topo.pp
-        for key, got in sorted(self.into.items()):  # = sorted by (sender, receiver)
-            expected = self.out[key]
-            if [t for t, _ in got] == expected[: len(got)]:
-                continue  # the common case, in one comparison
+        # Compare every channel in one comparison each; only when some disagree, report the first of them
+        # in (sender, receiver) order (sorting all channels up front cost more than comparing them).
+        bad = [key for key, got in into.items() if [t for t, _ in got] != out[key][: len(got)]]
+        for key in sorted(bad):
+            got, expected = into[key], out[key]
             x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
             for n, (tensor, j) in enumerate(got):
                 if expected[n] != tensor:
@@ -339,9 +359,10 @@ class _Checker:
                                     "post receives in the order the peer sends")
 
     def tails(self) -> None:
-        for w in sorted(self.plan.streams):
-            n = len(self.plan.streams[w])
-            reduce, step = self.tail[w]
+        streams, tail, pp = self.plan.streams, self.tail, self.pp
+        for w in self.workers:
+            n = len(streams[w])
+            reduce, step = tail[w.pipeline * pp + w.stage]
             rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
             if not reduce or not step:
                 self.fail(w, n - 1 if n else None, f"no {'ALLREDUCE' if not reduce else 'STEP'}: {rule}")
@@ -363,50 +384,54 @@ class _Checker:
         sender has not reached the SEND) or it reaches ALLREDUCE before the rest of its stage
         group; it resumes when that changes. Whoever cannot finish waits on a cycle.
         """
-        streams = self.plan.streams
-        events = self.events
-        for w in streams:
-            events[w].append((self.tail[w][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
-            events[w].sort()  # one instruction is at most one event, so the index decides
-        group = dict.fromkeys(range(self.pp), 0)  # one pass: a pass per stage was quadratic in workers
-        for w in streams:
+        streams, events, tail, pp, workers = self.plan.streams, self.events, self.tail, self.pp, self.workers
+        ranks = [w.pipeline * pp + w.stage for w in workers]  # in rank order, as `workers`
+        for r in ranks:
+            events[r].append((tail[r][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
+            events[r].sort()  # one instruction is at most one event, so the index decides
+        group = [0] * pp  # live workers per stage, in one pass: a pass per stage was quadratic in workers
+        for w in workers:
             group[w.stage] += 1
-        at = dict.fromkeys(streams, 0)  # next event of each worker
+        at = [0] * self.nw  # next event of each rank
         reached: set[Tensor] = set()
-        parked: dict[Tensor, Worker] = {}  # tensor -> the worker waiting for it
-        arrived: dict[int, set[Worker]] = {s: set() for s in range(self.pp)}  # at each stage's ALLREDUCE
-        todo = deque(sorted(streams))
+        parked: dict[Tensor, int] = {}  # tensor -> the rank waiting for it
+        arrived: list[set[int]] = [set() for _ in range(pp)]  # ranks at each stage's ALLREDUCE
+        todo = deque(ranks)
         while todo:
-            w = todo.popleft()
-            ev, e = events[w], at[w]
+            r = todo.popleft()
+            ev, e = events[r], at[r]
             n = len(ev)
             while e < n:
                 _, code, tensor = ev[e]
                 if code == 0:  # a compute op needs this input
                     if tensor not in reached:
-                        parked[tensor] = w
+                        parked[tensor] = r
                         break
                 elif code == 1:  # a send is posted
                     reached.add(tensor)
                     if tensor in parked:
                         todo.append(parked.pop(tensor))
                 else:  # ALLREDUCE
-                    here = arrived[w.stage]
-                    if w not in here:
-                        here.add(w)
-                        if len(here) == group[w.stage]:
-                            todo.extend(v for v in here if v != w)
-                    if len(here) < group[w.stage]:
+                    s = r % pp
+                    here = arrived[s]
+                    if r not in here:
+                        here.add(r)
+                        if len(here) == group[s]:
+                            todo.extend(v for v in here if v != r)
+                    if len(here) < group[s]:
                         break
                 e += 1
-            at[w] = e
-        pos = {w: events[w][at[w]][0] if at[w] < len(events[w]) else len(streams[w]) for w in streams}
-        stuck = {w for w in streams if pos[w] < len(streams[w])}
+            at[r] = e
+        # A worker that did not reach the end of its events waits at the instruction of the next one.
+        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
+        stuck = set(pos)
         if stuck:
+            topo = self.plan.topology
+            waiting = {s: {topo.worker_of_rank(r) for r in arrived[s]} for s in range(pp)}
             inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
             for tensor, ((y, _), c) in self.received.items():
                 inputs[y][c] = tensor
-            self.report_cycle(stuck, pos, inputs, self.sent, arrived)
+            self.report_cycle(stuck, pos, inputs, self.sent, waiting)
 
     def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],
                      sent: dict[Tensor, Where], arrived: dict[int, set[Worker]]) -> NoReturn:

@@ -29,19 +29,26 @@ def _is_number(v: object) -> bool:
 
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
     if _is_number(value):
-        values: tuple[Any, ...] = (value,) * pp
-    elif isinstance(value, (list, tuple)):
-        values = tuple(value)
-    else:
+        return (_cost(name, value),) * pp  # checked once, not once per stage (pp may be 200k)
+    if not isinstance(value, (list, tuple)):
         raise CostModelError(f"{name} must be a number or a list of one number per stage, got {type(value).__name__}")
-    if len(values) != pp:
-        raise CostModelError(f"{name} has {len(values)} entries but the model has {pp} stages: give one per stage")
-    for v in values:
-        # Compared before any float(): a 401-digit int would overflow; NaN fails both comparisons.
-        if not _is_number(v) or not 0 <= v <= MAX_COST:
-            shown = repr(v) if len(repr(v)) < 40 else repr(v)[:37] + "..."
-            raise CostModelError(f"{name} must hold numbers from 0 to {MAX_COST:g}, got {shown}")
-    return tuple(float(v) for v in values)
+    if len(value) != pp:
+        raise CostModelError(f"{name} has {len(value)} entries but the model has {pp} stages: give one per stage")
+    try:  # per-stage lists repeat a few values (pp may be 200k): check each (type, value) once, in order
+        distinct = list(dict.fromkeys((type(v), v) for v in value))
+    except TypeError:  # an unhashable entry: check them all, in order
+        return tuple(_cost(name, v) for v in value)
+    for _, v in distinct:
+        _cost(name, v)
+    return tuple(map(float, value))
+
+
+def _cost(name: str, v: Any) -> float:
+    # Compared before any float(): a 401-digit int would overflow; NaN fails both comparisons.
+    if not _is_number(v) or not 0 <= v <= MAX_COST:
+        shown = repr(v) if len(repr(v)) < 40 else repr(v)[:37] + "..."
+        raise CostModelError(f"{name} must hold numbers from 0 to {MAX_COST:g}, got {shown}")
+    return float(v)
 
 
 def _limit(value: object, pp: int) -> float | tuple[float, ...] | None:

@@ -61,7 +61,7 @@ class Op:
     @classmethod
     def trusted(cls, kind: OpKind, pipeline: int, microbatch: int, stage: int) -> Op:
         """Build without the dataclass constructor, for loaders that checked the fields already."""
-        op = object.__new__(cls)
+        op = _new(cls)
         _set(op, "kind", kind)
         _set(op, "pipeline", pipeline)
         _set(op, "microbatch", microbatch)
@@ -140,7 +140,7 @@ class Instruction:
         """Build without `__post_init__`'s checks, for code that makes well-formed instructions by
         construction (`lower` makes hundreds of thousands); anything parsed or user-made goes through
         the checked constructor."""
-        ins = object.__new__(cls)
+        ins = _new(cls)
         _set(ins, "kind", kind)
         _set(ins, "op", op)
         _set(ins, "peer", peer)
@@ -187,6 +187,7 @@ class Instruction:
 
 
 _set = object.__setattr__  # how a frozen dataclass sets its own fields
+_new = object.__new__  # bound once: `trusted` builds millions of ops and instructions
 _N = r"\d{1,18}"  # bounded: int() of a 4300-digit number raises, and no count needs more than 18 digits
 _INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N})(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
 

@@ -50,22 +50,23 @@ def _lower(
 ) -> Plan:
     topology = order.topology
     pp = topology.pp
-    runner = order.runner()
-
-    def missing(d: int, m: int, stage: int) -> ScheduleError:
-        return ScheduleError(
-            f"the order has no F for micro-batch {m} of pipeline {d} at stage {stage}, which a neighbouring "
-            "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
-        )
+    # Workers are numbered by their place in `order.ops` and every per-worker table below is a list
+    # indexed by that number: hashing the `Worker` dataclass per op cost more than the lowering itself.
+    workers = list(order.ops)
+    runner: dict[tuple[int, int, int], int] = {}  # (pipeline, micro-batch, stage) -> the worker running its F
+    F, B, BW = OpKind.F, OpKind.B, OpKind.BW
+    for x, ops in enumerate(order.ops.values()):
+        for op in ops:
+            if op.kind is F:
+                runner[(op.pipeline, op.microbatch, op.stage)] = x
 
     # Every op sends at most one tensor: per worker, per op index, (tensor, receiver) or None.
-    sends: dict[Worker, list[tuple[Tensor, Worker] | None]] = {}
+    sends: list[list[tuple[Tensor, int] | None]] = []
     # Per receiver, per sender: the tensors on that channel in the sender's order (FIFO per channel).
-    inbound: dict[Worker, dict[Worker, list[Tensor]]] = {w: {} for w in order.ops}
-    F, B, BW = OpKind.F, OpKind.B, OpKind.BW
-    for w, ops in order.ops.items():
-        out: list[tuple[Tensor, Worker] | None] = []
-        sends[w] = out
+    inbound: list[dict[int, list[Tensor]]] = [{} for _ in workers]
+    for x, ops in enumerate(order.ops.values()):
+        out: list[tuple[Tensor, int] | None] = []
+        sends.append(out)
         for op in ops:
             kind, d, m, s = op.kind, op.pipeline, op.microbatch, op.stage
             if kind is F and s < pp - 1:
@@ -77,18 +78,18 @@ def _lower(
                 continue
             y = runner.get(to)
             if y is None:
-                raise missing(*to)
+                raise _missing(*to)
             out.append((tensor, y))
-            into = inbound.get(y)
-            if into is None:
-                into = inbound[y] = {}
-            lst = into.get(w)
+            lst = inbound[y].get(x)
             if lst is None:
-                into[w] = [tensor]
+                inbound[y][x] = [tensor]
             else:
                 lst.append(tensor)
 
-    streams = {w: _stream(w, ops, pp, runner, sends[w], inbound.get(w, {})) for w, ops in order.ops.items()}
+    streams = {
+        w: _stream(w, ops, pp, runner, workers, sends[x], inbound[x])
+        for x, (w, ops) in enumerate(order.ops.items())
+    }
     return Plan(
         topology=topology,
         costs=costs,
@@ -101,6 +102,13 @@ def _lower(
     )
 
 
+def _missing(d: int, m: int, stage: int) -> ScheduleError:
+    return ScheduleError(
+        f"the order has no F for micro-batch {m} of pipeline {d} at stage {stage}, which a neighbouring "
+        "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
+    )
+
+
 _RECV = {"act": InstrKind.RECV_ACT, "grad": InstrKind.RECV_GRAD}
 _SEND = {"act": InstrKind.SEND_ACT, "grad": InstrKind.SEND_GRAD}
 
@@ -109,14 +117,16 @@ def _stream(
     w: Worker,
     ops: tuple[Op, ...],
     pp: int,
-    runner: Mapping[tuple[int, int, int], Worker],
-    sends: list[tuple[Tensor, Worker] | None],
-    inbound: Mapping[Worker, list[Tensor]],
+    runner: Mapping[tuple[int, int, int], int],
+    workers: list[Worker],
+    sends: list[tuple[Tensor, int] | None],
+    inbound: Mapping[int, list[Tensor]],
 ) -> tuple[Instruction, ...]:
-    """One worker's stream (see the module docstring for where each instruction goes)."""
+    """One worker's stream (see the module docstring for where each instruction goes); other workers
+    are named by their number in `workers`."""
     make = Instruction.trusted  # the fields are right by construction: skip re-validating each one
     # What this worker receives: tensor -> (consumer op here, sender), and per op its one input.
-    consumer: dict[Tensor, tuple[Op, Worker]] = {}
+    consumer: dict[Tensor, tuple[Op, int]] = {}
     needs: list[Tensor | None] = []
     F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for op in ops:
@@ -124,12 +134,15 @@ def _stream(
         tensor: Tensor | None = None
         if kind is F and s > 0:
             tensor = ("act", d, m, s - 1)
-            consumer[tensor] = (op, runner[(d, m, s - 1)])
         elif (kind is B or kind is BW) and s < pp - 1:
             tensor = ("grad", d, m, s + 1)
-            consumer[tensor] = (op, runner[(d, m, s + 1)])
+        if tensor is not None:
+            x = runner.get(tensor[1:])
+            if x is None:
+                raise _missing(*tensor[1:])
+            consumer[tensor] = (op, x)
         needs.append(tensor)
-    position: dict[Tensor, int] = {}
+    position: dict[Tensor, int] = {}  # tensor -> its place on its channel
     for x, tensors in inbound.items():
         for i, t in enumerate(tensors):
             position[t] = i
@@ -137,12 +150,20 @@ def _stream(
                 what = "F" if t[0] == "act" else "B or BW"
                 stage = t[3] + 1 if t[0] == "act" else t[3] - 1
                 raise ScheduleError(
-                    f"{x} sends {w} a tensor of micro-batch {t[2]} of pipeline {t[1]} but {w} runs no {what} "
+                    f"{workers[x]} sends {w} a tensor of micro-batch {t[2]} of pipeline {t[1]} but {w} runs no {what} "
                     f"for it at stage {stage}: run F, B and W of a (pipeline, micro-batch, stage) on one worker"
                 )
+    for op, t in zip(ops, needs, strict=True):
+        if t is not None and (t not in position or consumer[t][1] not in inbound):
+            what = "activation" if t[0] == "act" else "gradient"
+            raise ScheduleError(
+                f"{w} runs {op} of stage {op.stage}, but {workers[consumer[t][1]]}, which runs stage {t[3]}'s F "
+                f"of it, does not send it the {what} it needs: give every (pipeline, micro-batch, stage) exactly "
+                "one F and one B or BW, run on one worker"
+            )
 
     out: list[Instruction] = []
-    posted: dict[Worker, int] = {}  # sender -> how many of its sends to us are received
+    posted: dict[int, int] = {}  # sender -> how many of its sends to us are received
 
     def post(tensor: Tensor | None) -> None:
         if tensor is None:
@@ -152,7 +173,7 @@ def _stream(
         if upto < done:
             return
         for t in inbound[x][done : upto + 1]:  # earlier-sent tensors first: FIFO per channel
-            out.append(make(_RECV[t[0]], consumer[t][0], x))
+            out.append(make(_RECV[t[0]], consumer[t][0], workers[x]))
         posted[x] = upto + 1
 
     if ops:
@@ -167,6 +188,6 @@ def _stream(
         out.append(make(_COMPUTE[kind], op, None))
         sent = sends[j]
         if sent is not None:
-            out.append(make(_SEND[sent[0][0]], op, sent[1]))
+            out.append(make(_SEND[sent[0][0]], op, workers[sent[1]]))
     out += [_ALLREDUCE, _STEP]
     return tuple(out)

@@ -36,6 +36,7 @@ from typing import Any
 from schedcomp import fileio, limits
 from schedcomp.costs import CostModel
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan
 from schedcomp.topology import Topology, Worker
 
@@ -172,11 +173,12 @@ def _parse_worker(text: str, what: str) -> Worker:
 # ---- JSON -----------------------------------------------------------------------------------------
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def plan_to_json(plan: Plan, indent: bool = True) -> str:
     """The versioned JSON form of `plan`: one line per header key and per worker's stream, or one
     line in all with `indent=False`."""
     data = _header(plan)
-    streams = {str(w): [str(i) for i in plan.streams[w]] for w in sorted(plan.streams)}
+    streams = {str(w): list(map(str, plan.streams[w])) for w in sorted(plan.streams)}
     if not indent:
         return _dumps({**data, "streams": streams}, separators=(",", ":"))
     # One line per key and per stream keeps files diff-able without a line per instruction.
@@ -190,6 +192,7 @@ def plan_from_json(text: str) -> Plan:
     return _plan_from_data(_loads(text, "plan"))
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def _plan_from_data(data: Any) -> Plan:
     fields = _parse_header(data, "plan")
     streams_data = _get(data, "streams", dict, "plan")
@@ -203,6 +206,7 @@ def _plan_from_data(data: Any) -> Plan:
 # ---- text -----------------------------------------------------------------------------------------
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def plan_to_text(plan: Plan) -> str:
     """The compact text form: a JSON header line, then `WORKER: INSTR INSTR ...` per worker."""
     lines = [_dumps(_header(plan), separators=(",", ":"))]
@@ -214,6 +218,7 @@ def plan_to_text(plan: Plan) -> str:
 _LINE_RE = re.compile(r"(?P<worker>\d+:\d+):(?P<rest>.*)")
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def plan_from_text(text: str) -> Plan:
     """Read the text form written by `plan_to_text`; PlanFormatError if it is not one."""
     if not isinstance(text, str):
@@ -301,6 +306,7 @@ def plan_to_torch_csv(plan: Plan) -> str:
     return order_to_torch_csv(order)
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def order_from_torch_csv(
     text: str, pp: int | None = None, microbatches: int | None = None, dp: int = 1, family: str = "torch-csv"
 ) -> Order:

@@ -136,6 +136,21 @@ def test_fifo_violation_on_a_channel() -> None:
     rejected(edit(plan, "0:1", stream), "0:1", min(i, j), "receive #0 from 0:0", "SEND_ACT[F0.0>0:1]")
 
 
+def test_fifo_violations_on_two_channels_name_the_first_by_sender_then_receiver() -> None:
+    """The scan meets channel 0:2 -> 0:1 (gradients, at receiver 0:1) before 0:1 -> 0:2 (activations, at 0:2);
+    the one reported is the first in (sender, receiver) order, whatever order the channels were met in."""
+    plan = plan_of("gpipe")
+    down = list(plan.streams[W("0:1")])
+    i, j = at(plan, "0:1", "RECV_GRAD[BW0.0<0:2]"), at(plan, "0:1", "RECV_GRAD[BW1.0<0:2]")
+    down[i], down[j] = down[j], down[i]
+    up = list(plan.streams[W("0:2")])
+    k, n = at(plan, "0:2", "RECV_ACT[F0.0<0:1]"), at(plan, "0:2", "RECV_ACT[F1.0<0:1]")
+    up[k], up[n] = up[n], up[k]
+    rejected(edit(plan, "0:1", down), "0:1", i, "receive #0 from 0:2")  # each alone is caught
+    both = edit(edit(plan, "0:1", down), "0:2", up)
+    rejected(both, "0:2", k, "receive #0 from 0:1", "SEND_ACT[F0.0>0:2]")
+
+
 def test_fifo_violation_from_swapped_sends() -> None:
     """The sender reorders its forwards; the receiver's (unchanged) receives no longer match."""
     plan = plan_of("gpipe")
@@ -216,6 +231,9 @@ def test_workers_must_be_live_and_have_streams() -> None:
     rejected(replace(plan, streams=streams), "1:3", None, "no stream")
     failed = replace(plan, topology=Topology.of(4, 2, [(1, 3)]))
     rejected(failed, "1:3", None, "not a live worker")
+    streams = dict(plan.streams)
+    streams[Worker(1.0, 3)] = streams.pop(W("1:3"))  # type: ignore[arg-type]  # workers are numbered by integers
+    rejected(replace(plan, streams=streams), "1.0:3", None, "not a live worker")
 
 
 def test_op_at_the_wrong_stage() -> None:

@@ -123,6 +123,11 @@ def test_huge_costs_no_longer_overflow_the_solvers(work):
         assert strict_json(run.out)["period"] >= 1e15
 
 
+def test_import_torch_of_a_csv_missing_a_backward_is_one_line(work):
+    (work / "s.csv").write_text("0F0,0B0\n1F0\n")  # stage 1 never sends stage 0 its gradient (was a KeyError)
+    assert_refused(cli("import-torch", "s.csv"), "0:0 runs BW0.0 of stage 0")
+
+
 def test_a_4300_digit_number_in_a_plan_or_csv_is_one_line(work):
     assert cli("compile", "--pp", "2", "-m", "2", "--schedule", "1f1b", "-o", "p.json").code == 0
     text = (work / "p.json").read_text()

@@ -133,6 +133,32 @@ def test_incomplete_order_is_an_error() -> None:
         lower(Order(order.topology, order.microbatches, ops, "broken"), CostModel.uniform(3))
 
 
+@pytest.mark.parametrize(
+    ("rows", "words"),
+    [
+        # Stage 1 runs F0 but no backward: stage 0's BW0 waits for a gradient nobody sends (was a KeyError).
+        ([["F0", "BW0"], ["F0"]], ["0:0 runs BW0.0 of stage 0", "0:1", "does not send it the gradient"]),
+        # Stage 0 runs nothing: stage 1's F0 has no producer (was a KeyError).
+        ([[], ["F0"]], ["no F for micro-batch 0 of pipeline 0 at stage 0"]),
+        # The F of (0, 0, 1) runs on 0:1 and again on 0:2, which takes 0:1's place as its runner: 0:0 waits
+        # for a gradient from 0:2, which sends it nothing (was a KeyError).
+        ([["F0", "BW0"], ["F0", "BW0"], ["F0@1", "F0", "BW0"]],
+         ["0:0 runs BW0.0 of stage 0, but 0:2", "does not send"]),
+    ],
+)
+def test_an_op_whose_input_nobody_sends_is_a_schedule_error(rows: list[list[str]], words: list[str]) -> None:
+    def op(text: str, s: int) -> Op:
+        name, _, stage = text.partition("@")
+        return Op(OpKind(name.rstrip("0123456789")), 0, int(name[-1]), int(stage) if stage else s)
+
+    pp = len(rows)
+    order = Order(Topology(pp), 1, {W(f"0:{s}"): tuple(op(t, s) for t in row) for s, row in enumerate(rows)})
+    with pytest.raises(ScheduleError) as info:
+        lower(order, CostModel.uniform(pp))
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
 # ---- the compile entry ---------------------------------------------------------------------------
 
 

@@ -49,6 +49,19 @@ def export_torch(args: argparse.Namespace) -> int:
 
 
 def import_torch(args: argparse.Namespace) -> int:
+    from schedcomp.gcpause import paused_gc
+
+    with paused_gc():  # a batch of millions of acyclic objects: see `schedcomp.gcpause`
+        text = _import(args)
+    if args.output:
+        write_text(args.output, text, "plan")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> str:
+    """The plan JSON of the CSV schedule `args.csv`: parsed, lowered and checked."""
     from schedcomp.check import check
     from schedcomp.costs import CostModel
     from schedcomp.errors import PlanFormatError
@@ -64,9 +77,4 @@ def import_torch(args: argparse.Namespace) -> int:
     costs = load_costs(args.costs, pp) or CostModel.uniform(pp)
     plan = lower(order, costs)
     check(plan)
-    text = plan_to_json(plan)
-    if args.output:
-        write_text(args.output, text, "plan")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return plan_to_json(plan)
