@@ -55,7 +55,7 @@ def _limit(value: object, pp: int) -> float | tuple[float, ...] | None:
     """None, one positive finite number, or one per stage (a tuple; equal entries collapse to one)."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_number(value):
         if not (math.isfinite(value) and value > 0):
             raise CostModelError(f"memory_limit must be a positive finite number, got {value!r}")
         return float(value)
@@ -112,7 +112,7 @@ class CostModel:
         set_(self, "p2p", _per_stage("p2p", [self.p2p], 1)[0])
         frees = self.b_frees if isinstance(self.b_frees, Sequence) else [self.b_frees]
         if isinstance(self.b_frees, str) or not all(
-            isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0 for f in frees
+            _is_number(f) and 0.0 <= f <= 1.0 for f in frees
         ):
             raise CostModelError(f"b_frees must be a fraction in [0, 1] (or one per stage), got {self.b_frees!r}")
         if isinstance(self.b_frees, Sequence):

@@ -156,11 +156,6 @@ def dumps_json(value: Any, **kwargs: Any) -> str:
         raise SchedcompError(f"cannot write JSON: {e}") from None
 
 
-def finite(value: float, what: str, error: type[SchedcompError] = SchedcompError) -> float:
-    if not math.isfinite(value):
-        raise error(f"{what} must be a finite number, not {value}")
-    return value
-
 
 def _nesting(value: Any) -> int:
     """Deepest container nesting of a parsed JSON value, without recursion (only containers are

@@ -64,14 +64,21 @@ def test_snapshot_restores_parameters_buffers_and_optimizer_state_exactly() -> N
     assert state_digest(module, optimizer) == before
 
 
+def _donor_and_recipient(scenario: str, recipient_reports: bool = True) -> tuple[dict, dict | None]:
+    """Run `scenario` as workers 0:0 (the donor) and 1:0 of a pp=1, dp=2 job; their results (None for a
+    recipient that reports nothing, e.g. one stalled on purpose)."""
+    _server, address = serve_store()  # the store lives as long as this name: the whole run
+    with children() as procs:
+        for w in (Worker(0, 0), Worker(1, 0)):
+            procs.append(start(WorkerEnv(address, w, 1, 2, 0).to_env(), scenario))
+        donor = result(procs[0])
+        return donor, (result(procs[1]) if recipient_reports else None)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.slow
 def test_replacement_receives_its_stage_state_bit_exact_from_a_live_replica() -> None:
-    _server, address = serve_store()  # keep the server alive for the whole test
-    with children() as procs:
-        for w in (Worker(0, 0), Worker(1, 0)):
-            procs.append(start(WorkerEnv(address, w, 1, 2, 0).to_env(), "transfer"))
-        donor, receiver = (result(p) for p in procs)
+    donor, receiver = _donor_and_recipient("transfer")
     assert receiver["before"] != donor["before"]
     assert receiver["after"] == donor["after"] == donor["before"]
     assert receiver["bytes"] == donor["bytes"] > 0
@@ -84,10 +91,6 @@ def test_a_donor_gives_up_on_a_recipient_that_hangs_mid_transfer() -> None:
     # Issue 11: a blocking send to a recipient that stopped held the donor for the group timeout
     # (600 s here, longer than this test may run). Waiting abortably, the donor gives up once
     # heartbeats declare the recipient failed.
-    _server, address = serve_store()  # the store lives as long as this name
-    with children() as procs:
-        for w in (Worker(0, 0), Worker(1, 0)):
-            procs.append(start(WorkerEnv(address, w, 1, 2, 0).to_env(), "stalled_recipient"))
-        donor = result(procs[0])
+    donor, _ = _donor_and_recipient("stalled_recipient", recipient_reports=False)
     assert donor["aborted"] is not None and "broke" in donor["aborted"], donor
     assert donor["failed"] == ["1:0"]

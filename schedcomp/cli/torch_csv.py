@@ -40,12 +40,7 @@ def register(subparsers: Any) -> None:
 def export_torch(args: argparse.Namespace) -> int:
     from schedcomp.serialize import plan_to_torch_csv
 
-    text = plan_to_torch_csv(load_plan(args.plan))
-    if args.output:
-        write_text(args.output, text, "CSV")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return _emit(args.output, plan_to_torch_csv(load_plan(args.plan)), "CSV")
 
 
 def import_torch(args: argparse.Namespace) -> int:
@@ -53,8 +48,13 @@ def import_torch(args: argparse.Namespace) -> int:
 
     with paused_gc():  # a batch of millions of acyclic objects: see `schedcomp.gcpause`
         text = _import(args)
-    if args.output:
-        write_text(args.output, text, "plan")
+    return _emit(args.output, text, "plan")
+
+
+def _emit(output: str | None, text: str, what: str) -> int:
+    """Write `text` to the `-o` file (atomically), or to stdout when none is given."""
+    if output:
+        write_text(output, text, what)
     else:
         sys.stdout.write(text)
     return 0
