@@ -5,6 +5,7 @@ Reproduce (from the repository root):
 
     python bench/bench_validate.py                 # both sweeps and the 200k-row import
     python bench/bench_validate.py --max-rows 50000 # a quicker run
+    python bench/bench_validate.py --import-only    # only the 200k-row import
 
 Two sweeps, doubling the plan each step, so linear time shows as a constant time per instruction
 and a ratio near 2 between neighbouring rows (quadratic would show 4):
@@ -66,26 +67,37 @@ def main_(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-rows", type=int, default=200_000)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--import-only", action="store_true", help="only the 200k-row import row")
     args = ap.parse_args(argv)
 
     rows = [r for r in (12_500, 25_000, 50_000, 100_000, 200_000) if r <= args.max_rows]
 
-    def by_stages(r: int) -> object:
-        order = order_from_torch_csv(gpipe_csv(r))
-        return lower(order, CostModel.uniform(r))
+    if not args.import_only:
+        sweeps(rows, args.repeat)
+    import_row(args.max_rows)
 
-    sweep("stages (pp = rows, dp = 1, M = 2): CSV -> lower -> check", rows, by_stages, args.repeat)
+
+def by_stages(rows: int) -> object:
+    order = order_from_torch_csv(gpipe_csv(rows))
+    return lower(order, CostModel.uniform(rows))
+
+
+def sweeps(rows: list[int], repeat: int) -> None:
+    sweep("stages (pp = rows, dp = 1, M = 2): CSV -> lower -> check", rows, by_stages, repeat)
     sweep("pipelines (1F1B, pp = 4, M = 8, dp = D)", [1_000, 2_000, 4_000, 8_000, 16_000],
-          lambda d: compile(4, d, 8, schedule="1f1b"), args.repeat)
+          lambda d: compile(4, d, 8, schedule="1f1b"), repeat)
+
+
+def import_row(rows: int) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         csv, out = Path(d) / "schedule.csv", Path(d) / "plan.json"
-        csv.write_text(gpipe_csv(args.max_rows))
+        csv.write_text(gpipe_csv(rows))
         t0, c0 = time.perf_counter(), time.process_time()
         with contextlib.redirect_stdout(io.StringIO()):
             code = main(["import-torch", str(csv), "-o", str(out)])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        print(f"\nimport-torch of a {args.max_rows:,}-row CSV: exit {code}, {wall:.2f} s wall, {cpu:.2f} s CPU "
+        print(f"\nimport-torch of a {rows:,}-row CSV: exit {code}, {wall:.2f} s wall, {cpu:.2f} s CPU "
               f"(target < 10 s; wall exceeds CPU when other processes share the cores), "
               f"plan {out.stat().st_size / 1e6:.1f} MB")
 
