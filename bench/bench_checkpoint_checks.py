@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, SafeReader, checkpoint_dir, restore
+from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_dir, restore
 from schedcomp.runtime.fault.checkpoint_check import (
     check_against_stage,
     check_digests,
@@ -43,6 +43,7 @@ from schedcomp.runtime.fault.checkpoint_check import (
     read_manifest,
     stored_digests,
 )
+from schedcomp.runtime.fault.dcp_io import SafeReader
 from schedcomp.runtime.fault.transfer import flatten, load_stage_state, stage_state, unflatten
 
 warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")

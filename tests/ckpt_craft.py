@@ -20,7 +20,8 @@ import pytest
 import torch
 from fault_procs import demo_stage, state_digest, train_demo
 
-from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, SafeReader, checkpoint_dir
+from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir
+from schedcomp.runtime.fault.dcp_io import SafeReader
 
 ITERATION, STAGE = 3, 0
 

@@ -12,7 +12,7 @@ One replica per stage writes (`policy`-free rule: the lowest live pipeline of th
 Restoring trusts no pickle: the tensors are loaded with DCP's `weights_only` reader, the
 structure around them comes from our JSON manifest (`transfer.flatten`), and DCP's own
 `.metadata` (a pickle) is read by an unpickler that only builds DCP's metadata classes, torch
-sizes and dtypes (`SafeReader`); anything else in it is refused. The manifest records a SHA-256
+sizes and dtypes (`dcp_io.SafeReader`); anything else in it is refused. The manifest records a SHA-256
 of each tensor's stored bytes, and everything (manifest, layout against the stage's own state,
 metadata, digests) is checked before a tensor is allocated (`checkpoint_check`): a damaged or
 crafted checkpoint is one RecoveryError naming its file.
@@ -20,24 +20,17 @@ crafted checkpoint is one RecoveryError naming its file.
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 import re
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from schedcomp.errors import RecoveryError, SchedcompError
-from schedcomp.fileio import dumps_json, read_bytes, write_atomic
+from schedcomp.errors import RecoveryError
+from schedcomp.fileio import dumps_json, write_atomic
 from schedcomp.runtime.fault.checkpoint_check import (
     CHECKPOINT_FORMAT,
     MANIFEST,
@@ -45,20 +38,19 @@ from schedcomp.runtime.fault.checkpoint_check import (
     check_against_stage,
     check_digests,
     check_metadata_matches,
-    check_storage,
     read_manifest,
     stored_digests,
 )
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
 
+if TYPE_CHECKING:
+    from schedcomp.runtime.fault.dcp_io import SafeReader
+
 log = logging.getLogger(__name__)
 
 _ITER_RE = re.compile(r"iter(\d{8})")
 
-# Per-stage checkpoints are single-process saves by design (`no_dist`); DCP warns about that from
-# its writer threads too, where a `catch_warnings` block cannot reach.
-warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*", category=UserWarning)
 
 
 def checkpoint_dir(directory: str | Path, iteration: int, stage: int) -> Path:
@@ -108,8 +100,9 @@ class AsyncCheckpointer:
             raise RecoveryError(f"cannot create checkpoint directory {path}: {e.strerror or e}") from None
         manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage, "skeleton": skeleton,
                     "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
-        future = dcp.async_save({f"t{i}": t for i, t in enumerate(tensors)},
-                                storage_writer=FileSystemWriter(path), no_dist=True)
+        from schedcomp.runtime.fault import dcp_io  # DCP on first use: see `dcp_io`
+
+        future = dcp_io.save_async(tensors, path)
         committed: Future = Future()  # done once the manifest is written, not just the files
         future.add_done_callback(lambda f: _commit(f, path, manifest, committed))
         self._pending = committed
@@ -123,12 +116,11 @@ class AsyncCheckpointer:
 
 
 def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Future) -> None:
+    from schedcomp.runtime.fault import dcp_io
+
     try:
-        try:
-            saved.result()
-        except CheckpointException as e:  # a BaseException: uncaught, it would leave `committed` pending forever
-            raise RecoveryError(f"checkpoint {path} could not be written ({_first_line(e)})") from None
-        digests = stored_digests(SafeReader(path).read_metadata(), path)
+        dcp_io.saved(saved, path)
+        digests = stored_digests(dcp_io.SafeReader(path).read_metadata(), path)
         for i, spec in enumerate(manifest["tensors"]):
             spec["sha256"] = digests[f"t{i}"]
         # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
@@ -168,7 +160,9 @@ def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module
     manifest, reader = checked_checkpoint(path, iteration, stage, module, optimizer)
     specs = manifest.specs
     target = {f"t{i}": torch.empty(s.shape, dtype=s.torch_dtype) for i, s in enumerate(specs)}
-    _load_tensors(target, reader, path)
+    from schedcomp.runtime.fault import dcp_io
+
+    dcp_io.load(target, reader, path)
     tensors = [target[f"t{i}"] for i in range(len(specs))]
     on_device = [t.to(torch.device("cuda", torch.cuda.current_device())) if s.device == "cuda" else t
                  for t, s in zip(tensors, specs, strict=True)]
@@ -182,6 +176,8 @@ def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module
         raise RecoveryError(f"checkpoint {path} does not exist: pick another iteration (see latest_complete)")
     manifest = read_manifest(path, iteration, stage)
     check_against_stage(manifest, module, optimizer)
+    from schedcomp.runtime.fault.dcp_io import SafeReader
+
     reader = SafeReader(path)
     metadata = reader.read_metadata()
     check_metadata_matches(metadata, manifest, str(reader.metadata_path))
@@ -189,94 +185,18 @@ def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module
     return manifest, reader
 
 
-def _load_tensors(target: dict[str, torch.Tensor], reader: SafeReader, path: Path) -> None:
-    try:
-        dcp.load(target, storage_reader=reader, no_dist=True)
-    except SchedcompError:
-        raise
-    except (Exception, CheckpointException) as e:  # a damaged data file: DCP wraps torch.load's complaint
-        raise RecoveryError(f"checkpoint {path}: cannot read its tensors ({_first_line(e)}): "
-                            "pick another iteration (see latest_complete)") from None
-
-
 def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest,
                      tensors: list[torch.Tensor]) -> None:
+    from schedcomp.runtime.fault.dcp_io import first_line
+
     state = unflatten(manifest.skeleton, tensors)  # the skeleton was checked with the specs already
     try:
         load_stage_state(module, optimizer, state)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
         raise RecoveryError(f"checkpoint manifest {manifest.path}: its state does not load into this stage "
-                            f"({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    """One line saying what went wrong: for DCP's exception, the first failure it wraps."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                            f"({first_line(e)})") from None
 
 
 def iterations_lost(checkpointed: int | None, reached: int) -> int:
     """Iterations to redo after restarting from `checkpointed` when the job had completed `reached`."""
     return reached - (checkpointed if checkpointed is not None else -1)
-
-
-# ---- reading DCP's pickled metadata safely ------------------------------------------------------------
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    _DCP_METADATA: {"Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-                    "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # maps a layout's name to the layout
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP metadata objects, `torch.Size` and dtypes: a pickle asking for anything else is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader, except that its metadata pickle is read with an allow-list, and checked.
-
-    The metadata is read and checked once (`checkpoint_check.check_storage`: every data file inside
-    the checkpoint's directory, every byte range present) and the same checked object is handed to
-    DCP every time it asks, so the file cannot change between the check and the load.
-    """
-
-    _checked: Metadata | None = None
-
-    @property
-    def metadata_path(self) -> Path:
-        return Path(self._get_metadata_path(None))
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise RecoveryError("schedcomp checkpoints are written by one process: per-rank metadata is not used")
-        if self._checked is None:
-            self._checked = self._read_checked()
-        self._checked.storage_meta.load_id = self.load_id
-        return self._checked
-
-    def _read_checked(self) -> Metadata:
-        path = self.metadata_path
-        data = read_bytes(path, "checkpoint metadata", RecoveryError)
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as e:  # anything a crafted pickle makes the allowed classes raise
-            raise RecoveryError(f"checkpoint metadata {path} is not plain DCP metadata ({_first_line(e)}): "
-                                "refusing to load it") from None
-        if not isinstance(metadata, Metadata):
-            raise RecoveryError(f"checkpoint metadata {path} is a {type(metadata).__name__}, not DCP metadata")
-        check_storage(metadata, self.path, str(path))
-        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
-            metadata.storage_meta = StorageMeta()
-        return metadata

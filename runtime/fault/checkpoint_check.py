@@ -11,7 +11,7 @@ a single tensor is allocated or a data file opened, `restore` checks, in this or
    groups, and each state tensor is no bigger than the parameter it belongs to (or, when the
    optimizer already holds state, exactly its shape). So no manifest, whatever shapes it claims,
    makes us allocate more than the stage itself holds;
-3. DCP's `.metadata` (`check_storage`, run by `SafeReader` on every read of it): every data file it
+3. DCP's `.metadata` (`check_storage`, run by `dcp_io.SafeReader` on every read of it): every data file it
    names lies inside the checkpoint's own directory (no `..`, no absolute path, no symlink out),
    exists, and holds the byte range named; every tensor is one whole chunk we could have written;
    no stream transforms (we never write any);
@@ -33,20 +33,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from reprlib import repr as brief  # a value in an error message, cut short
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
 
 from schedcomp.errors import RecoveryError
 from schedcomp.fileio import load_json, read_text
 from schedcomp.runtime.fault.transfer import TensorSpec, stage_state, unflatten
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 MANIFEST = "manifest.json"
 CHECKPOINT_FORMAT = 2  # 2: each tensor's stored bytes carry a SHA-256 digest
@@ -225,6 +222,8 @@ def _check_state_tensor(spec: TensorSpec, own: Any, numel: int, where: str) -> N
 def check_storage(metadata: Metadata, directory: str | os.PathLike[str], source: str) -> None:
     """Refuse metadata naming data outside `directory`, missing files or byte ranges, or odd chunks."""
     root = Path(directory).resolve()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP on first use: see `dcp_io`
+
     what = f"checkpoint metadata {source}"
     # A pickle may BUILD an allowed class with any attributes: nothing is assumed present or typed.
     tensors, storage = (getattr(metadata, k, None) for k in ("state_dict_metadata", "storage_data"))
@@ -240,6 +239,8 @@ def check_storage(metadata: Metadata, directory: str | os.PathLike[str], source:
 
 
 def _check_chunks(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any], what: str) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
     size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
     chunk = chunks[0] if isinstance(chunks, list) and len(chunks) == 1 else None
     offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
@@ -278,6 +279,8 @@ def _check_storage_item(index: Any, info: Any, root: Path, sizes: dict[Path, int
 
 def check_metadata_matches(metadata: Metadata, manifest: Manifest, source: str) -> None:
     """The metadata holds exactly the manifest's tensors, each stored in at least the bytes it needs."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     what = f"checkpoint metadata {source}"
     names = [f"t{i}" for i in range(len(manifest.specs))]
     if set(metadata.state_dict_metadata) != set(names):
@@ -300,6 +303,8 @@ def stored_digests(metadata: Metadata, directory: str | os.PathLike[str]) -> dic
     Written into the manifest once DCP has saved, and compared before restoring: a data file whose
     bytes changed, or metadata that sends a tensor to another tensor's bytes, is refused.
     """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     root = Path(directory).resolve()
     digests = {}
     for fqn, md in metadata.state_dict_metadata.items():
