@@ -19,34 +19,22 @@ from __future__ import annotations
 import random
 
 import pytest
-from fault_procs import run_job
-from resilient_procs import HERE, assert_matches_reference, chaos_reference
+from chaos_job import DP, ITERATIONS, MICROBATCHES, PP, launch, precompile_chaos_plans, precompile_plan
+from resilient_procs import assert_matches_reference, chaos_reference
 
-from schedcomp.cache import precompile
 from schedcomp.topology import Worker
-
-PP, DP, MICROBATCHES, ITERATIONS = 4, 2, 4, 5
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("plans")
-    precompile(PP, DP, MICROBATCHES, 2, directory=directory, time_limit=1.0)
-    return str(directory)
+    return precompile_chaos_plans(tmp_path_factory.mktemp("plans"))
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict]:
     return chaos_reference(PP, DP * MICROBATCHES, ITERATIONS)
-
-
-def launch(cache_dir: str, victims: str, iterations: int = ITERATIONS, respawn: int = 0, hold: int = -1,
-           timeout: float = 150.0) -> dict[str, dict]:
-    results, _ = run_job(PP, DP, ["--respawn", str(respawn)],
-                         [str(HERE), "resilient", str(iterations), cache_dir, victims, str(hold)], timeout)
-    return results
 
 
 def check(results: dict[str, dict], reference: list[dict], dead: set[Worker], iterations: int = ITERATIONS,
@@ -115,12 +103,6 @@ def test_rejoin_then_a_second_failure(cache_dir) -> None:
     assert all(r["rejoined"] is None for w, r in results.items() if w != str(a))
     assert all(r["failed"] == [str(b)] for r in results.values())
     assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(a))
-
-
-def precompile_plan(cache_dir: str):
-    from schedcomp.cache import PlanCache
-
-    return PlanCache.load(cache_dir).lookup([])
 
 
 def test_a_death_after_the_final_meeting_changes_nothing(cache_dir, reference) -> None:

@@ -17,18 +17,21 @@ from __future__ import annotations
 import random
 
 import pytest
+from chaos_job import DP, ITERATIONS, MICROBATCHES, PP, launch, precompile_chaos_plans, precompile_plan
 from resilient_procs import ROWS, chaos_reference, lossy_reference
-from test_fault_chaos import DP, ITERATIONS, MICROBATCHES, PP, cache_dir, launch, precompile_plan
 
 from schedcomp.runtime.fault.residual import lost_microbatches, skipped_chunks
 from schedcomp.topology import Worker
-
-__all__ = ["cache_dir"]  # a fixture, used by name
 
 CHUNKS = DP * MICROBATCHES
 TOLERANCE = 1e-10
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return precompile_chaos_plans(tmp_path_factory.mktemp("plans"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,32 @@
+"""The pp = 4, dp = 2 resilient job the chaos and lossy tests launch: its shape, its plans, its launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fault_procs import run_job
+from resilient_procs import HERE
+
+from schedcomp.cache import PlanCache, precompile
+from schedcomp.ir import Plan
+
+PP, DP, MICROBATCHES, ITERATIONS = 4, 2, 4, 5
+
+
+def precompile_chaos_plans(directory: Path) -> str:
+    """The job's plan cache (every failure set of up to 2 workers), in `directory`."""
+    precompile(PP, DP, MICROBATCHES, 2, directory=directory, time_limit=1.0)
+    return str(directory)
+
+
+def precompile_plan(cache_dir: str) -> Plan:
+    """The fault-free plan of the cache."""
+    return PlanCache.load(cache_dir).lookup([])
+
+
+def launch(cache_dir: str, victims: str, iterations: int = ITERATIONS, respawn: int = 0, hold: int = -1,
+           timeout: float = 150.0) -> dict[str, dict]:
+    """Run the job under the launcher with `victims` (see `resilient_procs`); each survivor's result by worker."""
+    results, _ = run_job(PP, DP, ["--respawn", str(respawn)],
+                         [str(HERE), "resilient", str(iterations), cache_dir, victims, str(hold)], timeout)
+    return results
