@@ -145,10 +145,14 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan named by `add_plan_source`'s arguments: loaded and validated, or compiled."""
     compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit") if getattr(args, f)]
     if args.plan is not None:
+        if args.failed:
+            compile_flags.append("failed")
         if compile_flags:
-            flags = ", ".join("--" + f.replace("_", "-") for f in compile_flags)
+            flags = ", ".join("--" + f.replace("_", "-") for f in compile_flags).replace("--failed", "--fail")
             raise ArgumentError(f"give either a plan file or {flags}, not both")
         return load_plan(args.plan)
+    if args.schedule is None and args.failed:  # failed workers run the adaptive schedules anyway
+        args.schedule = "adaptive"
     missing = [f"--{f}" for f in ("schedule", "pp", "microbatches") if getattr(args, f) is None]
     if missing:
         raise ArgumentError(f"give a plan file, or --schedule, --pp and --microbatches (missing {', '.join(missing)})")

@@ -183,7 +183,7 @@ def _labels(ax, lay: GanttLayout, px_per_unit: float, dpi: float, row_in: float)
         text = b.label if fits(b.label, room, size) else b.label.lstrip("FBW")
         if fits(text, room, size):
             ax.text((b.start + b.end) / 2, b.row, text, ha="center", va="center", fontsize=size,
-                    color=_ink(CATEGORIES[b.category][1]), clip_on=True)
+                    color=_ink(CATEGORIES[b.category][1]), clip_on=True, in_layout=False)
 
 
 def _ink(colour: str) -> str:

@@ -97,8 +97,9 @@ def _scale(blocking: Sequence[Span], t0: float, t1: float, cols: int) -> tuple[f
 
 
 def legend_categories(spans: Iterable[Span]) -> list[str]:
-    """The blocking categories present in `spans`, in legend order."""
-    present = {category(s.instruction) for s in spans}
+    """The blocking categories drawn for `spans`, in legend order (an instant, such as an all-reduce
+    under the default costs, is not drawn)."""
+    present = {category(s.instruction) for s in spans if s.end > s.start}
     return [cat for cat in BLOCKING if cat in present]
 
 
