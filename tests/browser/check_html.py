@@ -1,5 +1,6 @@
 """Check `schedcomp show --html` in a real headless browser: the page's self-test (hover, zoom, pan,
-reset) must pass, with boxes, labels and the failed worker's row drawn, and a screenshot is taken.
+reset) must pass, with boxes, labels and the failed worker's row drawn in the planned and the measured
+panel, and a screenshot is taken.
 
     python tests/browser/check_html.py [OUT_DIR]     # exit 0: pass; 1: fail; 77: no Chromium (skipped)
 
@@ -40,9 +41,10 @@ def run_browser(exe: str, *args: str) -> subprocess.CompletedProcess:
 def check(out: Path) -> tuple[bool, dict]:
     from schedcomp.cli import main
 
-    page = out / "page.html"
-    with contextlib.redirect_stdout(io.StringIO()):  # the summary: not what is checked
-        status = main([*SHOW, "--html", str(page)])
+    page, trace = out / "page.html", out / "trace.json"
+    with contextlib.redirect_stdout(io.StringIO()):  # the summaries: not what is checked
+        # the plan's own simulated trace stands in for a measured run: the page draws both
+        status = main([*SHOW, "--trace", str(trace)]) or main([*SHOW, "--measured", str(trace), "--html", str(page)])
     if status != 0:
         return False, {"error": f"schedcomp show exited {status}"}
     exe = browser()
@@ -54,7 +56,7 @@ def check(out: Path) -> tuple[bool, dict]:
     result = json.loads(html.unescape(found.group(1)))
     run_browser(exe, f"--screenshot={out / 'page.png'}", page.as_uri())
     result["screenshot"] = str(out / "page.png") if (out / "page.png").exists() else None
-    ok = (result.get("pass") is True and result["boxes"][0] > 0 and result["labels"][0] > 0
+    ok = (result.get("pass") is True and result["panels"] == 2 and min(result["boxes"]) > 0 and result["labels"][0] > 0
           and result["failed_rows"][0] == 1 and result["rerouted"] and result["screenshot"] is not None)
     return ok, result
 
