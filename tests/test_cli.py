@@ -218,6 +218,9 @@ def test_an_unknown_command_is_one_line_naming_the_program_once(capsys):
     status, _, err = run(capsys, "bogus")
     assert status == 2 and err.count("schedcomp") == 2  # the prefix and the `--help` hint, nothing doubled
     assert err.startswith("schedcomp: error: argument COMMAND: invalid choice: 'bogus'") and err.count("\n") == 1
+    status, _, err = run(capsys, "show", "--bogus")
+    assert status == 2
+    assert err == "schedcomp: error: show: unrecognized arguments: --bogus (see schedcomp show --help)\n"
     status, _, err = run(capsys, "show", "--fail", "one")
     assert status == 2 and err.startswith("schedcomp: error: show: argument --fail") and err.count("\n") == 1
 
@@ -242,3 +245,14 @@ def test_demo_says_which_schedule_it_runs():
     assert failed == [] and schedule == "zb-h1" and why == "schedule: zb-h1, no failed worker"
     failed, schedule, _ = choose_schedule(_parser().parse_args(["--fail", "0:1", "--fail", "1:0"]))
     assert failed == [Worker(0, 1), Worker(1, 0)] and schedule == "adaptive"
+
+
+def test_colour_on_a_terminal_unless_no_color(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    status, out, _ = run(capsys, *SHOW)
+    assert status == 0 and "\x1b[30;44m" in out
+    monkeypatch.setenv("NO_COLOR", "1")
+    status, out, _ = run(capsys, *SHOW)
+    assert status == 0 and "\x1b[" not in out
