@@ -60,8 +60,10 @@ def choose_schedule(args: argparse.Namespace) -> tuple[list[Worker], str, str]:
     if failed:
         where = ", ".join(map(str, failed))
         if args.schedule != "adaptive":  # the fault-free families have no place for a failed worker's work
-            return failed, "adaptive", (f"schedule: adaptive, not {args.schedule}: {args.schedule} has no failed "
-                                        f"workers, and {where} failed (give --failed alone to run {args.schedule})")
+            default = " (the default failure)" if args.failed is None else ""
+            return failed, "adaptive", (f"schedule: adaptive, not {args.schedule}: {args.schedule} is a fault-free "
+                                        f"schedule and worker {where} is failed{default}; give --failed alone to "
+                                        f"run {args.schedule} with no failure")
         return failed, "adaptive", f"schedule: adaptive, re-routing around failed worker(s) {where}"
     schedule = "zb-h1" if args.schedule == "adaptive" else args.schedule
     why = " (adaptive with no failure is ZB-H1)" if args.schedule == "adaptive" else ""

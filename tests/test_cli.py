@@ -232,6 +232,8 @@ def test_show_writes_an_html_view_and_filters_workers(capsys, tmp_path):
     assert status == 0, err
     text = page.read_text()
     assert '"name":"0:2"' in text and '"name":"1:2","failed":true' in text and '"name":"0:1"' not in text
+    status, out, _ = run(capsys, *SHOW, "--workers", "0:1-2", "--color", "never")
+    assert status == 0 and "\n0:1 " in out and "\n0:2 " in out and "\n0:0 " not in out and "\n0:3 " not in out
     status, _, err = run(capsys, *SHOW, "--workers", "two")
     assert status == 2 and "--workers" in err
 

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
     out.add_argument("--html", metavar="FILE",
                      help="write an interactive timeline (one self-contained file: hover, zoom, pan)")
     out.add_argument("--workers", metavar="D:S,...", type=worker_filter,
-                     help="draw only these workers in the charts: D:S patterns with * or ranges a-b, e.g. "
+                     help="draw only these workers: D:S patterns with * or ranges a-b, e.g. "
                      "'*:0-1' (stages 0 and 1 of every pipeline) or '0:*,3:*'")
     out.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of every simulated iteration")
     out.add_argument("--measured", metavar="TRACE",
@@ -90,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
     width = args.width or terminal_width()
     what = "iteration 0" if args.draw_iterations == 1 else f"iterations 0-{args.draw_iterations - 1}"
     title = f"{plan.family or 'plan'}: {summary['topology']}, {plan.microbatches} micro-batches ({what}, simulated)"
-    out = [render_timeline(drawn, width=width, color=color, iterations=None, workers=sim.workers, title=title)]
+    keep = args.workers or (lambda w: True)
+    rows = [w for w in sim.workers if keep(w)]
+    out = [render_timeline([s for s in drawn if keep(s.worker)], width=width, color=color, iterations=None,
+                           workers=rows, title=title)]
     if measured is not None:
-        out.append(render_timeline(measured["spans"], width=width, color=color, iterations=None,
-                                   title=f"measured: {args.measured}", unit=measured["unit"]))
+        out.append(render_timeline([s for s in measured["spans"] if keep(s.worker)], width=width, color=color,
+                                   iterations=None, title=f"measured: {args.measured}", unit=measured["unit"]))
     shown = [*drawn, *(measured["spans"] if measured is not None else [])]
     out.append(render_legend(color, legend_categories(shown), rerouted=has_rerouted(shown)))
     out.append(render_summary(summary, "summary"))
