@@ -104,9 +104,13 @@ def test_html_is_one_self_contained_file_with_every_box(failure):
 
 
 def test_terminal_at_dp2_numbers_every_op_and_keys_only_the_kinds_drawn(failure):
-    _, sim = failure
-    text = render_timeline(sim.spans, width=100)
+    plan, sim = failure
+    text = render_timeline(sim.spans, width=100, failed=plan.topology.failed)
     assert all(len(line) <= 100 for line in text.splitlines())
+    names = [line.split()[0] for line in text.splitlines() if re.match(r"\d+:\d+ ", line)]
+    assert names[:8] == ["0:0", "1:0", "0:1", "1:1", "0:2", "1:2", "0:3", "1:3"]  # by stage, the failed one too
+    failed_rows = [line for line in text.splitlines() if line.startswith("1:2 ")]
+    assert failed_rows and all(re.fullmatch(r"1:2\s+failed x+", line) for line in failed_rows)
     row = "".join(line.split(maxsplit=1)[1] for line in text.splitlines() if line.startswith("0:2 "))
     expected = [f"{s.instruction.op.kind.value}{s.instruction.op.microbatch}"
                 + (f".{s.instruction.op.pipeline}" if s.instruction.op.pipeline != 0 else "")

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     keep = args.workers or (lambda w: True)
     rows = [w for w in sim.workers if keep(w)]
     out = [render_timeline([s for s in drawn if keep(s.worker)], width=width, color=color, iterations=None,
-                           workers=rows, title=title)]
+                           workers=rows, title=title, failed=[w for w in plan.topology.failed if keep(w)])]
     if measured is not None:
         out.append(render_timeline([s for s in measured["spans"] if keep(s.worker)], width=width, color=color,
                                    iterations=None, title=f"measured: {args.measured}", unit=measured["unit"]))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from schedcomp.draw.style import BLOCKING, CATEGORIES, category, label
@@ -28,8 +28,10 @@ def render_timeline(
     workers: Sequence[Worker] | None = None,
     title: str = "",
     unit: str = "",
+    failed: Collection[Worker] = (),
 ) -> str:
-    """The blocking instructions (compute, ALLREDUCE, STEP) of `iterations` (None: all), one row per worker.
+    """The blocking instructions (compute, ALLREDUCE, STEP) of `iterations` (None: all), one row per worker,
+    rows grouped by stage; each of the `failed` workers is a row of `x` among its stage's peers.
 
     `width` is the whole line, worker column included; `color` adds ANSI backgrounds by kind
     (use it only on a TTY). Sends and receives run beside the stream and are not drawn. Each op shows
@@ -38,7 +40,8 @@ def render_timeline(
     _MAX_BANDS; past that, ops too short for their label show only their kind).
     """
     shown = [s for s in spans if (iterations is None or s.iteration in iterations)]
-    rows = sorted(workers) if workers is not None else sorted({s.worker for s in shown})
+    live = set(workers) if workers is not None else {s.worker for s in shown}
+    rows = sorted(live | set(failed), key=lambda w: (w.stage, w.pipeline))
     blocking = [s for s in shown if category(s.instruction) in BLOCKING]
     lines = [title] if title else []
     if not blocking:
@@ -50,6 +53,8 @@ def render_timeline(
     cols = max(10, width - name_width)
     scale, total = _scale(blocking, t0, t1, cols)
     grid = {w: [(_IDLE, "")] * total for w in rows}  # (character, category) per column
+    for w in failed:
+        grid[w] = [(ch, "") for ch in _failed_row(total, cols)]
     for s in sorted(blocking, key=lambda x: x.start):
         a, b = round((s.start - t0) * scale), round((s.end - t0) * scale)
         if b <= a:
@@ -58,7 +63,7 @@ def render_timeline(
             b = a + 1
         a, b = min(a, total - 1), min(b, total)
         cells = grid.get(s.worker)
-        if cells is None:
+        if cells is None or s.worker in failed:
             continue
         cat = category(s.instruction)
         # The op's widest piece (it may cross into the next band) says its label or, too short for it,
@@ -79,6 +84,12 @@ def render_timeline(
         for w in rows:
             lines.append(f"{w!s:<{name_width}}" + _paint(grid[w][first : first + cols], color))
     return "\n".join(lines) + "\n"
+
+
+def _failed_row(total: int, cols: int) -> str:
+    """`failed xxxx...` in every band: the worker runs nothing, its peers run its micro-batches."""
+    band = ("failed " + "x" * cols)[:cols]
+    return (band * (total // cols + 1))[:total]
 
 
 def _scale(blocking: Sequence[Span], t0: float, t1: float, cols: int) -> tuple[float, int]:
