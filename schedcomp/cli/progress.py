@@ -19,7 +19,7 @@ class ProgressBar:
         if not quiet and stream.isatty():
             from tqdm import tqdm  # imported only when a bar is drawn
 
-            self.bar = tqdm(desc=what, unit=unit, file=stream, dynamic_ncols=True, leave=True)
+            self.bar = tqdm(desc=what, unit=unit, file=stream, leave=True)
 
     def __call__(self, done: int, total: int, name: str) -> None:
         if self.bar is None:
