@@ -14,16 +14,18 @@ class ProgressBar:
     """`precompile  12/73 [00:04<00:20]  failed-0:3,1:5` on a terminal; silent elsewhere or when `quiet`."""
 
     def __init__(self, what: str, unit: str, quiet: bool = False, stream: IO[str] | None = None) -> None:
-        stream = sys.stderr if stream is None else stream
-        self.bar: Any = None
-        if not quiet and stream.isatty():
-            from tqdm import tqdm  # imported only when a bar is drawn
-
-            self.bar = tqdm(desc=what, unit=unit, file=stream, leave=True)
+        self.stream = sys.stderr if stream is None else stream
+        self.what, self.unit = what, unit
+        self.shown = not quiet and self.stream.isatty()
+        self.bar: Any = None  # made at the first call, when the total is known
 
     def __call__(self, done: int, total: int, name: str) -> None:
-        if self.bar is None:
+        if not self.shown:
             return
+        if self.bar is None:
+            from tqdm import tqdm  # imported only when a bar is drawn
+
+            self.bar = tqdm(desc=self.what, unit=self.unit, total=total, file=self.stream, leave=True)
         self.bar.total = total
         self.bar.set_postfix_str(name, refresh=False)
         self.bar.update(done - self.bar.n)
