@@ -43,6 +43,8 @@ _MAX_WIDTH_IN = 40.0
 _ROW_IN = 0.26  # at least this tall a row: 64 workers make a 17-inch chart, still readable
 _FAILED = "#c0392b"
 _REROUTED_HATCH = "////"
+_AXES_SHARE = 0.86  # the axes take most of the figure's width
+COMPUTE = ("F", "B", "W", "BW")
 
 
 def draw_gantt(
@@ -89,10 +91,6 @@ def _width_for_labels(lay: GanttLayout) -> float:
     need = [_text_in(b.label, _WIDTH_PT) * span / ((b.end - b.start) * _AXES_SHARE)
             for b in lay.boxes if b.category in COMPUTE]
     return min(_MAX_WIDTH_IN, max(need, default=0.0))
-
-
-_AXES_SHARE = 0.86  # the axes take most of the figure's width
-COMPUTE = ("F", "B", "W", "BW")
 
 
 def _text_in(text: str, size: float) -> float:
