@@ -131,9 +131,10 @@ def _draw_panel(fig, ax, panel: Panel, lay: GanttLayout, row_in: float) -> None:
         for r, items in by_row.items():
             if cat in BLOCKING:
                 ax.broken_barh(items, (r - 0.36, 0.72), facecolors=colour, edgecolors=edge, linewidth=0.6)
-                if rerouted:  # hatched over its colour, in translucent white so the label stays legible
-                    ax.broken_barh(items, (r - 0.36, 0.72), facecolors="none", edgecolors="#ffffffa0",
-                                   hatch=_REROUTED_HATCH, linewidth=0)
+                if rerouted:  # hatched along its top and bottom edges, leaving the label in the middle clear
+                    for y in (r - 0.36, r + 0.18):
+                        ax.broken_barh(items, (y, 0.18), facecolors="none", edgecolors="#ffffffc0",
+                                       hatch=_REROUTED_HATCH, linewidth=0)
             else:  # transfers run beside the stream: a thin lane under the row
                 ax.broken_barh(items, (r + 0.38, 0.1), facecolors=colour, edgecolors="none")
     for r, row in enumerate(lay.rows):
