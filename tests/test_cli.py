@@ -113,6 +113,10 @@ def _bad_plans(tmp_path):
 
 
 BAD = [
+    ["show", "{tmp}/plan.json", "--fail", "1:0"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--workers", "0:x"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--html", "{tmp}/dir"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--failed"],
     ["show", "--schedule", "1f1b", "--pp", "0", "--microbatches", "8"],
     ["show", "--schedule", "1f1b", "--pp", "-3", "--microbatches", "8"],
     ["show", "--schedule", "1f1b", "--pp", "four", "--microbatches", "8"],
@@ -171,7 +175,7 @@ def test_the_cli_never_imports_torch(tmp_path):
         "import sys\n"
         "from schedcomp.cli import main\n"
         f"assert main(['show', '--schedule', 'zb-h1', '--pp', '2', '-m', '4', '--png', r'{tmp_path / 'a.png'}',"
-        f" '--trace', r'{tmp_path / 't.json'}']) == 0\n"
+        f" '--trace', r'{tmp_path / 't.json'}', '--html', r'{tmp_path / 'a.html'}']) == 0\n"
         f"assert main(['show', '--schedule', 'zb-h1', '--pp', '2', '-m', '4', '--measured', r'{tmp_path / 't.json'}',"
         " '--json']) == 0\n"
         "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
