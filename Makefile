@@ -1,8 +1,10 @@
 # Two commands on a fresh machine:  `make demo` (the main job) and `make test` (the whole suite).
-# Both create .venv and install what they need first. Override the torch build with TORCH_SPEC=...
+# Both create .venv and install what they need first. Override the torch version with TORCH_SPEC=...
+# and pick its build (CPU-only, or a CUDA version) with TORCH_INDEX=<PyTorch wheel index> (README).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -11,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 

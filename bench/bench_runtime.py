@@ -1,6 +1,6 @@
 """Our runtime against `torch.distributed.pipelining` on the same workload, measured in the same run.
 
-Workload (../shared/anchors.md): each stage is 2 x (Linear(H, H) + GELU); micro-batch 16 rows;
+Workload: each stage is 2 x (Linear(H, H) + GELU); micro-batch 16 rows;
 MSE loss on the last stage; SGD; `torch.set_num_threads(1)` per process; one process per stage
 over gloo on CPU. Every schedule runs in the same processes, one after the other, `--repeats`
 times in rotation (so a busy neighbour hurts all of them alike), `--warmup` steps first. Two

@@ -1,7 +1,7 @@
 """The embedded training-loop API in one page: train the small GPT on a compiled plan.
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py                # pp=2 dp=2, zb-h1
-    torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --failed 1:1  # adaptive, 1:1 down
+    torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --fail 1:1    # adaptive, 1:1 down
 
 Every process compiles the same plan (compilation is deterministic), builds only its own stage
 (rank i runs the plan's i-th live worker) and calls `trainer.step(batch)` with the same global
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from schedcomp.cli.common import worker
+from schedcomp.cli.common import add_failure_arguments
 from schedcomp.compiler import compile
 from schedcomp.runtime import PipelineTrainer
 from schedcomp.runtime.gpt import GPTConfig, gpt, lm_loss, synthetic_batch
@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--failed", type=worker, nargs="*", default=[], metavar="D:S")
+    add_failure_arguments(p)  # --fail D:S (repeat it) or --failed D:S D:S, as in every schedcomp command
     p.add_argument("--iterations", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(1)

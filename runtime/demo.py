@@ -1,10 +1,13 @@
 """The demo: compile a plan for a job with a failed worker, show it, train a small GPT on it.
 
     python -m schedcomp.runtime.demo                      # pp=2, dp=2, worker 1:1 failed, adaptive
-    python -m schedcomp.runtime.demo --pp 4 --dp 2 --failed 0:2 --iterations 20 --trace trace.json
+    python -m schedcomp.runtime.demo --pp 4 --dp 2 --fail 0:2 --iterations 20 --trace trace.json
     python -m schedcomp.runtime.demo --failed --schedule zb-h1   # no failure: a fault-free family
 
-It compiles the plan (`schedcomp.compiler`), draws it (`schedcomp show`), saves it, and launches
+It prints which schedule it runs (a fault-free family such as zb-h1 only runs with no failed worker).
+
+It compiles the plan (`schedcomp.compiler`), draws it (`schedcomp show`), saves it (in a temporary
+folder removed at the end, unless `--plan FILE` or `--trace` keeps it), and launches
 one process per live worker with `torchrun --standalone` (CPU and gloo unless every process has a
 GPU). Rank 0 prints the loss and throughput of each iteration; the loss of iteration i is printed
 once iteration i+1 has started, so reading it never holds the pipeline back. `--trace` writes the
@@ -32,9 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m schedcomp.runtime.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines (default 2)")
-    p.add_argument("--failed", type=worker, nargs="*", default=None, metavar="D:S",
-                   help="failed workers (default: the last stage of the last pipeline; give none for no failure)")
-    p.add_argument("--schedule", default="adaptive", help="adaptive (default), or 1f1b, zb-h1, zb-h2, gpipe")
+    p.add_argument("--fail", dest="failed", type=worker, action="append", metavar="D:S",
+                   help="a failed worker (pipeline:stage); repeat for several (default: the last stage of the "
+                   "last pipeline)")
+    p.add_argument("--failed", dest="failed", type=worker, action="extend", nargs="*", metavar="D:S",
+                   help="the same, several at once; --failed alone: no failure")
+    p.add_argument("--schedule", default="adaptive",
+                   help="adaptive (default), or with no failure 1f1b, zb-h1, zb-h2, gpipe")
+    p.add_argument("--plan", metavar="FILE", help="keep the compiled plan here (default: a temporary file, "
+                   "removed at the end; beside --trace when that is given)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline (default 4)")
     p.add_argument("--rows", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--iterations", type=int, default=12, help="training iterations (default 12)")
@@ -45,28 +54,49 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def choose_schedule(args: argparse.Namespace) -> tuple[list[Worker], str, str]:
+    """The failed workers, the schedule the demo runs and one line saying why (printed before it runs)."""
+    failed = [Worker(args.dp - 1, args.pp - 1)] if args.failed is None else args.failed
+    if failed:
+        where = ", ".join(map(str, failed))
+        if args.schedule != "adaptive":  # the fault-free families have no place for a failed worker's work
+            default = " (the default failure)" if args.failed is None else ""
+            return failed, "adaptive", (f"schedule: adaptive, not {args.schedule}: {args.schedule} is a fault-free "
+                                        f"schedule and worker {where} is failed{default}; give --failed alone to "
+                                        f"run {args.schedule} with no failure")
+        return failed, "adaptive", f"schedule: adaptive, re-routing around failed worker(s) {where}"
+    schedule = "zb-h1" if args.schedule == "adaptive" else args.schedule
+    why = " (adaptive with no failure is ZB-H1)" if args.schedule == "adaptive" else ""
+    return failed, schedule, f"schedule: {schedule}, no failed worker{why}"
+
+
 def compile_plan(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from schedcomp.compiler import compile
 
-    failed = [Worker(args.dp - 1, args.pp - 1)] if args.failed is None else args.failed
-    schedule = "adaptive" if failed else args.schedule
-    if not failed and schedule == "adaptive":
-        schedule = "zb-h1"
+    failed, schedule, why = choose_schedule(args)
+    print(why, flush=True)
     return compile(args.pp, args.dp, microbatches=args.microbatches, failed=failed, schedule=schedule, time_limit=5.0)
 
 
 def launch(args: argparse.Namespace) -> int:
+    plan = compile_plan(args)
+    if args.plan or args.trace:  # a plan the user will read again (`show PLAN --measured TRACE`) is kept
+        keep = Path(args.plan) if args.plan else Path(args.trace).with_suffix(".plan.json")
+        return _run(args, plan, keep)
+    with tempfile.TemporaryDirectory(prefix="schedcomp-demo-") as folder:  # removed however the run ends
+        return _run(args, plan, Path(folder) / "plan.json")
+
+
+def _run(args: argparse.Namespace, plan, plan_path: Path) -> int:  # type: ignore[no-untyped-def]
     from schedcomp.cli import main as schedcomp_cli
 
-    plan = compile_plan(args)
-    folder = Path(tempfile.mkdtemp(prefix="schedcomp-demo-"))
-    plan_path = folder / "plan.json"
     plan_path.write_text(plan.to_json())
     schedcomp_cli(["show", str(plan_path), "--width", "100"])
     nprocs = len(plan.workers)
     failed = ", ".join(map(str, sorted(plan.topology.failed))) or "none"
-    print(f"\ntraining on {nprocs} processes (pp={args.pp}, dp={args.dp}, failed: {failed}); plan: {plan_path}\n",
-          flush=True)
+    kept = f"; plan: {plan_path}" if args.plan or args.trace else ""
+    print(f"\ntraining on {nprocs} processes (pp={args.pp}, dp={args.dp}, failed: {failed}, schedule: "
+          f"{plan.family}){kept}\n", flush=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
                "-m", "schedcomp.runtime.demo", "--worker", str(plan_path), *_forwarded(args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

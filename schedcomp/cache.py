@@ -91,8 +91,15 @@ def canonical_costs(costs: CostModel, perm: tuple[int, ...]) -> CostModel:
 
 
 def key_name(key: Key) -> str:
-    """A file-name-safe name for a scenario: `healthy` or `f0.3-1.5` (pipeline.stage), then `-c0.0.1`
-    (the speed classes) when pipelines differ in speed."""
+    """A scenario's file name, spelled as the CLI spells failures: `healthy` or `failed-2:0,3:5`
+    (pipeline:stage), then `-classes-0,0,1` (the speed classes) when pipelines differ in speed."""
+    failed, classes = key
+    name = "healthy" if not failed else "failed-" + ",".join(f"{d}:{s}" for d, s in failed)
+    return name + ("-classes-" + ",".join(map(str, classes)) if classes else "")
+
+
+def legacy_key_name(key: Key) -> str:
+    """The name caches written before readable names used (`f2.0-3.5-c0.0.1`): their indexes still load."""
     failed, classes = key
     name = "healthy" if not failed else "f" + "-".join(f"{d}.{s}" for d, s in failed)
     return name + ("-c" + ".".join(map(str, classes)) if classes else "")
@@ -330,7 +337,8 @@ class PlanCache:
             for n, entry in enumerate(entries):
                 failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
                 key: Key = (failed, classes)
-                if file != key_name(key) + ".json":  # confines it: no '..', no absolute path, no other directory
+                # Only the scenario's own name is taken: no '..', no absolute path, no other directory.
+                if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
                     raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
                 files[key], digests[key] = root / file, digest
         except KeyError as exc:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedcomp.cache import PlanCache, canonical, precompile, relabel, scenarios
+from schedcomp.cache import PlanCache, canonical, legacy_key_name, precompile, relabel, scenarios
 from schedcomp.check import check
 from schedcomp.cli import main
+from schedcomp.cli.progress import ProgressBar
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError
 from schedcomp.simulator import simulate
@@ -121,16 +124,19 @@ def test_speed_factors_are_mapped_back_on_lookup(tmp_path):
     assert rerouted(Worker(2, 1)) <= rerouted(Worker(1, 1))
 
 
-def test_precompile_cli_writes_the_cache_with_a_progress_bar(tmp_path, capsys):
+def test_precompile_cli_writes_the_cache_quietly_off_a_terminal(tmp_path, capsys):
     out = tmp_path / "plans"
     status = main(["precompile", "--pp", "2", "--dp", "3", "--microbatches", "2", "--max-failures", "2",
                    "-o", str(out), "--jobs", "1", "--time-limit", "1"])
     captured = capsys.readouterr()
     assert status == 0
-    assert "[" in captured.err and f"{len(scenarios(2, 3, 2))}/{len(scenarios(2, 3, 2))}" in captured.err
+    assert captured.err == ""  # no terminal, no progress bar
     index = json.loads((out / "index.json").read_text())
     assert index["pp"] == 2 and len(index["scenarios"]) == len(scenarios(2, 3, 2))
     assert all((out / entry["file"]).exists() for entry in index["scenarios"])
+    # files are named as the CLI spells the failures
+    assert all(e["file"] == f"failed-{','.join(e['failed'])}.json" for e in index["scenarios"] if e["failed"])
+    assert "healthy.json" in {e["file"] for e in index["scenarios"]}
     check(PlanCache.load(out).lookup([(2, 0), (0, 1)]))
 
 
@@ -138,3 +144,34 @@ def test_precompile_in_two_processes_gives_the_same_plans(tmp_path):
     one = precompile(2, 2, 2, 1, jobs=1, time_limit=1.0)
     two = precompile(2, 2, 2, 1, jobs=2, time_limit=1.0)
     assert one.plans == two.plans
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    with ProgressBar("precompile", "plan", stream=screen) as bar:
+        for k in range(3):
+            bar(k + 1, 3, f"failed-0:{k}")
+    assert "precompile" in screen.getvalue() and "3/3" in screen.getvalue() and "failed-0:2" in screen.getvalue()
+    quiet, pipe = Terminal(), io.StringIO()
+    for stream, flag in ((quiet, True), (pipe, False)):
+        with ProgressBar("precompile", "plan", quiet=flag, stream=stream) as bar:
+            bar(1, 1, "healthy")
+        assert stream.getvalue() == ""
+
+
+def test_caches_written_with_the_old_file_names_still_load(tmp_path):
+    out = tmp_path / "old"
+    precompile(2, 2, 2, 1, time_limit=1.0, directory=out)
+    index = json.loads((out / "index.json").read_text())
+    for entry in index["scenarios"]:  # rename every file as caches before readable names did
+        key = (tuple(tuple(map(int, w.split(":"))) for w in entry["failed"]), tuple(entry["classes"]))
+        (out / entry["file"]).rename(out / (legacy_key_name(key) + ".json"))
+        entry["file"] = legacy_key_name(key) + ".json"
+    assert "healthy.json" in {e["file"] for e in index["scenarios"]}
+    assert all(re.fullmatch(r"f\d\.\d.json", e["file"]) for e in index["scenarios"] if e["failed"])
+    (out / "index.json").write_text(json.dumps(index))
+    check(PlanCache.load(out).lookup([(1, 1)]))

@@ -13,6 +13,7 @@ from schedcomp.cli import main
 from schedcomp.compiler import compile
 from schedcomp.draw import read_chrome_trace
 from schedcomp.ir import Plan
+from schedcomp.topology import Worker
 
 SHOW = ["show", "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8"]
 
@@ -112,6 +113,10 @@ def _bad_plans(tmp_path):
 
 
 BAD = [
+    ["show", "{tmp}/plan.json", "--fail", "1:0"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--workers", "0:x"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--html", "{tmp}/dir"],
+    ["show", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--failed"],
     ["show", "--schedule", "1f1b", "--pp", "0", "--microbatches", "8"],
     ["show", "--schedule", "1f1b", "--pp", "-3", "--microbatches", "8"],
     ["show", "--schedule", "1f1b", "--pp", "four", "--microbatches", "8"],
@@ -170,7 +175,7 @@ def test_the_cli_never_imports_torch(tmp_path):
         "import sys\n"
         "from schedcomp.cli import main\n"
         f"assert main(['show', '--schedule', 'zb-h1', '--pp', '2', '-m', '4', '--png', r'{tmp_path / 'a.png'}',"
-        f" '--trace', r'{tmp_path / 't.json'}']) == 0\n"
+        f" '--trace', r'{tmp_path / 't.json'}', '--html', r'{tmp_path / 'a.html'}']) == 0\n"
         f"assert main(['show', '--schedule', 'zb-h1', '--pp', '2', '-m', '4', '--measured', r'{tmp_path / 't.json'}',"
         " '--json']) == 0\n"
         "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
@@ -191,3 +196,69 @@ def test_console_entry_point_reports_errors_in_one_line():
     done = subprocess.run([*cmd, "show", "--schedule", "1f1b", "--pp", "2", "-m", "4", "--json"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and json.loads(done.stdout)["period"] == 3 * 4 + 3
+
+
+@pytest.mark.parametrize("command", [
+    ["show", "--pp", "4", "-m", "4", "--json", "--schedule", "adaptive", "--solver", "greedy"],
+    ["compile", "--pp", "4", "-m", "4", "--json", "--solver", "greedy"],
+    ["compare", "--pp", "4", "-m", "4", "--json", "--strategy", "adaptive"],
+])
+def test_failures_are_spelled_alike_everywhere(capsys, command):
+    """`--fail D:S` repeated and `--failed D:S D:S` give the same failures in every command."""
+    outputs = []
+    for spelling in (["--fail", "1:2", "--fail", "0:1"], ["--failed", "1:2", "0:1"], ["--fail", "1:2", "--failed",
+                                                                                       "0:1"]):
+        status, out, err = run(capsys, *command, "--dp", "2", *spelling)
+        assert status == 0, err
+        outputs.append(json.loads(out))
+        if isinstance(outputs[-1], dict):
+            outputs[-1].pop("compile_seconds", None)  # a timing, not a result
+    assert outputs[0] == outputs[1] == outputs[2]
+    if command[0] != "compare":
+        assert outputs[0]["failed"] == ["0:1", "1:2"]
+
+
+def test_an_unknown_command_is_one_line_naming_the_program_once(capsys):
+    status, _, err = run(capsys, "bogus")
+    assert status == 2 and err.count("schedcomp") == 2  # the prefix and the `--help` hint, nothing doubled
+    assert err.startswith("schedcomp: error: argument COMMAND: invalid choice: 'bogus'") and err.count("\n") == 1
+    status, _, err = run(capsys, "show", "--bogus")
+    assert status == 2
+    assert err == "schedcomp: error: show: unrecognized arguments: --bogus (see schedcomp show --help)\n"
+    status, _, err = run(capsys, "show", "--fail", "one")
+    assert status == 2 and err.startswith("schedcomp: error: show: argument --fail") and err.count("\n") == 1
+
+
+def test_show_writes_an_html_view_and_filters_workers(capsys, tmp_path):
+    page = tmp_path / "v.html"
+    status, _, err = run(capsys, "show", "--pp", "4", "--dp", "2", "-m", "8", "--fail", "1:2", "--html", str(page),
+                         "--workers", "*:2", "--json")
+    assert status == 0, err
+    text = page.read_text()
+    assert '"name":"0:2"' in text and '"name":"1:2","failed":true' in text and '"name":"0:1"' not in text
+    status, out, _ = run(capsys, *SHOW, "--workers", "0:1-2", "--color", "never")
+    assert status == 0 and "\n0:1 " in out and "\n0:2 " in out and "\n0:0 " not in out and "\n0:3 " not in out
+    status, _, err = run(capsys, *SHOW, "--workers", "two")
+    assert status == 2 and "--workers" in err
+
+
+def test_demo_says_which_schedule_it_runs():
+    from schedcomp.runtime.demo import _parser, choose_schedule
+
+    failed, schedule, why = choose_schedule(_parser().parse_args(["--schedule", "zb-h1"]))
+    assert failed == [Worker(1, 1)] and schedule == "adaptive" and "not zb-h1" in why and "--failed" in why
+    failed, schedule, why = choose_schedule(_parser().parse_args(["--failed", "--schedule", "zb-h1"]))
+    assert failed == [] and schedule == "zb-h1" and why == "schedule: zb-h1, no failed worker"
+    failed, schedule, _ = choose_schedule(_parser().parse_args(["--fail", "0:1", "--fail", "1:0"]))
+    assert failed == [Worker(0, 1), Worker(1, 0)] and schedule == "adaptive"
+
+
+def test_colour_on_a_terminal_unless_no_color(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    status, out, _ = run(capsys, *SHOW)
+    assert status == 0 and "\x1b[30;44m" in out
+    monkeypatch.setenv("NO_COLOR", "1")
+    status, out, _ = run(capsys, *SHOW)
+    assert status == 0 and "\x1b[" not in out

@@ -57,11 +57,15 @@ def test_terminal_timeline_colours_only_when_asked(zb_h1):
     assert "\x1b[" in render_legend(color=True) and "\x1b[" not in render_legend()
 
 
-def test_narrow_terminal_shows_kinds_not_cut_numbers(zb_h1):
+def test_narrow_terminal_folds_time_into_bands_and_keeps_every_number(zb_h1):
     text = render_timeline(zb_h1.spans, width=40)
-    rows = [line.split(maxsplit=1)[1] for line in text.splitlines() if re.match(r"\d+:\d+ ", line)]
-    assert all(not re.search(r"\d", r) for r in rows)
-    assert all(len(line) <= 40 for line in text.splitlines()[2:])
+    assert all(len(line) <= 40 for line in text.splitlines())
+    rows = [line.split(maxsplit=1) for line in text.splitlines() if re.match(r"\d+:\d+ ", line)]
+    assert len(rows) > 4  # several bands of the four workers
+    stage0 = "".join(rest for name, rest in rows if name == "0:0")
+    expected = [f"{s.instruction.op.kind.value}{s.instruction.op.microbatch}"
+                for s in zb_h1.spans_of(Worker(0, 0), 0) if s.instruction.is_compute]
+    assert re.findall(r"[FBW]+\d+", stage0) == expected  # whole labels in order, none cut at a band's edge
 
 
 def test_several_iterations_and_an_empty_selection(zb_h1):
@@ -139,7 +143,8 @@ def test_gantt_chart_files(tmp_path, zb_h1, suffix):
 
 
 def test_gantt_of_a_large_plan_and_of_nothing(tmp_path):
-    sim = simulate(compile(16, microbatches=32, schedule="zb-h2", costs=CostModel.uniform(16, p2p=0.1)),
+    # 16 stages, 768 labelled boxes (labels cost most of the drawing time: kept to what shows it)
+    sim = simulate(compile(16, microbatches=16, schedule="zb-h1", costs=CostModel.uniform(16, p2p=0.1)),
                    iterations=1)
     draw_gantt([Panel("zb-h2", sim.spans)], tmp_path / "big.png")
     draw_gantt([Panel("empty", [])], tmp_path / "empty.png")

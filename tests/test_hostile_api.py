@@ -149,7 +149,7 @@ def test_an_edited_plan_is_refused_even_with_its_digest_updated(cache_dir, tmp_p
 
 def test_a_plan_for_another_failure_set_copied_over_healthy_is_refused(cache_dir, tmp_path):
     root = _copy(cache_dir, tmp_path)
-    other = (root / "f1.1.json").read_bytes()
+    other = (root / "failed-1:1.json").read_bytes()
     (root / "healthy.json").write_bytes(other)
     with pytest.raises(PlanFormatError, match="SHA-256"):
         PlanCache.load(root).lookup([])

@@ -25,11 +25,13 @@ def test_editable_install_maps_the_three_folders() -> None:
 @pytest.mark.slow  # > 5 s: a pip install in a subprocess
 def test_normal_install_imports_from_site_packages_only(tmp_path: Path) -> None:
     target = tmp_path / "site"
-    subprocess.run(
+    built = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
          str(ROOT)],
-        check=True, capture_output=True, timeout=240, cwd=tmp_path,
+        check=True, capture_output=True, text=True, timeout=240, cwd=tmp_path,
     )
+    assert "project.license" not in built.stderr  # the license is an SPDX string, not the deprecated table
+    assert (target / "schedcomp" / "draw" / "timeline.html").is_file()  # the HTML view's page template
     # Only the schedcomp package (and its metadata) lands at the top level: no `runtime` or `schedules`.
     top = {p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info")) and p.name != "bin"}
     assert top == {"schedcomp"}

@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 bad input)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand whose arguments they are not
+            raise ArgumentError(f"{args.command}: unrecognized arguments: {' '.join(extra)} "
+                                f"(see schedcomp {args.command} --help)")
     except ArgumentError as exc:
         return _fail(str(exc))
     except SystemExit as exc:  # --help, --version

@@ -81,6 +81,14 @@ def worker(text: str) -> Worker:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_failure_arguments(parser: Any, note: str = "") -> None:
+    """`--fail D:S` (repeat it) and `--failed D:S [D:S ...]`, one list: every command spells failures alike."""
+    parser.add_argument("--fail", dest="failed", type=worker, action="append", default=[], metavar="D:S",
+                        help=f"a failed worker (pipeline:stage); repeat for several{note}")
+    parser.add_argument("--failed", dest="failed", type=worker, action="extend", nargs="+", metavar="D:S",
+                        help="the same, several at once (--failed 1:2 3:0)")
+
+
 def read_text(path: str, what: str) -> str:
     """A UTF-8 regular file within the size limit (`/dev/zero` and 40 GB files are refused unread)."""
     return fileio.read_text(path, what, PlanFormatError)
@@ -126,8 +134,7 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=positive_int, help="pipeline stages")
     group.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches per pipeline and iteration")
     group.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines (default 1)")
-    group.add_argument("--failed", type=worker, nargs="+", default=[], metavar="D:S",
-                       help="failed workers (pipeline:stage); they use the adaptive schedules")
+    add_failure_arguments(group, "; they use the adaptive schedules")
     group.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
     group.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
     group.add_argument("--solver", default="auto", help="solver for adaptive schedules (default auto)")
@@ -138,10 +145,14 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan named by `add_plan_source`'s arguments: loaded and validated, or compiled."""
     compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit") if getattr(args, f)]
     if args.plan is not None:
+        if args.failed:
+            compile_flags.append("failed")
         if compile_flags:
-            flags = ", ".join("--" + f.replace("_", "-") for f in compile_flags)
+            flags = ", ".join("--" + f.replace("_", "-") for f in compile_flags).replace("--failed", "--fail")
             raise ArgumentError(f"give either a plan file or {flags}, not both")
         return load_plan(args.plan)
+    if args.schedule is None and args.failed:  # failed workers run the adaptive schedules anyway
+        args.schedule = "adaptive"
     missing = [f"--{f}" for f in ("schedule", "pp", "microbatches") if getattr(args, f) is None]
     if missing:
         raise ArgumentError(f"give a plan file, or --schedule, --pp and --microbatches (missing {', '.join(missing)})")

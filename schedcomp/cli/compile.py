@@ -8,13 +8,13 @@ from typing import Any
 
 from schedcomp.cli.common import (
     MEMORY_LIMIT_HELP,
+    add_failure_arguments,
     load_costs,
     memory_limit,
     plan_facts,
     positive_float,
     positive_int,
     print_json,
-    worker,
     write_text,
 )
 
@@ -26,10 +26,7 @@ def add_job_arguments(p: argparse.ArgumentParser, *, failures: bool = True) -> N
     p.add_argument("--microbatches", "-m", type=positive_int, required=True,
                    help="micro-batches per pipeline and iteration")
     if failures:
-        p.add_argument("--fail", dest="failed", type=worker, action="append", default=[], metavar="D:S",
-                       help="a failed worker (pipeline:stage); repeat for several")
-        p.add_argument("--failed", dest="failed", type=worker, action="extend", nargs="+", metavar="D:S",
-                       help="failed workers, several at once")
+        add_failure_arguments(p)
     p.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
     p.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
 

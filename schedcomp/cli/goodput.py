@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from schedcomp.cli.common import load_costs, positive_float, positive_int, print_json
+from schedcomp.cli.progress import ProgressBar
 
 STRATEGIES = ("adaptive", "lossy", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline", "oobleck",
               "bamboo")
@@ -68,6 +69,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print a list of rows (strategy, goodput, relative_goodput, "
                    "failures, lost_hours, checkpoint_interval_s, ...)")
     p.add_argument("--png", metavar="FILE", help="draw goodput over time, with the failure timeline")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar (there is none unless stderr is a terminal)")
     p.set_defaults(run=run)
 
 
@@ -97,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
     recovery = Recovery(given(args.detection_seconds, MEASURED.detection_s),
                         given(args.agreement_seconds, MEASURED.agreement_s),
                         given(args.switch_seconds, MEASURED.switch_s))
-    result = goodput(args.pp, args.dp, args.microbatches, failures, duration_s=duration,
-                     checkpoint_s=args.checkpoint_seconds, restart_s=args.restart_seconds, system_mtbf_s=mtbf,
-                     costs=load_costs(args.costs, args.pp), iteration_s=args.iteration_seconds, recovery=recovery,
-                     spares=not args.no_spares, strategies=tuple(args.strategies or STRATEGIES),
-                     fidelity=args.fidelity, samples=400 if args.png else 0)
+    with ProgressBar("goodput", "strategy", quiet=args.quiet) as bar:
+        result = goodput(args.pp, args.dp, args.microbatches, failures, duration_s=duration,
+                         checkpoint_s=args.checkpoint_seconds, restart_s=args.restart_seconds, system_mtbf_s=mtbf,
+                         costs=load_costs(args.costs, args.pp), iteration_s=args.iteration_seconds,
+                         recovery=recovery, spares=not args.no_spares,
+                         strategies=tuple(args.strategies or STRATEGIES), fidelity=args.fidelity,
+                         samples=400 if args.png else 0, progress=bar)
     if args.png:
         from schedcomp.goodput.draw import draw_goodput
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
 from schedcomp.cli.common import ArgumentError, load_costs, positive_int
+from schedcomp.cli.progress import ProgressBar
 
 
 def register(subparsers: Any) -> None:
@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
     p.add_argument("--jobs", "-j", type=positive_int, default=min(4, os.cpu_count() or 1),
                    help="compile in this many processes (default: CPUs, at most 4)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar (there is none unless stderr is a terminal)")
     p.set_defaults(run=run)
 
 
@@ -40,12 +41,11 @@ def run(args: argparse.Namespace) -> int:
 
     costs = load_costs(args.costs, args.pp)
     began = time.perf_counter()
-    bar = None if args.quiet else ProgressBar()
-    cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs, solver=args.solver,
-                       time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
-                       directory=args.output, progress=bar, jobs=args.jobs)
-    if bar:
-        bar.close()
+    with ProgressBar("precompile", "plan", quiet=args.quiet) as bar:
+        cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs,
+                           solver=args.solver, time_limit=args.time_limit,
+                           memory_limit=args.memory_limit or FAULT_FREE, directory=args.output, progress=bar,
+                           jobs=args.jobs)
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
     report = cache.memory_report()
@@ -54,28 +54,3 @@ def run(args: argparse.Namespace) -> int:
     least = f", least headroom {min(headroom):.4g}" if headroom else ""
     print(f"peak memory within the limit in {within}/{len(report)} plans{least}")
     return 0
-
-
-class ProgressBar:
-    """`[#####.....] 12/73  f0.3-1.5  4.2 s` on stderr, redrawn in place on a terminal, every 10% otherwise."""
-
-    def __init__(self, width: int = 30) -> None:
-        self.width = width
-        self.began = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.shown = -1
-
-    def __call__(self, done: int, total: int, name: str) -> None:
-        tenth = done * 10 // max(1, total)
-        if not self.tty and tenth == self.shown and done != total:
-            return
-        self.shown = tenth
-        filled = self.width * done // max(1, total)
-        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}  {name}  "
-                f"{time.perf_counter() - self.began:.1f} s")
-        sys.stderr.write(("\r" + line.ljust(79)) if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")

@@ -18,11 +18,13 @@ from schedcomp.cli.common import (
     terminal_width,
     use_color,
 )
+from schedcomp.errors import SchedcompError
 from schedcomp.timeline import Span, timeline_metrics
 
 if TYPE_CHECKING:
     from schedcomp.ir import Plan
     from schedcomp.simulator import Simulation
+    from schedcomp.topology import Worker
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +33,7 @@ def register(subparsers: Any) -> None:
         help="draw a schedule's timeline and summarise it",
         description="Compile a schedule (or load a saved plan), simulate it over its cost model, and print a "
         "timeline per worker and a summary. Examples: schedcomp show --schedule zb-h1 --pp 4 --microbatches 8; "
-        "schedcomp show plan.json --png plan.png",
+        "schedcomp show plan.json --png plan.png --html plan.html",
     )
     add_plan_source(p)
     out = p.add_argument_group("simulation and output")
@@ -42,6 +44,11 @@ def register(subparsers: Any) -> None:
                      help="iterations to draw (default 1)")
     out.add_argument("--png", metavar="FILE", help="write a Gantt chart (PNG)")
     out.add_argument("--svg", metavar="FILE", help="write a Gantt chart (SVG)")
+    out.add_argument("--html", metavar="FILE",
+                     help="write an interactive timeline (one self-contained file: hover, zoom, pan)")
+    out.add_argument("--workers", metavar="D:S,...", type=worker_filter,
+                     help="draw only these workers: D:S patterns with * or ranges a-b, e.g. "
+                     "'*:0-1' (stages 0 and 1 of every pipeline) or '0:*,3:*'")
     out.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of every simulated iteration")
     out.add_argument("--measured", metavar="TRACE",
                      help="a measured Chrome trace to draw beside the plan, with planned against measured peak "
@@ -67,21 +74,31 @@ def run(args: argparse.Namespace) -> int:
         summary["measured"] = measured["summary"]
         for line in measured["warnings"]:
             print(line, file=sys.stderr)
-    _write_files(args, plan.family or "plan", summary, drawn, sim, measured)
+    _write_files(args, plan.family or "plan", summary, drawn, sim, measured, frozenset(plan.topology.failed))
     if args.json:
         print_json(summary)
         return 0
-    from schedcomp.draw.terminal import render_legend, render_summary, render_timeline
+    from schedcomp.draw.terminal import (
+        has_rerouted,
+        legend_categories,
+        render_legend,
+        render_summary,
+        render_timeline,
+    )
 
     color = use_color(args.color)
     width = args.width or terminal_width()
     what = "iteration 0" if args.draw_iterations == 1 else f"iterations 0-{args.draw_iterations - 1}"
     title = f"{plan.family or 'plan'}: {summary['topology']}, {plan.microbatches} micro-batches ({what}, simulated)"
-    out = [render_timeline(drawn, width=width, color=color, iterations=None, workers=sim.workers, title=title)]
+    keep = args.workers or (lambda w: True)
+    rows = [w for w in sim.workers if keep(w)]
+    out = [render_timeline([s for s in drawn if keep(s.worker)], width=width, color=color, iterations=None,
+                           workers=rows, title=title, failed=[w for w in plan.topology.failed if keep(w)])]
     if measured is not None:
-        out.append(render_timeline(measured["spans"], width=width, color=color, iterations=None,
-                                   title=f"measured: {args.measured}", unit=measured["unit"]))
-    out.append(render_legend(color))
+        out.append(render_timeline([s for s in measured["spans"] if keep(s.worker)], width=width, color=color,
+                                   iterations=None, title=f"measured: {args.measured}", unit=measured["unit"]))
+    shown = [*drawn, *(measured["spans"] if measured is not None else [])]
+    out.append(render_legend(color, legend_categories(shown), rerouted=has_rerouted(shown)))
     out.append(render_summary(summary, "summary"))
     if measured is not None:
         out.append(render_summary({**measured["summary"], "iterations": measured["iterations"]},
@@ -126,21 +143,44 @@ def _write_files(
     drawn: Sequence[Span],
     sim: Simulation,
     measured: dict | None,
+    failed: frozenset[Worker],
 ) -> None:
     """The files asked for: a trace of every simulated iteration, charts of the drawn ones."""
     if args.trace:
         from schedcomp.draw.trace import write_chrome_trace
 
         write_chrome_trace(sim.spans, args.trace)
-    for path in (args.png, args.svg):
-        if not path:
-            continue
-        from schedcomp.draw.gantt import Panel, draw_gantt
+    if not (args.png or args.svg or args.html):
+        return
+    from schedcomp.draw.gantt import Panel, draw_gantt
 
-        panels = [Panel(f"{name}: {summary['topology']}, {summary['microbatches']} micro-batches (simulated)", drawn)]
-        if measured is not None:
-            panels.append(Panel(f"measured: {args.measured}", measured["spans"], measured["unit"]))
-        title = (f"period {summary['period']:.4g}, bubble {summary['bubble_ratio']:.1%}, "
-                 f"peak memory {summary['peak_memory']:.4g} (over {summary['iterations']} iterations, "
-                 f"{'synchronous' if summary['synchronous_optimizer'] else 'staggered'} optimizer)")
-        draw_gantt(panels, path, title=title)
+    panels = [Panel(f"{name}: {summary['topology']}, {summary['microbatches']} micro-batches (simulated)", drawn,
+                    failed=failed)]
+    if measured is not None:
+        panels.append(Panel(f"measured: {args.measured}", measured["spans"], measured["unit"], failed=failed))
+    title = (f"period {summary['period']:.4g}, bubble {summary['bubble_ratio']:.1%}, "
+             f"peak memory {summary['peak_memory']:.4g} (over {summary['iterations']} iterations, "
+             f"{'synchronous' if summary['synchronous_optimizer'] else 'staggered'} optimizer)")
+    workers = len({s.worker for s in drawn} | failed)
+    if workers > _MANY_WORKERS and args.workers is None:
+        print(f"schedcomp: drawing {workers} workers; --workers '*:0-1' draws a few stages", file=sys.stderr)
+    for path in (args.png, args.svg):
+        if path:
+            draw_gantt(panels, path, title=title, keep=args.workers)
+    if args.html:
+        from schedcomp.draw.html import write_html
+
+        write_html(panels, args.html, title=f"{name}: {title}", keep=args.workers)
+
+
+_MANY_WORKERS = 64
+"""Past this many rows a chart is long; `show` says how to draw fewer."""
+
+
+def worker_filter(text: str):  # type: ignore[no-untyped-def]
+    from schedcomp.draw.layout import parse_worker_filter
+
+    try:
+        return parse_worker_filter(text)
+    except SchedcompError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

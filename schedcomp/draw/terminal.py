@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from schedcomp.draw.style import BLOCKING, CATEGORIES, category, label
@@ -16,6 +16,10 @@ _IDLE = "."
 _SHORT = {"F": "F", "B": "B", "W": "W", "BW": "BW", "ALLREDUCE": "AR", "STEP": "OPT"}
 
 
+_MAX_BANDS = 8
+"""At most this many bands of rows: past that, ops too short for their label show their kind only."""
+
+
 def render_timeline(
     spans: Iterable[Span],
     width: int = 100,
@@ -24,14 +28,20 @@ def render_timeline(
     workers: Sequence[Worker] | None = None,
     title: str = "",
     unit: str = "",
+    failed: Collection[Worker] = (),
 ) -> str:
-    """The blocking instructions (compute, ALLREDUCE, STEP) of `iterations` (None: all), one row per worker.
+    """The blocking instructions (compute, ALLREDUCE, STEP) of `iterations` (None: all), one row per worker,
+    rows grouped by stage; each of the `failed` workers is a row of `x` among its stage's peers.
 
     `width` is the whole line, worker column included; `color` adds ANSI backgrounds by kind
-    (use it only on a TTY). Sends and receives run beside the stream and are not drawn.
+    (use it only on a TTY). Sends and receives run beside the stream and are not drawn. Each op shows
+    its label (`F3`, or `F3.1` for micro-batch 3 of pipeline 1 re-routed here): when the labels need
+    more columns than `width`, time is folded into bands of rows, one under the other (at most
+    _MAX_BANDS; past that, ops too short for their label show only their kind).
     """
     shown = [s for s in spans if (iterations is None or s.iteration in iterations)]
-    rows = sorted(workers) if workers is not None else sorted({s.worker for s in shown})
+    live = set(workers) if workers is not None else {s.worker for s in shown}
+    rows = sorted(live | set(failed), key=lambda w: (w.stage, w.pipeline))
     blocking = [s for s in shown if category(s.instruction) in BLOCKING]
     lines = [title] if title else []
     if not blocking:
@@ -41,33 +51,72 @@ def render_timeline(
     t1 = max(s.end for s in blocking)
     name_width = max(len(str(w)) for w in rows) + 2
     cols = max(10, width - name_width)
-    scale = cols / (t1 - t0) if t1 > t0 else 1.0
-    if scale >= 1:
-        scale = math.floor(scale)  # whole columns per time unit keep unit-cost ops the same width
-        cols = min(cols, math.ceil((t1 - t0) * scale))
-    lines += _ruler(t0, t1, scale, cols, name_width, unit)
-    placed = []
-    for s in blocking:
+    scale, total = _scale(blocking, t0, t1, cols)
+    grid = {w: [(_IDLE, "")] * total for w in rows}  # (character, category) per column
+    for w in failed:
+        grid[w] = [(ch, "") for ch in _failed_row(total, cols)]
+    for s in sorted(blocking, key=lambda x: x.start):
         a, b = round((s.start - t0) * scale), round((s.end - t0) * scale)
         if b <= a:
             if s.end <= s.start:
                 continue  # an instant (e.g. an all-reduce of one worker) takes no room
             b = a + 1
-        placed.append((s, min(a, cols - 1), min(b, cols)))
-    # Micro-batch numbers only when every op has room for its own: a mix would read as other ops.
-    detailed = all(b - a >= len(label(s)) for s, a, b in placed if s.instruction.is_compute)
-    grid = {w: [(_IDLE, "")] * cols for w in rows}  # (character, category) per column
-    for s, a, b in sorted(placed, key=lambda x: x[0].start):
+        a, b = min(a, total - 1), min(b, total)
         cells = grid.get(s.worker)
-        if cells is None:
+        if cells is None or s.worker in failed:
             continue
         cat = category(s.instruction)
-        text = (label(s) if detailed or not s.instruction.is_compute else _SHORT[cat])[: b - a].ljust(b - a)
-        for k, ch in enumerate(text):
-            cells[a + k] = (ch, cat)
-    for w in rows:
-        lines.append(f"{w!s:<{name_width}}" + _paint(grid[w], color))
+        # The op's widest piece (it may cross into the next band) says its label or, too short for it,
+        # only its kind (a cut label such as `F1` for `F12` would read as another op); the rest is `-`.
+        pieces = [(lo, min(b, (lo // cols + 1) * cols)) for lo in range(a, b) if lo == a or lo % cols == 0]
+        widest = max(pieces, key=lambda p: p[1] - p[0])
+        for lo, hi in pieces:
+            text = label(s) if lo == widest[0] else "-" * (hi - lo)
+            if len(text) > hi - lo:
+                text = _SHORT[cat]
+            for k, ch in enumerate(text[: hi - lo].ljust(hi - lo)):
+                cells[lo + k] = (ch, cat)
+    for first in range(0, total, cols):
+        if first:
+            lines.append("")
+        band_t0 = t0 + first / scale
+        lines += _ruler(band_t0, t1, scale, min(cols, total - first), name_width, unit)
+        for w in rows:
+            lines.append(f"{w!s:<{name_width}}" + _paint(grid[w][first : first + cols], color))
     return "\n".join(lines) + "\n"
+
+
+def _failed_row(total: int, cols: int) -> str:
+    """`failed xxxx...` in every band: the worker runs nothing, its peers run its micro-batches."""
+    band = ("failed " + "x" * cols)[:cols]
+    return (band * (total // cols + 1))[:total]
+
+
+def _scale(blocking: Sequence[Span], t0: float, t1: float, cols: int) -> tuple[float, int]:
+    """Columns per time unit and columns in all: whole columns per unit when that fits (unit-cost ops
+    stay one width), at least as many as the compute ops' labels and a space need, in at most _MAX_BANDS."""
+    span = max(t1 - t0, 1e-12)
+    need = max(((len(label(s)) + 1) / (s.end - s.start) for s in blocking
+                if s.instruction.is_compute and s.end > s.start), default=1.0)
+    fit = cols / span  # one band
+    if fit >= need:
+        scale = math.floor(fit) if math.floor(fit) >= need else fit
+    else:
+        most = cols * _MAX_BANDS / span
+        scale = min(float(math.ceil(need)), math.floor(most) if most >= 1 else most)
+    return scale, min(max(1, math.ceil(span * scale)), cols * _MAX_BANDS)
+
+
+def legend_categories(spans: Iterable[Span]) -> list[str]:
+    """The blocking categories drawn for `spans`, in legend order (an instant, such as an all-reduce
+    under the default costs, is not drawn)."""
+    present = {category(s.instruction) for s in spans if s.end > s.start}
+    return [cat for cat in BLOCKING if cat in present]
+
+
+def has_rerouted(spans: Iterable[Span]) -> bool:
+    return any(s.instruction.is_compute and s.instruction.op is not None
+               and s.instruction.op.pipeline != s.worker.pipeline for s in spans)
 
 
 def _paint(cells: list[tuple[str, str]], color: bool) -> str:
@@ -107,13 +156,17 @@ def _ruler(t0: float, t1: float, scale: float, cols: int, indent: int, unit: str
     return [head + "".join(labels).rstrip(), " " * indent + "".join(marks).rstrip()]
 
 
-def render_legend(color: bool = False, categories: Iterable[str] = BLOCKING) -> str:
+def render_legend(color: bool = False, categories: Iterable[str] = BLOCKING, rerouted: bool = False) -> str:
+    """The key of `categories` (give `legend_categories(spans)`: only the kinds drawn) and, with
+    `rerouted`, how a re-routed op's label reads."""
     parts = []
     for cat in categories:
         name, _, ansi = CATEGORIES[cat]
         key = _SHORT.get(cat, cat)
         parts.append(f"\x1b[30;{ansi}m{key}{_RESET} {name}" if color else f"{key} {name}")
     parts.append(f"{_IDLE} idle")
+    if rerouted:
+        parts.append("F3.1 micro-batch 3 of pipeline 1, re-routed")
     return "legend: " + "  ".join(parts) + "\n"
 
 

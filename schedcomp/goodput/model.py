@@ -24,7 +24,7 @@ happens: an oracle in their favour, as the sweep's best interval is for checkpoi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from schedcomp.costs import CostModel
@@ -107,12 +107,14 @@ def first_order(checkpoint_s: float, interval_s: float, restart_s: float, mtbf_s
 def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *, duration_s: float,
             checkpoint_s: float, restart_s: float, system_mtbf_s: float, costs: CostModel | None = None,
             iteration_s: float | None = None, recovery: Recovery = MEASURED, spares: bool = True,
-            strategies: Sequence[str] = STRATEGIES, fidelity: str = "auto", samples: int = 0) -> GoodputResult:
+            strategies: Sequence[str] = STRATEGIES, fidelity: str = "auto", samples: int = 0,
+            progress: Callable[[int, int, str], None] | None = None) -> GoodputResult:
     """Simulate each strategy over `duration_s` seconds of `failures` (see the module docstring).
 
     `iteration_s`: seconds per fault-free iteration (default: the fault-free plan's period, i.e. the
     cost model's unit is a second). `system_mtbf_s` sets the Young/Daly interval. `samples` > 0
-    records each strategy's progress at that many times (for drawing)."""
+    records each strategy's progress at that many times (for drawing). `progress(done, total, name)` is
+    called after each strategy (the CLI's progress bar)."""
     _check(pp=pp, dp=dp, microbatches=microbatches)
     _check_seconds(duration_s=duration_s, positive=True)
     _check_seconds(system_mtbf_s=system_mtbf_s, positive=True, finite=False)
@@ -141,6 +143,8 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
             lost_hours=(fault_free - outcome.useful) * iteration_s / HOUR,
             checkpoint_interval_s=interval if math.isfinite(interval) else None,
             ceiling=rates.relative(_SOURCE[name], frozenset()) if name in _SOURCE else 1.0, series=outcome.series))
+        if progress is not None:
+            progress(len(runs), len(strategies), name)
     return GoodputResult(tuple(runs), HOUR / iteration_s, iteration_s, duration_s, system_mtbf_s,
                          tuple(failures), rates.fidelity, rates.scenarios)
 
