@@ -105,7 +105,9 @@ VIEW_KEY, ACK_KEY, OUTCOME_KEY, ARRIVED_KEY = 0, 1, 2, 3  # store entries: (what
 Row = tuple[int, ...]
 StoreCode = tuple[tuple[int, int, int, int], ...]
 EncodedState = tuple[StoreCode, tuple[Row, ...]]
-Step = tuple[tuple[Row, StoreCode] | None, bool, bool]  # (new row and store, or None: it waits), asked, local
+# (new row and store, or None: it waits), whether it asked the detector, whether it wrote nothing and
+# read only what cannot change
+Step = tuple[tuple[Row, StoreCode] | None, bool, bool]
 
 
 def arrived_key(generation: int) -> str:
@@ -306,27 +308,49 @@ def rename_mask(mask: int, perm: tuple[int, ...]) -> int:
     return out
 
 
+class _Renaming:
+    """One renaming with its results memoised (the search renames the same rows and stores over and over)."""
+
+    def __init__(self, perm: tuple[int, ...]) -> None:
+        self.perm = perm
+        self.masks = [rename_mask(m, perm) for m in range(1 << len(perm))]
+        self.rows: dict[Row, Row] = {}
+        self.stores: dict[StoreCode, StoreCode] = {}
+
+    def row(self, r: Row) -> Row:
+        got = self.rows.get(r)
+        if got is None:
+            t = self.masks
+            got = self.rows[r] = (r[0], r[1], t[r[2]], t[r[3]], r[4], r[5], r[6], t[r[7]], r[8], t[r[9]], r[10],
+                                  t[r[11]])
+        return got
+
+    def store(self, store: StoreCode) -> StoreCode:
+        got = self.stores.get(store)
+        if got is None:
+            t = self.masks
+            got = self.stores[store] = tuple(sorted((e[0], e[1], e[2], t[e[3]]) for e in store))
+        return got
+
+
+_RENAMINGS: dict[tuple[int, ...], _Renaming] = {}
+
+
+def _renaming(perm: tuple[int, ...]) -> _Renaming:
+    got = _RENAMINGS.get(perm)
+    if got is None:
+        got = _RENAMINGS[perm] = _Renaming(perm)
+    return got
+
+
 def rename(state: EncodedState, perm: tuple[int, ...]) -> EncodedState:
     """The state with every worker i renamed perm[i] (rows move, worker sets are renamed)."""
     store, rows = state
+    renaming = _renaming(perm)
     moved: list[Row] = [DEAD_ROW] * len(rows)
     for i, row in enumerate(rows):
-        moved[perm[i]] = _rename_row(row, perm)
-    return _rename_store(store, perm), tuple(moved)
-
-
-def _rename_row(row: Row, perm: tuple[int, ...]) -> Row:
-    r = list(row)
-    for f in MASKS:
-        if r[f]:
-            r[f] = rename_mask(r[f], perm)
-    return tuple(r)
-
-
-def _rename_store(store: StoreCode, perm: tuple[int, ...]) -> StoreCode:
-    if not any(e[3] for e in store):
-        return store
-    return tuple(sorted((e[0], e[1], e[2], rename_mask(e[3], perm)) if e[3] else e for e in store))
+        moved[perm[i]] = renaming.row(row)
+    return renaming.store(store), tuple(moved)
 
 
 def named(state: EncodedState) -> int:
@@ -351,13 +375,13 @@ def canonical(state: EncodedState) -> EncodedState:
     unnamed = [i for i in range(n) if not mask >> i & 1]
     best: EncodedState | None = None
     for order in itertools.permutations(names):
-        perm = [0] * n
+        perm = list(range(n))  # the unnamed keep their numbers: no worker set holds them
         for new, old in enumerate(order):
             perm[old] = new
+        renaming = _renaming(tuple(perm))
         # Unnamed rows name only the named workers, so their renaming does not depend on their own places.
-        rest = sorted(_rename_row(rows[i], tuple(perm)) for i in unnamed)
-        candidate = (_rename_store(store, tuple(perm)),
-                     (*(_rename_row(rows[i], tuple(perm)) for i in order), *rest))
+        candidate = (renaming.store(store),
+                     (*(renaming.row(rows[i]) for i in order), *sorted(renaming.row(rows[i]) for i in unnamed)))
         if best is None or candidate < best:
             best = candidate
     assert best is not None
@@ -431,14 +455,16 @@ class Model:
         for i, row in enumerate(rows):
             if row[0] == DEAD_KIND:
                 dead |= 1 << i
+        settled = dead.bit_count() == self.max_deaths  # no more deaths: a detector that noticed them all is done
+        twins = self._twins(s)
         out: list[EncodedState] = []
         for i, row in enumerate(rows):
-            if row[0] == DEAD_KIND:
+            if row[0] == DEAD_KIND or twins >> i & 1:
                 continue
             seen = row[9]
-            got, consulted, local = self.step(i, row, store, seen)
+            got, consulted, quiet = self.step(i, row, store, seen)
             if got is not None:
-                if local and self.partial_order:
+                if quiet and (not consulted or (settled and not dead & ~seen)) and self.partial_order:
                     return [(got[1], _put(rows, i, got[0]))], True
                 out.append((got[1], _put(rows, i, got[0])))
             if not consulted:
@@ -456,13 +482,22 @@ class Model:
     def deaths(self, s: EncodedState) -> Iterator[EncodedState]:
         store, rows = s
         if sum(r[0] == DEAD_KIND for r in rows) < self.max_deaths:
+            twins = self._twins(s)
             for i, row in enumerate(rows):
-                if row[0] != DEAD_KIND:
+                if row[0] != DEAD_KIND and not twins >> i & 1:
                     yield store, _put(rows, i, DEAD_ROW)
 
+    def _twins(self, s: EncodedState) -> int:
+        """Workers whose moves are renamings of another's (a canonical state's equal unnamed rows): skipped."""
+        if not self.symmetry:
+            return 0
+        rows = s[1]
+        unnamed = ~named(s)
+        return sum(1 << i for i in range(1, len(rows))
+                   if unnamed >> i & unnamed >> (i - 1) & 1 and rows[i] == rows[i - 1])
+
     def step(self, i: int, row: Row, store_code: StoreCode, seen: int) -> Step:
-        """Worker i's step from `row` against `store_code` having noticed `seen` (memoised): its new row
-        and store (None when it waits), whether it asked its detector, and whether it is local."""
+        """Worker i's step from `row` against `store_code` having noticed `seen` (memoised), see `Step`."""
         key = (i, row, store_code, seen)
         got = self._steps.get(key)
         if got is None:
@@ -491,7 +526,12 @@ class Model:
                     raise Violation("disagreement", f"{me} returned generation {g}, which is not sealed")
                 after = Meet(after.winner, Meeting(arrived_key(g), len(after.winner.members)))
         elif isinstance(node, Meet):
-            got = meet_step(store, node.meeting, det.broken(store))
+            # Arriving, or finding everyone arrived, does not read the signal: ask the detector only if it matters.
+            got = meet_step(store, node.meeting, False)
+            if got == MET:
+                store.unstable = False  # everyone arrived: the counter only grows, so it stays met
+            elif got == node.meeting:
+                got = meet_step(store, node.meeting, det.broken(store))
             if got == node.meeting:
                 return None, det.consulted, False
             after = Run(node.view) if got == MET else begin(node.view, me, det) if got == ABORTED else \
@@ -502,7 +542,7 @@ class Model:
                 return None, det.consulted, False
             after = begin(node.view, me, det)  # `FaultSession.recover`
         moved = c.row(after, seen, det.watching), (c.store_code(store.d) if store.written else store_code)
-        return moved, det.consulted, not (store.written or store.unstable or det.consulted)
+        return moved, det.consulted, not (store.written or store.unstable)
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -544,12 +584,13 @@ def _subsets(mask: int) -> Iterator[int]:
 
 
 def successors(model: Model, s: EncodedState) -> set[EncodedState]:
-    """Every state one step or one death after `s` (no partial-order reduction)."""
-    partial_order, model.partial_order = model.partial_order, False
+    """Every state one step or one death after `s` (no reduction)."""
+    reductions = model.symmetry, model.partial_order
+    model.symmetry = model.partial_order = False
     try:
         return {*model.moves(s)[0], *model.deaths(s)}
     finally:
-        model.partial_order = partial_order
+        model.symmetry, model.partial_order = reductions
 
 
 def equivariant(model: Model, s: EncodedState, perm: tuple[int, ...]) -> bool:
