@@ -39,7 +39,7 @@ def main() -> int:
                 model = search(scenario, members, deaths)
                 plain = ["", ""]
                 if members <= args.plain_up_to:
-                    full = search(scenario, members, deaths, symmetry=False, partial_order=False)
+                    full = search(scenario, members, deaths, reduced=False)
                     plain = [f"{full.explored:,}", f"{full.seconds:.1f}"]
                 print(f"| {scenario} | {members} | {deaths} | {model.explored:,} | {model.quiescent:,} | "
                       f"{model.seconds:.1f} | {' | '.join(plain)} |", flush=True)

@@ -11,9 +11,13 @@ known failed, or a newer generation proposed that does not only admit replacemen
 (`membership.admits_only`, the detector's own function).
 
 The search explores every order of every worker's steps, of up to `max_deaths` deaths (any live
-worker, at any step) and of each survivor noticing each death (folded into the survivor's own
-next step, the only one that can tell when it noticed), with memoisation on the whole state. At
-every quiescent state (no step, no detection left to happen) it checks:
+worker, at any step) and of each survivor noticing each death, with memoisation on the whole
+state. Noticing is folded into the next step that asks the detector (`Detector.consulted`): only
+those steps can tell when it noticed, and each of them may have noticed any subset of the deaths
+it has not yet, so every sequence of answers a monotone detector can give is explored. (A death
+noticed at a step that does not ask is noticed at the next one that does; this needs noticing
+never to disable a step, which `Model.moves` checks at every state.) At every quiescent state
+(no step, no detection left to happen) it checks:
 - termination / nobody waits on a dead member: every survivor runs a generation (no one is
   stuck waiting in a round or a meeting);
 - agreement: all survivors run the same generation, whose failed set is exactly the dead
@@ -32,10 +36,11 @@ interleavings share. A dead worker's row keeps nothing: nobody reads a dead work
 Symmetry reduction, and why it is sound. Let a permutation p of the workers act on a state by
 renaming every worker everywhere: the rows change places (row i becomes row p(i)) and every
 worker set (failed and dead sets of rounds, views' failed sets in rows and in the store's
-`gen/G/view` values, noticed deaths) is renamed; keys never name a worker. Then
-(1) the steps commute with p: a step of worker p(i) in p(s) is the p-image of the step of i in s.
-    The protocol reads workers only through set operations (union, difference, `in`, `<` in
-    `admits_only`, the eviction test `me in winner.failed`) and `len(view.members)` (the
+`gen/G/view` values, noticed deaths) is renamed; keys never name a worker, and a worker's role
+(member or joiner, proposing or not) is in its row, so it moves with it. Then
+(1) the transitions commute with p: a step of worker p(i) in p(s) is the p-image of the step of
+    i in s. The protocol reads workers only through set operations (union, difference, `in`,
+    `<` in `admits_only`, the eviction test `me in winner.failed`) and `len(view.members)` (the
     meeting's size and the acknowledgement quorum), all invariant under renaming; the one place
     it orders workers, `View.members` (rank order), is only counted and searched, never indexed,
     in these steps, and `to_json` sorts the failed set, so equal sets give equal store values.
@@ -46,18 +51,37 @@ worker set (failed and dead sets of rounds, views' failed sets in rows and in th
     the same one", "its failed set equals the dead" (every scenario starts with
     `expected_failed` empty, so it is the dead set itself, which p renames alike), "the outcome
     is sealed", "nobody is evicted", and the generation bound.
-So the reachable states are closed under the permutations that fix the initial state's roles,
-and a violation is reachable iff one is reachable from a state's canonical representative;
-exploring one state per orbit (`canonical`) loses no interleaving that matters. Those
-permutations are: every permutation of the workers in recovery and first agreement (all start
-alike), and those fixing the joiner in admission. `canonical` takes the least of the images
-under every permutation of the workers named anywhere in the state (at most the two dead and
-the joiner: nothing else is ever put in a worker set), with the unnamed workers sorted by their
-rows (they refer to no one by name, so sorting them is the same under every such permutation);
-the joiner is named in the initial state's views, so admission's canonical forms never move it
-onto a member's place unless their rows match entirely, which (1) makes harmless. Tests check
-(1) directly on the real steps (`equivariant`) and that the reduced search finds exactly the
-orbits of the full one.
+By (1), s -> t implies p(s) -> p(t), so a path from the initial state maps, state by state, onto
+a path between canonical representatives (`canonical` picks one state per orbit), and by (2)
+each state on it violates a property iff its representative does: exploring one state per orbit
+loses no interleaving that matters. (1) holds for every permutation, so no role needs fixing.
+`canonical` takes the least of the images under every permutation of the workers named anywhere
+in the state (at most the two dead and the joiner: nothing else is ever put in a worker set),
+with the unnamed workers sorted by their rows (they refer to no one by name, so sorting them is
+the same under every such permutation): one form per orbit. Of two unnamed workers with equal
+rows only one steps or dies (the other's successors are renamings of its). Tests check (1)
+directly on the real steps (`equivariant`, every permutation), and that the reduced search finds
+exactly the orbits of the plain one.
+
+Partial-order reduction, and why it is sound. A step of worker i is local at s when it writes
+nothing, reads only keys that are present (every key is written once: `compare_set` against "",
+so they stay) or a meeting counter that already reached its size (counters only grow), and
+either does not ask the detector or cannot get another answer (no deaths left to happen and it
+noticed every one). Where some live worker has a local step t, the search takes t alone. Then
+(a) t is i's only transition from s and stays so, with the same result, in every state reached
+    without i moving: what it reads cannot change and no other worker writes i's row;
+(b) t commutes with every other transition (other workers' steps and deaths, which read and
+    write only the store and their own rows, and the count of deaths, none of which t changes),
+    and t followed by i's death ends in the same state as i's death (a dead row keeps nothing);
+(c) the graph has no cycles (every step adds to the store, or moves a worker forward in a
+    generation, or to a later one; generations are bounded), so every path from s is finite.
+A path from s to a quiescent state must contain t or i's death (otherwise t is still enabled at
+its end, by (a)); moving t to the front by (b) gives a path from t(s) with the same quiescent
+end, and every property checked on a step of the original path is checked on the same step of
+the moved one (those steps do not read i's row). By induction on the longest path from a state,
+every quiescent state and every failing step reachable from s stays reachable, up to renaming,
+in the reduced search. A test checks the reduced search ends in exactly the same quiescent
+states as the unreduced one.
 
 Measured with `python bench/bench_protocol_model.py` (one core of the shared 2-core machine):
 see `bench/README.md` and the bench script's table.
@@ -238,6 +262,7 @@ class Codec:
         if isinstance(node, Meet):
             return (MEET, *self.view_code(node.view), 0, 0, 0, -1, 0, int(node.meeting.arrived), *tail)
         assert isinstance(node, Round) and node.shape == self.shape, node
+        assert node.winner is None or node.winner.generation == node.generation, node  # `forget` relies on it
         return (ROUND, node.generation, self.mask(node.failed), self.mask(node.dead), int(node.propose),
                 PHASES.index(node.phase), *self.view_code(node.winner), 0, *tail)
 
@@ -399,6 +424,7 @@ class Model:
     max_deaths: int = 2
     symmetry: bool = True
     partial_order: bool = True
+    forgetting: bool = True
     explored: int = 0
     seconds: float = 0.0
     visited: set[EncodedState] = field(default_factory=set)
@@ -415,7 +441,11 @@ class Model:
 
     def run(self, initial: EncodedState) -> Model:
         start = time.perf_counter()
-        reduce: Callable[[EncodedState], EncodedState] = canonical if self.symmetry else _same
+        symmetric: Callable[[EncodedState], EncodedState] = canonical if self.symmetry else _same
+        unread: Callable[[EncodedState], EncodedState] = forget if self.forgetting else _same
+
+        def reduce(s: EncodedState) -> EncodedState:
+            return symmetric(unread(s))
         first = reduce(initial)
         stack = [first]
         self.visited.add(first)
@@ -565,6 +595,15 @@ class Model:
                                             f"{sorted(map(str, self.codec.workers_of(failed)))}, dead are {dead_names}")
 
 
+def forget(state: EncodedState) -> EncodedState:
+    """The state less the keys that no live worker will read again (see "Forgetting" in the module docstring)."""
+    store, rows = state
+    floor = min((r[1] + (r[0] == RUN) for r in rows if r[0] != DEAD_KIND), default=1 << 30)
+    decided = {e[1] for e in store if e[0] == OUTCOME_KEY}
+    kept = tuple(e for e in store if e[1] >= floor and not (e[0] == ACK_KEY and e[1] in decided))
+    return state if len(kept) == len(store) else (kept, rows)
+
+
 def _same(state: EncodedState) -> EncodedState:
     return state
 
@@ -640,8 +679,14 @@ def admission(n: int) -> tuple[Model, EncodedState]:
 SCENARIOS = {"recovery": recovery, "first-agreement": first_agreement, "admission": admission}
 
 
-def search(scenario: str, members: int, deaths: int, *, symmetry: bool = True, partial_order: bool = True) -> Model:
-    """The whole search of one scenario; raises `Violation` at the first property that fails."""
+def search(scenario: str, members: int, deaths: int, *, reduced: bool = True, symmetry: bool | None = None,
+           partial_order: bool | None = None, forgetting: bool | None = None) -> Model:
+    """The whole search of one scenario; raises `Violation` at the first property that fails.
+
+    `reduced` turns every reduction on or off; the others turn one on or off on top of it."""
     model, initial = SCENARIOS[scenario](members)
-    model.max_deaths, model.symmetry, model.partial_order = deaths, symmetry, partial_order
+    model.max_deaths = deaths
+    model.symmetry = reduced if symmetry is None else symmetry
+    model.partial_order = reduced if partial_order is None else partial_order
+    model.forgetting = reduced if forgetting is None else forgetting
     return model.run(initial)

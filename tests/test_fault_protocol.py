@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import protocol_model
 import pytest
-from protocol_model import SCENARIOS, Model, Violation, canonical, equivariant, search
+from protocol_model import SCENARIOS, Model, Violation, canonical, equivariant, forget, search
 
 from schedcomp.runtime.fault import protocol
 from schedcomp.runtime.fault.protocol import DONE, Round
@@ -52,7 +52,7 @@ def test_every_interleaving_agrees_and_terminates_on_larger_jobs(scenario: str, 
 def test_steps_commute_with_renaming(scenario: str, members: int, deaths: int) -> None:
     # Premise (1) of the symmetry reduction, on the real steps: at every reachable state, the
     # successors of a renamed state are the renamed successors, for every renaming.
-    full = search(scenario, members, deaths, symmetry=False, partial_order=False)
+    full = search(scenario, members, deaths, reduced=False)
     model, _ = SCENARIOS[scenario](members)
     model.max_deaths = deaths
     checked = 0
@@ -66,8 +66,8 @@ def test_steps_commute_with_renaming(scenario: str, members: int, deaths: int) -
 @pytest.mark.parametrize(("scenario", "members", "deaths"),
                          [("recovery", 3, 2), ("first-agreement", 3, 1), ("admission", 3, 1), ("recovery", 4, 1)])
 def test_symmetry_reduction_explores_exactly_the_orbits(scenario: str, members: int, deaths: int) -> None:
-    full = search(scenario, members, deaths, symmetry=False, partial_order=False)
-    reduced = search(scenario, members, deaths, partial_order=False)
+    full = search(scenario, members, deaths, reduced=False)
+    reduced = search(scenario, members, deaths, symmetry=True, reduced=False)
     assert {canonical(s) for s in full.visited} == reduced.visited
     assert {canonical(s) for s in full.ends} == reduced.ends
     assert reduced.explored < full.explored
@@ -79,6 +79,15 @@ def test_partial_order_reduction_keeps_every_quiescent_state(scenario: str, memb
     whole = search(scenario, members, deaths, partial_order=False)
     reduced = search(scenario, members, deaths)
     assert reduced.ends == whole.ends
+    assert reduced.explored < whole.explored
+
+
+@pytest.mark.parametrize(("scenario", "members", "deaths"),
+                         [("recovery", 3, 2), ("first-agreement", 3, 2), ("admission", 3, 2), ("recovery", 4, 2)])
+def test_forgetting_unread_keys_keeps_every_quiescent_state(scenario: str, members: int, deaths: int) -> None:
+    whole = search(scenario, members, deaths, forgetting=False)
+    reduced = search(scenario, members, deaths)
+    assert {canonical(forget(s)) for s in whole.ends} == reduced.ends
     assert reduced.explored < whole.explored
 
 
