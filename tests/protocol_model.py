@@ -83,6 +83,19 @@ every quiescent state and every failing step reachable from s stays reachable, u
 in the reduced search. A test checks the reduced search ends in exactly the same quiescent
 states as the unreduced one.
 
+Forgetting, and why it is sound (`forget`). A worker reads only keys of the generation its round
+agrees on (`Round.generation`, which its adopted view shares) or its meeting is for, and of the
+generation after the one it meets at or runs (`Detector.broken`, `admits_only`); it writes only
+those and the next one's view; and it only ever moves to later generations. So every key of a
+generation below each live worker's lowest such generation is never read or written again, nor
+is `gen/G/ack` once `gen/G/outcome` is written (a waiting member reads the outcome first;
+sealing and superseding read only the outcome; a late acknowledgement writes the counter without
+reading it). The checked properties do not read the store, except "the outcome is sealed", which
+reads the finishing round's own generation. Two states that differ only in such keys therefore
+have the same steps with the same results and checks, so dropping those keys (which merges
+them) keeps every quiescent state and every failing step. A test checks the search with and
+without it ends in the same quiescent states.
+
 Measured with `python bench/bench_protocol_model.py` (one core of the shared 2-core machine):
 see `bench/README.md` and the bench script's table.
 """
