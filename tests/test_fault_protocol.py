@@ -20,7 +20,8 @@ from dataclasses import replace
 
 import protocol_model
 import pytest
-from protocol_model import SCENARIOS, Model, Violation, canonical, equivariant, forget, search
+from protocol_model import SCENARIOS, Model, Violation, equivariant, search
+from protocol_states import canonical, forget
 
 from schedcomp.runtime.fault import protocol
 from schedcomp.runtime.fault.protocol import DONE, Round
