@@ -2,13 +2,15 @@
 
 Every interleaving of every worker's steps, with up to `deaths` deaths at every step, checked for
 agreement, termination and that nobody waits on a dead member (`tests/protocol_model.py`). States
-are counted after both reductions (one state per renaming class, one local step alone where there
-is one); `plain` is the same search without them (only for small jobs: it grows much faster).
+are counted after the reductions (one state per renaming class, one local step alone where there
+is one, store keys nobody reads again forgotten); `plain` is the same search without them (only for
+small jobs: it grows much faster). A property that fails stops the script with its violation.
 
-Reproduce (one core; the whole table took about N minutes on the shared 2-core machine):
+Reproduce (one process; about 6 minutes on the shared 2-core machine, most of it 6 members with 2 deaths):
 
     python bench/bench_protocol_model.py                      # 3-6 members, 1 and 2 deaths, every scenario
-    python bench/bench_protocol_model.py --members 3 4 --plain-up-to 4
+    python bench/bench_protocol_model.py --members 3 4 5      # the quick variant (`run_all.py --quick`), ~15 s
+    python bench/bench_protocol_model.py --members 4 --scenarios recovery --deaths 2 --plain-up-to 4
 """
 
 from __future__ import annotations
