@@ -77,6 +77,7 @@ on its acknowledgement count instead of winning the outcome key (a disagreement)
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -262,14 +263,18 @@ class Model:
                 out.append((got[1], _put(rows, i, got[0])))
             if not consulted:
                 continue
+            enabled = {0: got is not None}
             for noticed in _subsets(dead & ~seen):
                 if noticed:
                     more = self.step(i, row, store, seen | noticed)[0]
+                    enabled[noticed] = more is not None
                     if more is not None:
                         out.append((more[1], _put(rows, i, more[0])))
-                    elif got is not None:
-                        raise Violation("model", f"{self.workers[i]} noticing {self.codec.workers_of(noticed)} "
-                                                 f"disables its step from {self.codec.node(i, row)[0]}")
+            for less, more in itertools.permutations(enabled, 2):
+                if less & more == less and enabled[less] and not enabled[more]:
+                    raise Violation("model", f"{self.workers[i]} noticing {self.codec.workers_of(more)} rather than "
+                                             f"{self.codec.workers_of(less)} disables its step from "
+                                             f"{self.codec.node(i, row)[0]}")
         return out, False
 
     def deaths(self, s: EncodedState) -> Iterator[EncodedState]:

@@ -115,3 +115,17 @@ def test_sealing_on_the_count_alone_is_caught(monkeypatch, scenario: str, member
     with pytest.raises(Violation) as caught:
         search(scenario, members, 2)
     assert caught.value.kind == "disagreement", caught.value
+
+
+def test_a_step_that_noticing_disables_is_reported(monkeypatch) -> None:
+    # Noticing is folded into the steps that ask the detector, which is sound only if noticing
+    # never disables a step: the search checks it at every state.
+    real = protocol.step
+
+    def shy(store, detector, r: Round) -> Round:
+        return r if r.phase == protocol.ACK and detector.failed() else real(store, detector, r)
+
+    monkeypatch.setattr(protocol_model, "step", shy)
+    with pytest.raises(Violation) as caught:
+        search("first-agreement", 3, 1)
+    assert caught.value.kind == "model", caught.value
