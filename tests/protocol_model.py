@@ -52,7 +52,7 @@ Measured with `python bench/bench_protocol_model.py` (one process on the shared 
 average about 17; 345 s in all): states explored with every reduction, the quiescent ones among
 them, and seconds; no property failed anywhere. Without the reductions (`search(reduced=False)`)
 3 members take 313-8,719 states and recovery with 4 members and 2 deaths 89,277 states (3.3 s);
-the model before this encoding and these reductions took 224,409 states and minutes for that case.
+the model before this encoding and these reductions took 224,409 states and 163 s for that case.
 
 | scenario        | members | deaths | states    | quiescent | seconds |
 |-----------------|---------|--------|-----------|-----------|---------|
