@@ -31,7 +31,7 @@ a path between canonical representatives (`canonical` picks one state per orbit)
 each state on it violates a property iff its representative does: exploring one state per orbit
 loses no interleaving that matters. (1) holds for every permutation, so no role needs fixing.
 `canonical` takes the least of the images under every permutation of the workers named anywhere
-in the state (at most the two dead and the joiner: nothing else is ever put in a worker set),
+in the state (only the dead and the joiner: nothing else is ever put in a worker set),
 with the unnamed workers sorted by their rows (they refer to no one by name, so sorting them is
 the same under every such permutation): one form per orbit. Of two unnamed workers with equal
 rows only one steps or dies (the other's successors are renamings of its). Tests check (1)
