@@ -244,7 +244,7 @@ class PipelineTrainer:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
         self._probe_shapes(batch[0])
-        started = time.perf_counter()
+        began = time.perf_counter()
         it = self._iteration(self.iteration, batch, step, ledger)
         if started is not None:
             started(it)
@@ -252,7 +252,7 @@ class PipelineTrainer:
         run_stream(it, self.stream, timing, before)
         if timing is not None:
             self._timings.append((self.iteration, timing, it.arrivals, it.memory))
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds.append(time.perf_counter() - began)
         self.iteration += 1
         return it
 
