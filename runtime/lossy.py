@@ -26,7 +26,7 @@ survivor still runs; this module gathers what it needs and runs it:
    counts at that stage, as its ledger says. At STEP each stage scales its reduced gradient by
    `chunks / contributors`, contributors being the micro-batches its ledger counts, so the update
    is the mean gradient over the micro-batches that stage holds (`lossy_scale`); a stage left
-   with none skips its optimizer step.
+   with none skips its optimizer step (both decided by `LossyPolicy.on_step`).
 
 The policy's state (`LossyPolicy.recent`, kept from `on_iteration`): the last two iterations'
 state on this worker. Cost when nothing fails: each worker keeps the tensors it sent in the
