@@ -55,7 +55,7 @@ from schedcomp.runtime.comm import channels
 from schedcomp.runtime.data import as_tuple
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.membership import GenerationAborted
-from schedcomp.runtime.fault.recovery import Keep, RecoveryHost, RollbackPolicy, StepDecision
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryHost, RollbackPolicy, StepDecision
 from schedcomp.runtime.fault.residual import residuals, skipped_chunks
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.transfer import recv_stage_state, send_stage_state
@@ -98,9 +98,9 @@ class LossyPolicy(RollbackPolicy):
         # A stage whose ledger counts nothing holds no gradient: momentum or decay must not move it.
         return StepDecision(lossy_scale(it.ledger), it.ledger is None or bool(it.ledger.any()))
 
-    def on_failure(self, error: BaseException) -> Keep:
+    def on_failure(self, error: BaseException) -> OnFailure:
         self.intact = True  # finish the iteration from this state
-        return Keep.KEEP
+        return OnFailure.KEEP
 
     def on_drop(self) -> None:
         self.recent.clear()

@@ -62,7 +62,7 @@ from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.recovery import Keep, RecoveryPolicy, RestartPolicy, RollbackPolicy
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
 from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.session import FaultSession
@@ -346,11 +346,11 @@ class ResilientTrainer:
             except (GenerationAborted, RuntimeError) as e:
                 if self.session.finished():  # the meeting was complete: a death after it changes nothing
                     break
-                keep = self.policy.on_failure(e)
-                if keep is Keep.RESTART:
+                action = self.policy.on_failure(e)
+                if action is OnFailure.RESTART:
                     self.last_resort.give_up(e)
                 try:
-                    i = self._recover(e, kept=keep is Keep.KEEP)
+                    i = self._recover(e, kept=action is OnFailure.KEEP)
                 except Evicted:
                     raise
                 except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint

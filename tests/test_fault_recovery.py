@@ -25,7 +25,7 @@ from schedcomp.errors import RecoveryError
 from schedcomp.lower import lower
 from schedcomp.runtime.fault.groups import Generation
 from schedcomp.runtime.fault.membership import View
-from schedcomp.runtime.fault.recovery import Keep, RecoveryPolicy, RestartPolicy, RollbackPolicy, StepDecision
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy, StepDecision
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.lossy import LossyPolicy
@@ -65,7 +65,7 @@ def test_bad_policies_are_one_clear_error(tmp_path) -> None:
 
 def test_rollback_and_restart_decide_nothing_but_what_to_do_on_a_failure() -> None:
     it = SimpleNamespace(number=3, ledger=torch.ones(4, dtype=torch.float64), keep_sent=False)
-    for policy, keep in ((RollbackPolicy(), Keep.DROP), (RestartPolicy(), Keep.RESTART)):
+    for policy, keep in ((RollbackPolicy(), OnFailure.DROP), (RestartPolicy(), OnFailure.RESTART)):
         assert isinstance(policy, RecoveryPolicy)
         policy.on_iteration(it)
         assert not it.keep_sent  # nothing kept: no cost when nothing fails
@@ -80,7 +80,7 @@ def test_lossy_keeps_the_last_two_iterations_and_forgets_them_when_dropped() -> 
     for it in its:
         policy.on_iteration(it)
     assert policy.recent == {2: its[2], 3: its[3]} and all(it.keep_sent for it in its)
-    assert policy.on_failure(RuntimeError("peer gone")) is Keep.KEEP and policy.intact
+    assert policy.on_failure(RuntimeError("peer gone")) is OnFailure.KEEP and policy.intact
     policy.on_drop()
     assert policy.recent == {} and not policy.intact
 
@@ -228,9 +228,9 @@ class Recording(RollbackPolicy):
     def on_completed(self, it) -> None:
         self.calls.append(("completed", it.number))
 
-    def on_failure(self, error: BaseException) -> Keep:
+    def on_failure(self, error: BaseException) -> OnFailure:
         self.calls.append(("failure", str(error)))
-        return Keep.DROP
+        return OnFailure.DROP
 
     def on_drop(self) -> None:
         self.calls.append(("drop",))

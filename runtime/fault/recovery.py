@@ -17,7 +17,8 @@ policy decides, through a few hooks the trainer calls at fixed points of one wor
 - `on_completed(it)`: iteration `it.number` is done on this worker, run or finished after a
   failure (the iteration boundary).
 - `on_failure(error)`: a failure is noticed (`GenerationAborted`, a transfer's `RuntimeError`):
-  `Keep.DROP` the iteration in flight, `Keep.KEEP` it for `finish`, or `Keep.RESTART` the job.
+  `OnFailure.DROP` the iteration in flight, `OnFailure.KEEP` it for `finish`, or
+  `OnFailure.RESTART` the job from its latest checkpoint.
 - `on_drop()`: the trainer dropped the iteration in flight; forget what was kept of it.
 - `finish(host, decision)`: the survivors agreed on a new generation (and regrouped); finish or
   redo the interrupted iteration and return the next one, or return None to roll back.
@@ -47,9 +48,9 @@ Policies here:
 Adding logging-based recovery (SWIFT: redo a lost stage's share from logged boundary tensors)
 needs no change to the trainer: keep each iteration's sent tensors in `on_iteration`
 (`it.keep_sent = True`) and log them in `on_completed`; on a failure keep the survivors' state
-(`on_failure` -> `Keep.KEEP`); in `finish`, replay the logged tensors through the lost stage on
-the worker that takes it over and return the next iteration; `on_start` is where a replacement or
-a restarted job reloads the log it replays from.
+(`on_failure` -> `OnFailure.KEEP`); in `finish`, replay the logged tensors through the lost
+stage on the worker that takes it over and return the next iteration; `on_start` is where a
+replacement or a restarted job reloads the log it replays from.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from schedcomp.topology import Topology
 
 
-class Keep(Enum):
+class OnFailure(Enum):
     """What to do with the iteration in flight when a failure is noticed (`on_failure`)."""
 
     DROP = "drop"  # forget it (activations, stashes, gradients): it will be re-run
@@ -122,7 +123,7 @@ class RecoveryPolicy(Protocol):
 
     def on_completed(self, it: Iteration) -> None: ...
 
-    def on_failure(self, error: BaseException) -> Keep: ...
+    def on_failure(self, error: BaseException) -> OnFailure: ...
 
     def on_drop(self) -> None: ...
 
@@ -146,8 +147,8 @@ class RollbackPolicy:
     def on_completed(self, it: Iteration) -> None:
         pass
 
-    def on_failure(self, error: BaseException) -> Keep:
-        return Keep.DROP
+    def on_failure(self, error: BaseException) -> OnFailure:
+        return OnFailure.DROP
 
     def on_drop(self) -> None:
         pass
@@ -161,5 +162,5 @@ class RestartPolicy(RollbackPolicy):
 
     name = "restart"
 
-    def on_failure(self, error: BaseException) -> Keep:
-        return Keep.RESTART
+    def on_failure(self, error: BaseException) -> OnFailure:
+        return OnFailure.RESTART
