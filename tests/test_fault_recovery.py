@@ -10,8 +10,10 @@ error raised before an instruction; the session then "agrees" on the next genera
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import NoReturn
 
 import pytest
 import torch
@@ -23,10 +25,11 @@ from torch import nn
 from schedcomp import CostModel, Topology, Worker
 from schedcomp.errors import RecoveryError
 from schedcomp.lower import lower
+from schedcomp.runtime.fault.checkpoint import latest_complete
 from schedcomp.runtime.fault.groups import Generation
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy, StepDecision
-from schedcomp.runtime.fault.restart import CheckpointPolicy
+from schedcomp.runtime.fault.restart import EXIT_RESTART, CheckpointPolicy, restart_requested
 from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.resilient import ResilientTrainer, recovery_policy
@@ -167,8 +170,12 @@ def fault_free() -> dict[str, torch.Tensor]:
     return m.state_dict()
 
 
-def train(policy: str | RecoveryPolicy, fail_at: tuple[int, int] | None) -> ResilientTrainer:
-    """Run the one-worker job; `fail_at` = (iteration, instruction): a transfer error there, once."""
+def train(policy: str | RecoveryPolicy, fail_at: tuple[int, int] | None, checkpoint: CheckpointPolicy | None = None,
+          leave: Callable[[int], NoReturn] | None = None, session: ScriptedSession | None = None) -> ResilientTrainer:
+    """Run the one-worker job; `fail_at` = (iteration, instruction): a transfer error there, once.
+
+    `leave` replaces `os._exit` when the job asks for a restart from its checkpoint.
+    """
     plan = lower(fault_free_order("1f1b", Topology.of(1, 1), MICROBATCHES), CostModel.uniform(1))
     failed: list[tuple[int, int]] = []
 
@@ -178,7 +185,10 @@ def train(policy: str | RecoveryPolicy, fail_at: tuple[int, int] | None) -> Resi
             raise RuntimeError("Connection closed by peer")
 
     trainer = ResilientTrainer(lambda _topology: plan, lambda _stage: model(), F.mse_loss, Momentum, batch,
-                               session=ScriptedSession(), before=before, policy=policy)  # type: ignore[arg-type]
+                               session=session or ScriptedSession(), before=before, policy=policy,  # type: ignore[arg-type]
+                               checkpoint=checkpoint)
+    if leave is not None:
+        trainer.last_resort.leave = leave
     try:
         trainer.run(ITERATIONS)
     finally:
@@ -264,3 +274,18 @@ def test_a_user_policy_may_finish_the_iteration_its_own_way() -> None:
     report = trainer.report
     assert report is not None
     assert report.recoveries[0].method == "recording" and sorted(report.ledger) == [0, 1, 3]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # single-process DCP saves, by design
+def test_the_restart_policy_asks_for_a_restart_instead_of_recovering(tmp_path) -> None:
+    def leave(code: int) -> NoReturn:
+        raise SystemExit(code)
+
+    session = ScriptedSession()
+    with pytest.raises(SystemExit) as left:
+        train("restart", fail_at=(2, 3), checkpoint=CheckpointPolicy(tmp_path), leave=leave, session=session)
+    assert left.value.code == EXIT_RESTART
+    request = restart_requested(session.store)
+    assert request is not None and request.reason == "Connection closed by peer"
+    assert session.reported == []  # no recovery was tried
+    assert latest_complete(tmp_path, 1) == 1  # iterations 0 and 1 were checkpointed; the save in flight waited for
