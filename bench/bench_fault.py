@@ -236,7 +236,7 @@ def table_training(seeds: list[int]) -> None:
             recovered = max(r["completed_at"][str(rerun)] for r in ours.values()) - killed
             lossy = training(plans, spec, "replan", policy="lossy")
             killed = next(r["killed_at"] for r in lossy.values() if r["killed_at"] is not None)
-            (finished,) = {rec["rerun"] for r in lossy.values() for rec in r["recoveries"] if rec["policy"] == "lossy"}
+            (finished,) = {rec["rerun"] for r in lossy.values() for rec in r["recoveries"] if rec["method"] == "lossy"}
             lossy_s = max(r["completed_at"][str(finished)] for r in lossy.values()) - killed
             skipped = next(iter(lossy.values()))["skipped_samples"].get(str(finished), 0)
             again = training(plans, spec, "restart")

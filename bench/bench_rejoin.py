@@ -30,7 +30,7 @@ Columns (seconds, all `time.time()` on one host; one run per size):
 - `ann->adm`: announced -> admitted (its `FaultSession.start` returns: the generation admitting it
   is sealed and its groups are built). Mostly waiting for the agreed boundary, so it grows with
   the iteration time: the first survivor to see the announcement after completing iteration c
-  fixes the entry at c + 3 (`policy.switch_iteration`, lead = 2: no survivor may be more than that
+  fixes the entry at c + 3 (`agreement.switch_iteration`, lead = 2: no survivor may be more than that
   ahead), so the replacement waits out the iteration in flight and two more, here three whole
   degraded iterations (the survivors held at the start of iteration 2), plus the admission's
   agreement and group construction. `deg it`: a degraded iteration (median, hold excluded).

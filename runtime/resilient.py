@@ -20,10 +20,12 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   records are final when the survivors agree.
 - Failure (`GenerationAborted`, or a transfer's `RuntimeError`): report it, drop the iteration in
   flight (activations, weight-gradient stashes, gradients), agree on the next generation and
-  regroup, and decide from the commit records (`policy.rollback_decision`, the default policy:
-  the model trained is exactly the fault-free one). Workers that stepped the iteration being
-  re-run restore their snapshot (and record the undo), everyone switches to the cached plan for
-  the new failed set and re-runs from there. A failure during recovery starts recovery again.
+  regroup, and let the recovery policy finish the interrupted iteration (`fault.recovery`);
+  by default, and whenever it declines, roll back, deciding from the commit records
+  (`rollback.rollback_decision`: the model trained is exactly the fault-free one). Workers that
+  stepped the iteration being re-run restore their snapshot (and record the undo), everyone
+  switches to the cached plan for the new failed set and re-runs from there. A failure during
+  recovery starts recovery again.
 - Every wait of a recovery (agreement, the store meeting and group construction of a new
   generation, replica transfers, the lossy finish, the final meeting) gives up as soon as the
   failure detector finds a member dead, so a second death never holds the others for a group
@@ -60,31 +62,45 @@ from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
-from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
-from schedcomp.runtime.lossy import finish_interrupted, lossy_scale
+from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("rollback", "lossy")
+POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
+                                                     "restart": RestartPolicy}
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
 
 
-class _Lookup:
-    """Anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function."""
+def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None) -> RecoveryPolicy:
+    """The policy object `ResilientTrainer(policy=..., checkpoint=...)` runs: a name maps to a fresh one.
 
-    def __init__(self, source: Any) -> None:
-        self._fn: PlanSource = source.lookup if hasattr(source, "lookup") else source
-
-    def __call__(self, topology: Topology) -> Plan:
-        return self._fn(topology)
+    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`.
+    """
+    if checkpoint is not None and checkpoint.on_failure == RESTART:
+        if not isinstance(policy, (str, RestartPolicy)):
+            raise RecoveryError(f"on_failure='restart' restarts on every failure, so recovery policy {policy!r} "
+                                "would never run: pass one or the other")
+        policy = "restart"
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
+        policy = POLICIES[policy]()
+    if not isinstance(policy, RecoveryPolicy):
+        raise RecoveryError(f"recovery policy {policy!r} lacks the hooks of `fault.recovery.RecoveryPolicy`: "
+                            "subclass RollbackPolicy and override what you need")
+    if isinstance(policy, RestartPolicy) and checkpoint is None:
+        raise RecoveryError("recovery policy 'restart' needs a checkpoint: pass checkpoint=CheckpointPolicy(...)")
+    return policy
 
 
 class ResilientTrainer:
@@ -97,8 +113,10 @@ class ResilientTrainer:
     - `session`: a started-or-not `FaultSession` (default: one from the launcher's environment
       with `detection_time`).
     - `before(iteration, index, instruction)`: called before each instruction (fault injection).
-    - `policy`: "rollback" (default: re-run the interrupted iteration, exactly the fault-free model)
-      or "lossy" (finish it without the lost micro-batches, rescaled; `runtime.lossy`).
+    - `policy`: what to do with the iteration a failure interrupts (`fault.recovery`): "rollback"
+      (default: re-run it, exactly the fault-free model), "lossy" (finish it without the lost
+      micro-batches, rescaled; `runtime.lossy`), "restart" (restart the job from its latest
+      checkpoint on every failure), or a `RecoveryPolicy` object (one per trainer: it holds state).
     - `checkpoint`: `CheckpointPolicy(directory, every)`: asynchronous checkpoints after STEP, resume
       from the latest complete one at start, restart the job from it when a stage is lost (`fault.restart`).
     """
@@ -107,11 +125,10 @@ class ResilientTrainer:
                  make_optimizer: OptimizerFactory, batch_for: BatchFn, *, session: FaultSession | None = None,
                  detection_time: float = 3.0, before: Hook | None = None,
                  after_recovery: Callable[[int], None] | None = None,
-                 checkpoint: CheckpointPolicy | None = None, policy: str = "rollback") -> None:
-        if policy not in POLICIES:
-            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
-        self.policy = policy
-        self.lookup = _Lookup(plans)
+                 checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback") -> None:
+        self.policy = recovery_policy(policy, checkpoint)
+        # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
+        self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -124,8 +141,13 @@ class ResilientTrainer:
 
     # ---- waiting -------------------------------------------------------------------------------------
 
-    def _wait(self, work: Any) -> None:
+    def wait(self, work: Any) -> None:
+        """Wait for `work`; give up (`GenerationAborted`) as soon as the generation breaks."""
         wait_abortable(work, self.session.signal)
+
+    def plan_for(self, topology: Topology) -> Plan:
+        """The cached plan for this topology (its failed set)."""
+        return self._plans(topology)
 
     # ---- start -----------------------------------------------------------------------------------------
 
@@ -136,12 +158,11 @@ class ResilientTrainer:
         # at its admission (they wait for it to build its groups; 0.7 s for a 384 MB stage).
         module = build_module(self.build_stage, session.me.stage, session.env.pp)
         view = session.start() if session.view is None else session.view
-        plan = self.lookup(view.topology)
+        plan = self.plan_for(view.topology)
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
-                                       make_group=session.generation.new_group, wait=self._wait,
+                                       make_group=session.generation.new_group, wait=self.wait,
                                        setup_collectives=False)
-        self.trainer.keep_recent = self.policy == "lossy"
         stage = self.trainer.stage
         self.snapshot = StepSnapshot(stage.module, stage.optimizer)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -152,7 +173,7 @@ class ResilientTrainer:
                                     "restart the job from a checkpoint")
             receiving = time.time()
             got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
-                                   src=session.groups.rank_of(donor), wait=self._wait)
+                                   src=session.groups.rank_of(donor), wait=self.wait)
             assert session.announced_at is not None and session.admitted_at is not None
             self.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(),
                                             got.nbytes)
@@ -168,28 +189,30 @@ class ResilientTrainer:
             self.report.run, self.report.restored_from = session.env.run, resumed.restored_from
             self.report.iterations_lost = resumed.iterations_lost
         self.trainer.iteration = self.iteration = start
+        self.policy.on_start(self, start)
         return start
 
     # ---- one iteration ----------------------------------------------------------------------------------
 
-    def _step(self, i: int, checkpoint: bool = True) -> Callable[[Iteration], None]:
-        """STEP of iteration i: rescale (lossy), snapshot, optimizer step, commit record, checkpoint.
+    def step_for(self, i: int, checkpoint: bool = True) -> Callable[[Iteration], None]:
+        """STEP of iteration i: the policy's scale, snapshot, optimizer step, commit record, checkpoint.
 
-        A lossy finish passes `checkpoint=False`: a second failure may still roll that step back
-        and re-run the iteration in full, and a checkpoint is never rewritten (`fault.restart`).
+        A policy finishing an interrupted iteration passes `checkpoint=False`: a second failure may
+        still roll that step back and re-run the iteration in full, and a checkpoint is never
+        rewritten (`fault.restart`).
         """
         trainer, session, snapshot = self.trainer, self.session, self.snapshot
         assert trainer is not None and snapshot is not None
 
         def step(it: Iteration) -> None:
-            scale = lossy_scale(it.ledger)  # 1 unless micro-batches were lost (lossy policy)
-            if scale != 1.0:
-                trainer.stage.scale_grads(scale)
+            decision = self.policy.on_step(it)
+            if decision.scale != 1.0:
+                trainer.stage.scale_grads(decision.scale)
             snapshot.take(i)
-            if it.ledger is not None and not bool(it.ledger.any()):  # lossy: this stage holds no gradient;
-                trainer.stage.optimizer.zero_grad(set_to_none=True)  # momentum or decay must not move it
-            else:
+            if decision.apply:
                 trainer.stage.step()
+            else:
+                trainer.stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
             if checkpoint:
                 self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
@@ -208,9 +231,10 @@ class ResilientTrainer:
                 hook(i, index, ins)
 
         trainer.iteration = i
-        self._record(i, trainer.run_iteration(self.batch_for(i), step=self._step(i), ledger=ledger, before=before))
+        self.record(i, trainer.run_iteration(self.batch_for(i), step=self.step_for(i), ledger=ledger, before=before,
+                                             started=self.policy.on_iteration))
 
-    def _record(self, i: int, it: Iteration) -> None:
+    def record(self, i: int, it: Iteration) -> None:
         """Iteration i is done on this worker (run, or finished after a failure): report it."""
         report = self.report
         assert report is not None and it.ledger is not None
@@ -219,20 +243,27 @@ class ResilientTrainer:
         loss = it.loss()
         if loss is not None:
             report.losses[i] = float(loss)
+        self.policy.on_completed(it)
 
     # ---- after a failure ----------------------------------------------------------------------------------
 
-    def _recover(self, error: BaseException) -> int:
-        """Agree on the next generation, roll back, switch plans; returns the iteration to re-run."""
+    def _drop(self) -> None:
+        """Forget the iteration in flight, here and in the policy's state."""
+        assert self.trainer is not None
+        self.trainer.abandon()
+        self.policy.on_drop()
+
+    def _recover(self, error: BaseException, kept: bool) -> int:
+        """Agree on the next generation, let the policy finish the interrupted iteration or roll back,
+        switch plans; returns the iteration to run next. `kept`: the iteration in flight was kept."""
         session, trainer, report = self.session, self.trainer, self.report
         assert trainer is not None and self.snapshot is not None and report is not None
         noticed = time.perf_counter()
         log.warning("worker %s: generation %d broke (%s): recovering", session.me,
                     session.view.generation if session.view else -1, error)
         session.report(error)
-        intact = self.policy == "lossy"  # lossy finishes the iteration from this state: keep it
-        if not intact:
-            trainer.abandon()
+        if not kept:
+            self._drop()
         while True:
             try:
                 view = session.recover()
@@ -242,15 +273,15 @@ class ResilientTrainer:
                 decision = session.rollback()
                 if self.after_recovery is not None:
                     self.after_recovery(decision.rerun)
-                if self.policy == "lossy":
-                    finished = finish_interrupted(self, decision, intact)
-                    if finished is not None:
-                        report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
-                                                          decision.rerun, False, agreed,
-                                                          time.perf_counter() - noticed, "lossy"))
-                        return finished
-                    trainer.abandon()  # rollback instead (see `lossy`)
-                    intact = False
+                finished = self.policy.finish(self, decision)
+                if finished is not None:
+                    report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
+                                                      decision.rerun, False, agreed, time.perf_counter() - noticed,
+                                                      self.policy.name))
+                    return finished
+                if kept:  # the policy declined to finish it: roll back instead
+                    self._drop()
+                    kept = False
                 undone = session.me in decision.undo
                 if undone:
                     self.snapshot.restore()
@@ -259,8 +290,8 @@ class ResilientTrainer:
                     for table in (report.ledger, report.losses, report.completed_at, report.skipped,
                                   report.skipped_samples):
                         table.pop(i, None)
-                plan = self.lookup(view.topology)
-                trainer.regroup(plan, session.groups.rank, session.generation.new_group, self._wait)
+                plan = self.plan_for(view.topology)
+                trainer.regroup(plan, session.groups.rank, session.generation.new_group, self.wait)
                 self._hand_over(decision.rerun)
                 report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
                                                   decision.rerun, undone, agreed, time.perf_counter() - noticed))
@@ -268,8 +299,8 @@ class ResilientTrainer:
             except (GenerationAborted, RuntimeError) as e:  # another failure while recovering
                 log.warning("worker %s: failure during recovery (%s): recovering again", session.me, e)
                 session.report(e)
-                trainer.abandon()
-                intact = False
+                self._drop()
+                kept = False
 
     def _hand_over(self, resume_at: int) -> None:
         """After a change of generation: the donor of this stage sends its state to each replacement."""
@@ -279,7 +310,7 @@ class ResilientTrainer:
         for joiner in session.joiners():
             if joiner.stage == stage and session.donor_for(stage) == session.me:
                 send_stage_state(trainer.stage.module, trainer.stage.optimizer, session.groups.world,
-                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at}, wait=self._wait)
+                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at}, wait=self.wait)
                 report.handed_over += 1
 
     def _boundary(self, completed: int) -> None:
@@ -290,7 +321,7 @@ class ResilientTrainer:
         if switch is None:
             return
         view = session.admit(switch)
-        trainer.regroup(self.lookup(view.topology), session.groups.rank, session.generation.new_group, self._wait)
+        trainer.regroup(self.plan_for(view.topology), session.groups.rank, session.generation.new_group, self.wait)
         self._hand_over(completed + 1)
         report.admitted.append(completed + 1)
 
@@ -315,10 +346,11 @@ class ResilientTrainer:
             except (GenerationAborted, RuntimeError) as e:
                 if self.session.finished():  # the meeting was complete: a death after it changes nothing
                     break
-                if self.last_resort.restart_on_any_failure:
+                action = self.policy.on_failure(e)
+                if action is OnFailure.RESTART:
                     self.last_resort.give_up(e)
                 try:
-                    i = self._recover(e)
+                    i = self._recover(e, kept=action is OnFailure.KEEP)
                 except Evicted:
                     raise
                 except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint

@@ -105,8 +105,6 @@ class PipelineTrainer:
         self._timings: list[tuple[int, Timing, dict[int, float], dict[int, tuple[float, float]]]] = []
         self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
         self._boundaries: list[tuple[TensorMeta, ...]] = []
-        self.keep_recent = False  # keep the last two iterations' state (a lossy recovery needs it)
-        self.recent: dict[int, Iteration] = {}
         self.use_plan(plan)
         if setup_collectives:
             self.sync_replicas()
@@ -234,24 +232,27 @@ class PipelineTrainer:
         return Loss(loss, work)
 
     def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[Iteration], None] | None = None,
-                      ledger: Tensor | None = None,
-                      before: Callable[[int, Instruction], None] | None = None) -> Iteration:
+                      ledger: Tensor | None = None, before: Callable[[int, Instruction], None] | None = None,
+                      started: Callable[[Iteration], None] | None = None) -> Iteration:
         """Run one iteration of the stream and return its state (losses: this worker's scaled ones).
 
         `step` replaces the optimizer step at STEP, `ledger` counts micro-batches into the
-        all-reduce and `before` runs before each instruction (see `executor`); `iteration` is
-        advanced only when the stream completes.
+        all-reduce and `before` runs before each instruction (see `executor`); `started` gets the
+        iteration's state before its first instruction (a recovery policy may keep it, to finish
+        the iteration after a failure); `iteration` is advanced only when the stream completes.
         """
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
         self._probe_shapes(batch[0])
-        started = time.perf_counter()
+        began = time.perf_counter()
         it = self._iteration(self.iteration, batch, step, ledger)
+        if started is not None:
+            started(it)
         timing: Timing | None = [] if self.profile else None
         run_stream(it, self.stream, timing, before)
         if timing is not None:
             self._timings.append((self.iteration, timing, it.arrivals, it.memory))
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds.append(time.perf_counter() - began)
         self.iteration += 1
         return it
 
@@ -269,24 +270,26 @@ class PipelineTrainer:
             record=self.profile,
             step=step,
             ledger=ledger,
-            keep_sent=self.keep_recent,
             meter=self._meter,
         )
-        if self.keep_recent:  # a lossy recovery finishes an interrupted iteration from this state
-            self.recent = {n: r for n, r in self.recent.items() if n >= number - 1}
-            self.recent[number] = it
         return it
 
     def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
-               step: Callable[[Iteration], None], ledger: Tensor) -> Iteration:
+               step: Callable[[Iteration], None], ledger: Tensor, interrupted: Iteration | None = None,
+               started: Callable[[Iteration], None] | None = None) -> Iteration:
         """Finish iteration `number`, interrupted by a failure, on the current generation (lossy policy).
 
-        Starts from this worker's state of that iteration (or a fresh one if it had not started
-        it) and runs `residual` (`fault.residual`); call after `regroup`. `ledger` is used only
-        for a fresh start: an interrupted iteration keeps counting in its own.
+        Starts from `interrupted`, this worker's state of that iteration (None: it had not started
+        it; a fresh one, passed to `started` as in `run_iteration`) and runs `residual`
+        (`fault.residual`); call after `regroup`. `ledger` is used only for a fresh start: an
+        interrupted iteration keeps counting in its own.
         """
         self._probe_shapes(batch[0])  # collective: every survivor resumes (after a regroup it probes again)
-        it = self.recent.get(number) or self._iteration(number, batch, step, ledger)
+        it = interrupted
+        if it is None:
+            it = self._iteration(number, batch, step, ledger)
+            if started is not None:
+                started(it)
         it.comm, it.plan, it.step = self.comm, self.plan, step
         run_residual(it, residual.resend, residual.repost, residual.rest, residual.lost)
         self.iteration = number + 1
@@ -294,7 +297,6 @@ class PipelineTrainer:
 
     def abandon(self) -> None:
         """Forget the iteration in flight (its generation broke): activations, stashes, gradients."""
-        self.recent.clear()
         self.stage.discard()
         if self._meter is not None:
             self._meter.forget()

@@ -62,7 +62,7 @@ def check_lossy(results: dict[str, dict], victims: set[Worker], may_roll_back: b
         assert {int(i): v for i, v in r["skipped"].items()} == skipped, r["worker"]
         assert {int(i): n for i, n in r["skipped_samples"].items()} == {i: len(v) * ROWS for i, v in skipped.items()}
         # nothing re-run: every recovery finished an iteration lossily, or came after the last one
-        assert may_roll_back or all(rec["policy"] == "lossy" or rec["rerun"] >= ITERATIONS
+        assert may_roll_back or all(rec["method"] == "lossy" or rec["rerun"] >= ITERATIONS
                                     for rec in r["recoveries"]), r["recoveries"]
     held = held_chunks(results)
     for i, stages in held.items():
@@ -100,7 +100,7 @@ def test_lossy_finishes_the_iteration_without_the_lost_microbatches(cache_dir, s
     lost = list(skipped_chunks(lost_microbatches(plan, [victim]), MICROBATCHES))
     for r in results.values():
         (recovery,) = r["recoveries"]
-        assert recovery["policy"] == "lossy" and recovery["rerun"] in (iteration, iteration + 1)
+        assert recovery["method"] == "lossy" and recovery["rerun"] in (iteration, iteration + 1)
         assert skipped == {recovery["rerun"]: lost}  # the micro-batches with a slot on the victim
 
 

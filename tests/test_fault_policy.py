@@ -1,4 +1,4 @@
-"""Rollback, lossy-forward and switch decisions (pure), and rollback carried out on a real model."""
+"""Rollback and switch decisions (pure), and rollback carried out on a real model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.fault.policy import (
-    Rollback,
-    rollback_decision,
-    switch_iteration,
-)
+from schedcomp.runtime.fault.agreement import switch_iteration
+from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.topology import Worker
 

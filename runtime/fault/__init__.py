@@ -19,15 +19,18 @@ training loop around it):
 - `launch_args`: the launcher's command line, checked whole before anything starts.
 - `restart`: checkpoints while training and a restart of the whole job when a stage is lost
   (`CheckpointPolicy`, passed to `ResilientTrainer(checkpoint=...)`).
-- `policy`: rollback and switch decisions; `residual`: what survivors finish under the lossy
-  policy (pure functions).
+- `recovery`: the recovery-policy interface `ResilientTrainer` calls (`RecoveryPolicy`, with
+  `RollbackPolicy` and `RestartPolicy`; `runtime.lossy.LossyPolicy`); its docstring says how to
+  add one. `rollback`: the rollback decision and `residual`: what survivors finish under the
+  lossy policy (pure functions).
 """
 
-from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job
+from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job, switch_iteration
 from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import FailureDetector, GenerationAborted, Heartbeat, View, wait_work
-from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
+from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
+from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv, serve_store
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
@@ -44,7 +47,10 @@ __all__ = [
     "Graveyard",
     "Groups",
     "Heartbeat",
+    "RecoveryPolicy",
+    "RestartPolicy",
     "Rollback",
+    "RollbackPolicy",
     "StepSnapshot",
     "StoreAddress",
     "View",

@@ -20,7 +20,7 @@ replacement, which rejoins like any other.
 
 Joining: a replacement announces itself (`announce_join`); at an iteration boundary the
 survivors see it (`pending_joins`), fix the iteration at which it enters (`propose_switch`,
-first writer wins, see `policy.switch_iteration`) and, at that boundary, call `agree` with
+first writer wins, see `switch_iteration`) and, at that boundary, call `agree` with
 `joiners`; the replacement calls `agree` with `propose=False` and waits for a view that has it.
 """
 
@@ -141,6 +141,23 @@ def agreed_switch(store: Store, view: View) -> Switch | None:
     return Switch(view.generation, int(d["iteration"]), frozenset(Worker.parse(w) for w in d["joiners"]))
 
 
+def switch_iteration(completed: int, lead: int = 2) -> int:
+    """The first iteration replacements can join at, proposed by a worker that just completed `completed`.
+
+    `lead` bounds how far ahead of this worker another may be: with per-stage steps and no global
+    barrier, a worker finishing iteration j+1 needs every other to have finished j (its backward
+    of j+1 needs its neighbours' iteration j+1, which their streams start only after their step
+    of j). While this worker sits at the end of `completed`, another may have finished
+    `completed + 1` and started `completed + 2`, but not finished it, so nobody has started
+    `completed + 3`: lead = 2. Use lead = 1 with a synchronous optimizer (a barrier after every
+    step). This assumes every member runs a stream tied to the others by transfers and its
+    stage's all-reduce (true of our plans).
+    """
+    if lead < 1:
+        raise RecoveryError(f"lead must be at least 1, got {lead}")
+    return completed + lead + 1
+
+
 # ---- commit records --------------------------------------------------------------------------------
 
 
@@ -148,7 +165,7 @@ class CommitLog:
     """Per-worker commit records: the last iteration whose optimizer step each worker applied.
 
     A worker records right after its STEP, before it waits on anything again, so the survivors'
-    records are final by the time they agree on the next generation; `policy.rollback_decision`
+    records are final by the time they agree on the next generation; `rollback.rollback_decision`
     reads them. (A stage's record is its replicas' records: they step together after their
     all-reduce, but a replica may abort just before stepping, so each keeps its own.)
     """

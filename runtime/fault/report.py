@@ -13,11 +13,11 @@ class Recovery:
 
     generation: int
     failed: tuple[str, ...]
-    rerun: int  # the iteration re-run (rollback) or finished without the lost micro-batches (lossy)
+    rerun: int  # the iteration re-run (rollback) or finished by the recovery policy (e.g. lossy)
     undone: bool
     agreed: float  # new generation agreed and regrouped
     ready: float  # plan switched and communication rebuilt (lossy: and the iteration finished)
-    policy: str = "rollback"
+    method: str = "rollback"  # how the interrupted iteration was dealt with: "rollback" or the finishing policy's name
 
 
 @dataclass

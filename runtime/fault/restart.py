@@ -13,9 +13,9 @@ launched with `python -m schedcomp.runtime.fault.launch --max-restarts 3 ...`. W
   in flight, records a restart request in the store (`RestartRequest`: the reason and the highest
   iteration any worker committed; first writer wins) and leaves at once with status
   `EXIT_RESTART` (one line in the log, no traceback; `os._exit`, because threads still blocked on
-  the dead peers' connections make the interpreter's normal shutdown abort). With
-  `on_failure="restart"` it does so on every failure, without re-planning (to measure the job
-  under plain checkpoint-restart).
+  the dead peers' connections make the interpreter's normal shutdown abort). Under
+  `ResilientTrainer(policy="restart")` (`recovery.RestartPolicy`) it does so on every failure,
+  without re-planning (to measure the job under plain checkpoint-restart).
 - The launcher sees the request, stops every worker and starts the job again as run k + 1 in a
   fresh key namespace of the same store (`store.run_store`), with the request copied to
   `restart/previous`. On start, every worker of the new run takes the newest iteration all stages
@@ -65,11 +65,11 @@ REPLAN, RESTART = "replan", "restart"
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """Checkpoint every `every` iterations into `directory`; restart from there when a stage is lost.
+    """The checkpoint schedule: every `every` iterations into `directory`; restart from there when a stage is lost.
 
-    `on_failure`: "replan" (default: roll back and re-plan, restart only when re-planning cannot
-    go on) or "restart" (restart from the checkpoint on every failure, as jobs without our
-    recovery do; for comparison).
+    `on_failure`: "replan" (default: recover as the trainer's recovery policy says; restart only
+    when re-planning cannot go on) or "restart", the older spelling of
+    `ResilientTrainer(policy="restart")` (`recovery.RestartPolicy`), kept for existing jobs.
     """
 
     directory: Path
@@ -144,27 +144,23 @@ class Resumed:
 class LastResort:
     """One worker's share of checkpoint-restart: resume at start, save after STEP, give up on a lost stage."""
 
-    def __init__(self, policy: CheckpointPolicy | None, session: FaultSession,
+    def __init__(self, schedule: CheckpointPolicy | None, session: FaultSession,
                  leave: Callable[[int], NoReturn] = leave) -> None:
-        self.policy, self.session, self.leave = policy, session, leave
-        self.checkpointer = (AsyncCheckpointer(policy.directory, session.me.stage, policy.every)
-                             if policy is not None else None)
-
-    @property
-    def restart_on_any_failure(self) -> bool:
-        return self.policy is not None and self.policy.on_failure == RESTART
+        self.schedule, self.session, self.leave = schedule, session, leave
+        self.checkpointer = (AsyncCheckpointer(schedule.directory, session.me.stage, schedule.every)
+                             if schedule is not None else None)
 
     def resume(self, module: nn.Module, optimizer: Optimizer) -> Resumed:
         """Restore the checkpoint every worker of this run agrees on (the first to look picks it)."""
         store, env = self.session.store, self.session.env
         previous = (RestartRequest.from_json(store.get(Keys.previous_run()))
                     if store.check([Keys.previous_run()]) else None)
-        if self.policy is None:
+        if self.schedule is None:
             return Resumed(None, None, previous)
-        mine = latest_complete(self.policy.directory, env.pp)
+        mine = latest_complete(self.schedule.directory, env.pp)
         agreed = json.loads(store.compare_set(Keys.restored(), "", json.dumps(mine)))
         if agreed is not None:
-            restore(self.policy.directory, agreed, env.worker.stage, module, optimizer)
+            restore(self.schedule.directory, agreed, env.worker.stage, module, optimizer)
             log.warning("worker %s: restored the checkpoint of iteration %d", env.worker, agreed)
         lost = None if previous is None else previous.reached - (agreed if agreed is not None else -1)
         return Resumed(agreed, lost, previous)

@@ -49,11 +49,12 @@ from schedcomp.runtime.fault.agreement import (
     pending_joins,
     propose_switch,
     sealed_before,
+    switch_iteration,
 )
 from schedcomp.runtime.fault.groups import Abort, Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import WAITER_THREAD, FailureDetector, Heartbeat, View
-from schedcomp.runtime.fault.policy import Rollback, rollback_decision, switch_iteration
 from schedcomp.runtime.fault.protocol import meet, met
+from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.fault.store import Keys, WorkerEnv
 from schedcomp.topology import Worker
 
@@ -145,7 +146,7 @@ class FaultSession:
 
         Costs nothing in a fault-free job, a few store lookups per failed worker otherwise. When a
         replacement waits, the first survivor to get here fixes the iteration it enters at
-        (`policy.switch_iteration`); everyone admits it at that boundary.
+        (`agreement.switch_iteration`); everyone admits it at that boundary.
         """
         assert self.view is not None
         if not self.view.failed:  # only failed workers have replacements

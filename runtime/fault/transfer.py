@@ -8,7 +8,7 @@ code. The state moves as one byte buffer, so it arrives bit-exact whatever the d
 - `send_stage_state` / `recv_stage_state`: replica recovery (SWIFT-style). A live replica of the
   stage sends its state over the new generation's groups to a replacement.
 - `StepSnapshot`: the stage's state just before STEP, kept to undo a half-applied step exactly
-  (see `policy`).
+  (see `rollback`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""What to do after a failure, as pure functions: undo, re-run, and when replacements enter.
+"""The rollback policy's decision, a pure function: which half-applied steps to undo, which iteration to re-run.
 
-## Rollback (the default): undo half-applied steps, re-run the iteration on the new plan
+`recovery.RollbackPolicy` (the default recovery policy, and the fallback of every other) acts on it.
 
 With the staggered optimizer each stage steps as soon as its own gradients are reduced, so when
 a worker dies during iteration i some stages may have stepped i and others not. Every survivor
@@ -23,16 +23,6 @@ stepped once (its next backward needs that stage's next forward, which comes aft
 
 Edge cases (tested): failure before any stage stepped i -> nothing to undo, re-run i; after some
 stepped -> they undo, re-run i; after every stage stepped i -> nothing to undo, go on with i+1.
-
-## Lossy forward (option, Nicolae et al., CCGrid 2022)
-
-`ResilientTrainer(policy="lossy")` finishes the interrupted iteration instead of re-running it:
-see `residual` (what each survivor still runs) and `runtime.lossy` (running it, rescaling).
-
-## Replacements
-
-`switch_iteration`: the first iteration a replacement can join at, proposed at an iteration
-boundary so that no survivor has started it yet.
 """
 
 from __future__ import annotations
@@ -42,9 +32,6 @@ from dataclasses import dataclass
 
 from schedcomp.errors import RecoveryError
 from schedcomp.topology import Worker
-
-Slot = tuple[int, int, int]  # (home pipeline, microbatch, stage)
-MicroBatch = tuple[int, int]  # (home pipeline, microbatch)
 
 
 @dataclass(frozen=True)
@@ -69,20 +56,3 @@ def rollback_decision(commits: Mapping[Worker, int]) -> Rollback:
         raise RecoveryError(f"workers {', '.join(ahead)} stepped iteration {high} while others are at {low}: "
                             "only one step can be undone; restart from the latest checkpoint")
     return Rollback(low + 1, frozenset(w for w, c in commits.items() if c > low))
-
-
-def switch_iteration(completed: int, lead: int = 2) -> int:
-    """The first iteration replacements can join at, proposed by a worker that just completed `completed`.
-
-    `lead` bounds how far ahead of this worker another may be: with per-stage steps and no global
-    barrier, a worker finishing iteration j+1 needs every other to have finished j (its backward
-    of j+1 needs its neighbours' iteration j+1, which their streams start only after their step
-    of j). While this worker sits at the end of `completed`, another may have finished
-    `completed + 1` and started `completed + 2`, but not finished it, so nobody has started
-    `completed + 3`: lead = 2. Use lead = 1 with a synchronous optimizer (a barrier after every
-    step). This assumes every member runs a stream tied to the others by transfers and its
-    stage's all-reduce (true of our plans).
-    """
-    if lead < 1:
-        raise RecoveryError(f"lead must be at least 1, got {lead}")
-    return completed + lead + 1
