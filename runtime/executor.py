@@ -19,15 +19,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import InstrKind, Instruction, Op, Plan
+from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op, Plan
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
+from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
 from schedcomp.topology import Worker
 
 Key = tuple[int, int]  # (home pipeline, microbatch)
-_ACT, _GRAD = 0, 1
+_ACT, _GRAD = ACT, GRAD  # a transfer's channel, as the semantics table numbers it
 MAX_PARTS = 64  # tensors a stage may pass on (keeps gloo tags unique)
 
 
@@ -78,7 +79,7 @@ class Iteration:
 
     def wait_inputs(self, ins: Instruction) -> None:
         """Block until the receives feeding this compute op have arrived."""
-        direction = _ACT if ins.kind is InstrKind.F else _GRAD
+        direction = semantics_of(ins.kind).reads
         pending = self.recvs.get((direction, _key(ins.op)))
         if pending is not None:
             for work in pending[1]:
@@ -263,8 +264,14 @@ HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
     InstrKind.STEP: _step,
 }
 
-_WAITS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})
-_COMPUTE = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
+
+def handler(kind: InstrKind) -> Callable[[Iteration, Instruction], None]:
+    """The handler of `kind`; a kind without one is a setup error, never a silent skip."""
+    try:
+        return HANDLERS[kind]
+    except KeyError:
+        raise RuntimeSetupError(f"instruction kind {kind!r} has no runtime handler: add one to "
+                                "schedcomp.runtime.executor.HANDLERS") from None
 
 Timing = list[tuple[int, float, float]]  # (instruction index, start, end) in perf_counter seconds
 
@@ -281,19 +288,21 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
     when timing (profiling) is on.
     """
     sync = torch.cuda.synchronize if timing is not None and it.device.type == "cuda" else None
+    waits = {k for k, sem in SEMANTICS.items() if sem.reads >= 0}  # compute ops that consume a received tensor
     for index, ins in enumerate(stream):
         it.index = index
         if before is not None:
             before(index, ins)
-        if ins.kind in _WAITS:
+        if ins.kind in waits:
             it.wait_inputs(ins)
+        run = handler(ins.kind)
         start = time.perf_counter()
-        if it.meter is not None and timing is not None and ins.kind in _COMPUTE:
+        if it.meter is not None and timing is not None and ins.kind in COMPUTE_KINDS:
             with it.meter.measure(ins.kind, _key(ins.op)):
-                HANDLERS[ins.kind](it, ins)
+                run(it, ins)
             it.memory[index] = (it.meter.held, it.meter.peak)
         else:
-            HANDLERS[ins.kind](it, ins)
+            run(it, ins)
         if timing is not None:
             if sync is not None:
                 sync()
@@ -314,10 +323,7 @@ def run_residual(it: Iteration, resend: Sequence[Instruction], repost: Sequence[
     it.sends.clear()
     it.drop(lost)
     for ins in repost:
-        if ins.kind is InstrKind.RECV_ACT:
-            _recv_act(it, ins)
-        else:
-            _recv_grad(it, ins)
+        handler(ins.kind)(it, ins)  # a receive: posted again on the new generation
     for ins in resend:
-        it.post_sends(_ACT if ins.kind is InstrKind.SEND_ACT else _GRAD, ins, again=True)
+        it.post_sends(semantics_of(ins.kind).channel, ins, again=True)
     run_stream(it, rest)

@@ -18,13 +18,24 @@ never earlier than its producer.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from typing import NoReturn
 
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import COMPUTE_KINDS, SEND_KINDS, InstrKind, Instruction, OpKind, Plan
-from schedcomp.memory import show_memory
+from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.memory import memory_levels, show_memory, stage_deltas
+from schedcomp.semantics import (
+    ROLE_ALLREDUCE,
+    ROLE_COMPUTE,
+    ROLE_LOAD,
+    ROLE_RECV,
+    ROLE_SEND,
+    ROLE_STEP,
+    SEMANTICS,
+    roles,
+    semantics_of,
+)
 from schedcomp.topology import Worker
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
@@ -34,9 +45,8 @@ Where = tuple[Worker, int]  # (worker, instruction index)
 __all__ = ["check", "is_checked", "memory_profile", "peak_memory"]
 
 _EPS = 1e-9
-_BACKWARD = (OpKind.B, OpKind.BW)
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
-_NO_DELTAS = dict.fromkeys(OpKind, 0.0)
+_NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
 _INF = float("inf")
 
 
@@ -62,22 +72,13 @@ def is_checked(plan: Plan) -> bool:
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
     """Activation memory `worker` holds after each instruction of its stream."""
-    deltas = _deltas(plan, worker.stage)
-    held, out = 0.0, []
-    for ins in plan.streams[worker]:
-        if ins.op is not None and ins.kind in COMPUTE_KINDS:
-            held += deltas[ins.op.kind]
-        out.append(held)
-    return tuple(out)
+    deltas = stage_deltas(plan.costs, worker.stage)
+    return memory_levels(deltas[ins.kind] for ins in plan.streams[worker])
 
 
 def peak_memory(plan: Plan) -> dict[Worker, float]:
     """The most activation memory each worker holds at any point of an iteration."""
     return {w: max((0.0, *memory_profile(plan, w))) for w in plan.workers}
-
-
-def _deltas(plan: Plan, stage: int) -> dict[OpKind, float]:
-    return {k: plan.costs.memory_delta(k.value, stage) for k in OpKind}
 
 
 class _Checker:
@@ -154,18 +155,24 @@ class _Checker:
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
-        LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
+        role_of = roles()  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
-            deltas, held = (_deltas(plan, ws) if top != _INF else _NO_DELTAS), 0.0  # memory only with a limit
+            deltas, held = (stage_deltas(plan.costs, ws) if top != _INF else _NO_DELTAS), 0.0  # only with a limit
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w.pipeline * pp + ws] = (reduce, step)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
+                role = role_of.get(kind)
+                if role is None:
+                    self.fail(w, i, f"unknown instruction kind {kind!r}: every kind needs a row in schedcomp.semantics")
                 if op is None:
-                    (reduce if kind is ALLREDUCE else step).append(i)  # op-less: ALLREDUCE or STEP
+                    if role == ROLE_ALLREDUCE:
+                        reduce.append(i)
+                    elif role == ROLE_STEP:
+                        step.append(i)
                     continue
                 d, m = op.pipeline, op.microbatch
                 if op.stage != ws:
@@ -173,24 +180,24 @@ class _Checker:
                 if not (0 <= d < dp and 0 <= m < mbs):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
                 slot = (d * mbs + m) * pp + ws
-                if kind in COMPUTE_KINDS:
+                if role == ROLE_COMPUTE:
                     cid = slot * 4 + kid[op.kind]
                     first = comp.get(cid)
                     if first is not None:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
                     comp[cid] = (w, i)
-                    held += deltas[op.kind]
+                    held += deltas[kind]
                     if held > top and w not in self.over:
                         self.over[w] = (i, held)
-                elif kind is LOAD:
+                elif role == ROLE_LOAD:
                     if op.kind is not OpKind.F or 0 < ws < pp - 1:
-                        self.fail(w, i, "LOAD only feeds a forward at the first or last stage: drop it")
+                        self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                     if slot in loads:
                         self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
                     loads[slot] = (w, i)
-                elif kind in SEND_KINDS:
+                elif role == ROLE_SEND:
                     sends.append((w, i, ins, slot))
-                else:
+                elif role == ROLE_RECV:
                     recvs.append((w, i, ins, slot))
 
     # ---- exactly once, same worker, dependency order --------------------------------------
@@ -261,7 +268,7 @@ class _Checker:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
         pp, comp, kid = self.pp, self.comp, _KIND_ID
         sent, received, out, into = self.sent, self.received, self.out, self.into
-        F, SEND_ACT, RECV_ACT = OpKind.F, InstrKind.SEND_ACT, InstrKind.RECV_ACT
+        sems = SEMANTICS
         nw = self.plan.topology.dp * pp
         events = self.events = [[] for _ in range(nw)]
         ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
@@ -269,19 +276,17 @@ class _Checker:
         for w, i, ins, slot in self.sends:
             op, peer = ins.op, ins.peer
             s, opk = op.stage, op.kind
-            act = ins.kind is SEND_ACT
-            if act and (opk is not F or s == pp - 1):
-                self.fail(w, i, "SEND_ACT names the F whose output goes to the next stage (none at the last stage)")
-            if not act and (opk not in _BACKWARD or s == 0):
-                self.fail(w, i, "SEND_GRAD names the B or BW whose input gradient goes back (none at stage 0)")
+            sem = sems[ins.kind]
+            if opk not in sem.op_kinds or not 0 <= s + sem.peer_stage < pp:
+                self.fail(w, i, sem.rule)
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((slot + 1 if act else slot - 1) * 4)
+            target = comp.get((slot + sem.peer_stage) * 4)  # the F of the peer's slot: where it is consumed
             if target is None or (target[0] is not peer and target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = slot * 2 if act else slot * 2 + 1
+            tensor = slot * 2 + sem.channel
             if tensor in sent:
                 self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor][1]}): keep one")
             sent[tensor] = (w, i)
@@ -298,21 +303,19 @@ class _Checker:
         for w, j, ins, slot in self.recvs:
             op, peer = ins.op, ins.peer
             s, opk = op.stage, op.kind
-            act = ins.kind is RECV_ACT
-            if act and (opk is not F or s == 0):
-                self.fail(w, j, "RECV_ACT names the F that consumes the previous stage's output (none at stage 0)")
-            if not act and (opk not in _BACKWARD or s == pp - 1):
-                self.fail(w, j, "RECV_GRAD names the B or BW that consumes the next stage's gradient (none last)")
+            sem = sems[ins.kind]
+            if opk not in sem.op_kinds or not 0 <= s + sem.peer_stage < pp:
+                self.fail(w, j, sem.rule)
             consumer = comp.get(slot * 4 + kid[opk])
             if consumer is None or (consumer[0] is not w and consumer[0] != w):
                 self.fail(w, j, f"receives for {op}, which does not run on this worker")
             if consumer[1] < j:
                 self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((slot - 1 if act else slot + 1) * 4)
+            source = comp.get((slot + sem.peer_stage) * 4)
             if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = (slot - 1) * 2 if act else (slot + 1) * 2 + 1
+            tensor = (slot + sem.peer_stage) * 2 + sem.channel
             if tensor in received:
                 self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor][0][1]})")
             received[tensor] = ((w, j), consumer[1])
