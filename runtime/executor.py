@@ -20,6 +20,7 @@ from torch import Tensor
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op, Plan
+from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.memory import MemoryMeter
@@ -69,13 +70,12 @@ class Iteration:
     def chunks(self) -> int:
         return self.plan.topology.dp * self.plan.microbatches
 
-    def tag(self, op: Op, direction: int, part: int) -> int:
-        # Unique per message of an iteration, and differs between consecutive iterations (a sender
-        # is never more than one iteration ahead of its receiver: it waits for the receiver's
-        # gradients). Gloo matches on (peer, tag); NCCL ignores tags and relies on the plan's
-        # per-channel FIFO order.
-        chunk = chunk_index(op.pipeline, op.microbatch, self.plan.microbatches)
-        return (((chunk * 2 + direction) * 2 + self.number % 2) * MAX_PARTS) + part
+    def tag(self, ins: Instruction, part: int) -> int:
+        # The transfer's id in the plan's index (the same on both ends), so unique per message of an
+        # iteration, and differs between consecutive iterations (a sender is never more than one
+        # iteration ahead of its receiver: it waits for the receiver's gradients). Gloo matches on
+        # (peer, tag); NCCL ignores tags and relies on the plan's per-channel FIFO order.
+        return ((plan_index(self.plan).id_of(ins) * 2 + self.number % 2) * MAX_PARTS) + part
 
     def wait_inputs(self, ins: Instruction) -> None:
         """Block until the receives feeding this compute op have arrived."""
@@ -105,12 +105,12 @@ class Iteration:
         if self.keep_sent:
             self.sent[key] = tensors
         for part, t in enumerate(tensors):
-            self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins.op, direction, part)), t))
+            self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins, part)), t))
 
     def post_recvs(self, direction: int, ins: Instruction, metas: tuple[TensorMeta, ...]) -> None:
         assert ins.op is not None and ins.peer is not None
         buffers = tuple(m.empty(self.device) for m in metas)
-        works = [self.comm.irecv(b, ins.peer, self.tag(ins.op, direction, part)) for part, b in enumerate(buffers)]
+        works = [self.comm.irecv(b, ins.peer, self.tag(ins, part)) for part, b in enumerate(buffers)]
         self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
 
     def drop(self, lost: Iterable[Key]) -> None:

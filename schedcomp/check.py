@@ -25,6 +25,7 @@ from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
 from schedcomp.memory import memory_levels, show_memory, stage_deltas
+from schedcomp.planindex import PlanIndex
 from schedcomp.semantics import (
     ROLE_ALLREDUCE,
     ROLE_COMPUTE,
@@ -42,7 +43,7 @@ Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
 Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
 Where = tuple[Worker, int]  # (worker, instruction index)
 
-__all__ = ["check", "is_checked", "memory_profile", "peak_memory"]
+__all__ = ["check", "index_of", "is_checked", "memory_profile", "peak_memory"]
 
 _EPS = 1e-9
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
@@ -58,16 +59,22 @@ def check(plan: Plan) -> None:
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"check needs a Plan, got {type(plan).__name__}")
     with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
-        _Checker(plan).run()
-    object.__setattr__(plan, _MARK, True)
+        checker = _Checker(plan)
+        checker.run()
+    object.__setattr__(plan, _MARK, checker.index())
 
 
-_MARK = "_schedcomp_checked"
+_MARK = "_schedcomp_index"  # the plan's `PlanIndex`, there once `check` passed
 
 
 def is_checked(plan: Plan) -> bool:
     """Whether `check(plan)` passed on this very object."""
-    return plan.__dict__.get(_MARK, False)
+    return _MARK in plan.__dict__
+
+
+def index_of(plan: Plan) -> PlanIndex | None:
+    """The `PlanIndex` `check` left on this plan, or None (read it through `schedcomp.planindex.plan_index`)."""
+    return plan.__dict__.get(_MARK)
 
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
@@ -111,6 +118,7 @@ class _Checker:
         # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
         self.events: list[list[tuple[int, int, int]]] = []
+        self.order: list[tuple[int, int]] = []  # the deadlock pass's walk: (rank, events passed), in order
 
     def run(self) -> None:
         self.scan()
@@ -121,6 +129,16 @@ class _Checker:
         self.tails()
         self.deadlock()
         self.memory()
+
+    def index(self) -> PlanIndex:
+        """What this run learnt, for the plan's other consumers (after `run` passed)."""
+        plan, streams, workers = self.plan, self.plan.streams, self.plan.topology.worker_of_rank
+        order = []
+        for r, e in self.order:  # events passed -> the instruction the worker stopped at
+            ev, w = self.events[r], workers(r)
+            order.append((w, ev[e][0] if e < len(ev) else len(streams[w])))
+        return PlanIndex(self.pp, self.mbs, self.nw, tuple(self.workers), self.sent, self.received, self.out,
+                         tuple(order), streams, plan.costs)
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         where = "" if worker is None else f"worker {worker}"
@@ -425,6 +443,7 @@ class _Checker:
                         break
                 e += 1
             at[r] = e
+            self.order.append((r, e))
         # A worker that did not reach the end of its events waits at the instruction of the next one.
         pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)

@@ -12,6 +12,7 @@ from typing import Any
 
 from schedcomp.errors import ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Plan
+from schedcomp.planindex import transfer_key
 from schedcomp.semantics import (
     OPTIMIZER,
     ROLE_ALLREDUCE,
@@ -52,7 +53,8 @@ class Stream:
 
 
 def compile_streams(plan: Plan) -> list[Stream]:
-    """Flatten the streams and match every send with its receive (FIFO per channel)."""
+    """Flatten the streams and match every send with its receive: the one carrying the same tensor
+    (`schedcomp.planindex.transfer_key`) between the same two workers (FIFO if a hand-made plan repeats one)."""
     workers = plan.workers
     index_of = {w: i for i, w in enumerate(workers)}
     costs = plan.costs
@@ -87,9 +89,7 @@ def compile_streams(plan: Plan) -> list[Stream]:
                         raise ValidationError(f"worker {w}, instruction {j} ({ins}) receives from {ins.peer}, which "
                                               "has no stream in this plan: re-lower the plan", worker=w, index=j)
                     waiting.setdefault(ins.op, []).append(j)
-                    channel = semantics_of(ins.kind).channel
-                    recvs.setdefault((channel, ins.op.pipeline, ins.op.microbatch, index_of[ins.peer], wi),  # type: ignore[union-attr]
-                                     []).append((wi, j))
+                    recvs.setdefault((transfer_key(ins), index_of[ins.peer], wi), []).append((wi, j))
                 elif c == SEND:
                     pending_sends.append((wi, j, ins))
                 continue
@@ -116,7 +116,7 @@ def compile_streams(plan: Plan) -> list[Stream]:
         if ins.peer not in index_of:
             raise ValidationError(f"worker {w}, instruction {j} ({ins}) sends to {ins.peer}, which has no stream in "
                                   "this plan: re-lower the plan", worker=w, index=j)
-        queue = recvs.get((semantics_of(ins.kind).channel, ins.op.pipeline, ins.op.microbatch, wi, index_of[ins.peer]))  # type: ignore[union-attr]
+        queue = recvs.get((transfer_key(ins), wi, index_of[ins.peer]))
         if not queue:
             raise ValidationError(f"worker {w}, instruction {j} ({ins}) has no matching receive on {ins.peer}: every "
                                   "send needs one receive of the same micro-batch", worker=w, index=j)
