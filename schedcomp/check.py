@@ -61,7 +61,7 @@ def check(plan: Plan) -> None:
     with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
         checker = _Checker(plan)
         checker.run()
-    object.__setattr__(plan, _MARK, checker.index())
+        object.__setattr__(plan, _MARK, checker.index())
 
 
 _MARK = "_schedcomp_index"  # the plan's `PlanIndex`, there once `check` passed
@@ -132,10 +132,13 @@ class _Checker:
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        plan, streams, workers = self.plan, self.plan.streams, self.plan.topology.worker_of_rank
+        plan, streams, events, pp = self.plan, self.plan.streams, self.events, self.pp
+        by_rank: list[Worker] = [None] * self.nw  # type: ignore[list-item]  # failed ranks stay None
+        for w in self.workers:
+            by_rank[w.pipeline * pp + w.stage] = w
         order = []
         for r, e in self.order:  # events passed -> the instruction the worker stopped at
-            ev, w = self.events[r], workers(r)
+            ev, w = events[r], by_rank[r]
             order.append((w, ev[e][0] if e < len(ev) else len(streams[w])))
         return PlanIndex(self.pp, self.mbs, self.nw, tuple(self.workers), self.sent, self.received, self.out,
                          tuple(order), streams, plan.costs)

@@ -129,7 +129,7 @@ class Instruction:
         # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
         kind, op = self.kind, self.op
         if op is None:
-            return _TEXT[kind] if kind in _TEXT else str(kind.value)
+            return _TEXT[kind] if kind in _TEXT else str(getattr(kind, "value", kind))
         o = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
         form = _FORM[kind] if kind in _FORM else _form(kind)
         if form == 0:
