@@ -206,6 +206,13 @@ class Plan:
     def compute_ops(self, worker: Worker) -> tuple[Op, ...]:
         return tuple(i.op for i in self.streams[worker] if i.is_compute and i.op is not None)
 
+    def to_networkx(self) -> Any:
+        """One iteration as a networkx DiGraph: nodes (worker, index), edges stream order and transfers
+        (see `schedcomp.graph`)."""
+        from schedcomp.graph import to_networkx
+
+        return to_networkx(self)
+
     def to_json(self) -> str:
         from schedcomp.serialize import plan_to_json
 

@@ -7,6 +7,7 @@ its row in `schedcomp.semantics` and a handler in `runtime.executor.HANDLERS`, n
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from enum import Enum
@@ -182,3 +183,21 @@ def test_one_memory_model() -> None:
         profile = memory_profile(plan, w)
         assert index.memory_profile(w) == profile
         assert sim.memory[w] == pytest.approx(max(0.0, *profile))
+
+
+@pytest.mark.parametrize("kw", [dict(schedule="1f1b", dp=1), dict(dp=2, failed=[(1, 1)]), dict(dp=2, schedule="zb-h1")])
+def test_networkx_graph_and_critical_path_match_the_simulator(kw: dict[str, object]) -> None:
+    import networkx as nx
+
+    from schedcomp.graph import critical_path
+
+    plan = schedcomp.compile(pp=3, microbatches=6, **kw)  # type: ignore[arg-type]
+    g = plan.to_networkx()
+    assert nx.is_directed_acyclic_graph(g)
+    assert g.number_of_nodes() == sum(len(s) for s in plan.streams.values())
+    transfers = [(a, b) for a, b, via in g.edges(data="via") if via == "transfer"]
+    assert len(transfers) == len(plan_index(plan).sent)
+    length, path = critical_path(plan)
+    assert length == pytest.approx(simulate(plan, iterations=1).makespan)
+    assert all(b in g.successors(a) or g.nodes[b]["instruction"].kind is InstrKind.ALLREDUCE
+               for a, b in itertools.pairwise(path))
