@@ -18,6 +18,7 @@ never earlier than its producer.
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict, deque
 from typing import NoReturn
 
@@ -49,6 +50,7 @@ _EPS = 1e-9
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
 _NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
 _INF = float("inf")
+_LOW = (1 << 32) - 1  # the index part of a packed place
 
 
 def check(plan: Plan) -> None:
@@ -61,7 +63,11 @@ def check(plan: Plan) -> None:
     with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
         checker = _Checker(plan)
         checker.run()
-        object.__setattr__(plan, _MARK, checker.index())
+        index = checker.index()
+        # Free the scan's tables while the collector is still paused: alive when it resumes, they
+        # would be walked by a collection (seconds on a 200k-row plan) just before they die.
+        del checker
+    object.__setattr__(plan, _MARK, index)
 
 
 _MARK = "_schedcomp_index"  # the plan's `PlanIndex`, there once `check` passed
@@ -110,15 +116,20 @@ class _Checker:
         self.loads: dict[int, Where] = {}  # slot -> its LOAD
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        self.sent: dict[int, Where] = {}
-        self.received: dict[int, tuple[Where, int]] = {}  # tensor -> (receive, its consumer's index)
+        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
+        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds).
+        self.sent: dict[int, int] = {}  # tensor -> its send
+        self.received: dict[int, int] = {}  # tensor -> its receive
+        self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
         # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
         self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
         self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
         # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
         self.events: list[list[tuple[int, int, int]]] = []
-        self.order: list[tuple[int, int]] = []  # the deadlock pass's walk: (rank, events passed), in order
+        self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
+        self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
+        self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -132,16 +143,16 @@ class _Checker:
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        plan, streams, events, pp = self.plan, self.plan.streams, self.events, self.pp
-        by_rank: list[Worker] = [None] * self.nw  # type: ignore[list-item]  # failed ranks stay None
-        for w in self.workers:
-            by_rank[w.pipeline * pp + w.stage] = w
-        order = []
-        for r, e in self.order:  # events passed -> the instruction the worker stopped at
-            ev, w = events[r], by_rank[r]
-            order.append((w, ev[e][0] if e < len(ev) else len(streams[w])))
-        return PlanIndex(self.pp, self.mbs, self.nw, tuple(self.workers), self.sent, self.received, self.out,
-                         tuple(order), streams, plan.costs)
+        streams, events, by_rank, stops = self.plan.streams, self.events, self.by_rank, self.order_stops
+        for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
+            ev, e = events[r], stops[n]
+            stops[n] = ev[e][0] if e < len(ev) else len(streams[by_rank[r]])  # type: ignore[index]
+        return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
+                         self.order_ranks, stops, streams, self.plan.costs)
+
+    def where(self, at: int) -> Where:
+        """A packed place (rank << 32 | index) as (worker, index)."""
+        return self.by_rank[at >> 32], at & _LOW  # type: ignore[return-value]
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         where = "" if worker is None else f"worker {worker}"
@@ -173,6 +184,9 @@ class _Checker:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
         self.workers = sorted(plan.streams)
+        self.by_rank = [None] * self.nw
+        for w in self.workers:
+            self.by_rank[w.pipeline * pp + w.stage] = w
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
@@ -288,13 +302,17 @@ class _Checker:
     def transfers(self) -> None:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
         pp, comp, kid = self.pp, self.comp, _KIND_ID
-        sent, received, out, into = self.sent, self.received, self.out, self.into
+        sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
         sems = SEMANTICS
         nw = self.plan.topology.dp * pp
         events = self.events = [[] for _ in range(nw)]
         ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
         ev: list[tuple[int, int, int]] = []
+        rank = -1
         for w, i, ins, slot in self.sends:
+            if w is not ev_of:
+                ev_of, rank = w, w.pipeline * pp + w.stage
+                ev = events[rank]
             op, peer = ins.op, ins.peer
             s, opk = op.stage, op.kind
             sem = sems[ins.kind]
@@ -309,19 +327,20 @@ class _Checker:
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
             tensor = slot * 2 + sem.channel
             if tensor in sent:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor][1]}): keep one")
-            sent[tensor] = (w, i)
-            key = (w.pipeline * pp + w.stage) * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
+                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor] & _LOW}): keep one")
+            sent[tensor] = rank << 32 | i
+            key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
             channel = out.get(key)
             if channel is None:
                 out[key] = [tensor]
             else:
                 channel.append(tensor)
-            if w is not ev_of:
-                ev_of, ev = w, events[w.pipeline * pp + w.stage]
             ev.append((i, 1, tensor))
         ev_of = None
         for w, j, ins, slot in self.recvs:
+            if w is not ev_of:
+                ev_of, rank = w, w.pipeline * pp + w.stage
+                ev = events[rank]
             op, peer = ins.op, ins.peer
             s, opk = op.stage, op.kind
             sem = sems[ins.kind]
@@ -338,16 +357,15 @@ class _Checker:
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
             tensor = (slot + sem.peer_stage) * 2 + sem.channel
             if tensor in received:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor][0][1]})")
-            received[tensor] = ((w, j), consumer[1])
-            key = (peer.pipeline * pp + peer.stage) * nw + w.pipeline * pp + w.stage
+                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor] & _LOW})")
+            received[tensor] = rank << 32 | j
+            consumed[tensor] = consumer[1]
+            key = (peer.pipeline * pp + peer.stage) * nw + rank
             channel = into.get(key)
             if channel is None:
                 into[key] = [(tensor, j)]
             else:
                 channel.append((tensor, j))
-            if w is not ev_of:
-                ev_of, ev = w, events[w.pipeline * pp + w.stage]
             ev.append((consumer[1], 0, tensor))
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
@@ -362,7 +380,8 @@ class _Checker:
                 if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
                     self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
         if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
-            for tensor, (w, i) in sent.items():
+            for tensor, at in sent.items():
+                w, i = self.where(at)
                 if tensor not in received:
                     self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
 
@@ -378,7 +397,7 @@ class _Checker:
             x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
             for n, (tensor, j) in enumerate(got):
                 if expected[n] != tensor:
-                    send = self.plan.streams[x][self.sent[expected[n]][1]]
+                    send = self.plan.streams[x][self.sent[expected[n]] & _LOW]
                     self.fail(y, j, f"is receive #{n} from {x}, but {x}'s send #{n} to {y} is {send}: "
                                     "post receives in the order the peer sends")
 
@@ -421,6 +440,7 @@ class _Checker:
         parked: dict[Tensor, int] = {}  # tensor -> the rank waiting for it
         arrived: list[set[int]] = [set() for _ in range(pp)]  # ranks at each stage's ALLREDUCE
         todo = deque(ranks)
+        order_ranks, order_stops = self.order_ranks, self.order_stops
         while todo:
             r = todo.popleft()
             ev, e = events[r], at[r]
@@ -446,7 +466,8 @@ class _Checker:
                         break
                 e += 1
             at[r] = e
-            self.order.append((r, e))
+            order_ranks.append(r)
+            order_stops.append(e)
         # A worker that did not reach the end of its events waits at the instruction of the next one.
         pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)
@@ -454,12 +475,12 @@ class _Checker:
             topo = self.plan.topology
             waiting = {s: {topo.worker_of_rank(r) for r in arrived[s]} for s in range(pp)}
             inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
-            for tensor, ((y, _), c) in self.received.items():
-                inputs[y][c] = tensor
-            self.report_cycle(stuck, pos, inputs, self.sent, waiting)
+            for tensor, at in self.received.items():
+                inputs[self.where(at)[0]][self.consumer[tensor]] = tensor
+            self.report_cycle(stuck, pos, inputs, waiting)
 
     def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],
-                     sent: dict[Tensor, Where], arrived: dict[int, set[Worker]]) -> NoReturn:
+                     arrived: dict[int, set[Worker]]) -> NoReturn:
         """Follow 'waits for' from stuck worker to stuck worker until one repeats, and name that cycle."""
         streams = self.plan.streams
 
@@ -467,7 +488,7 @@ class _Checker:
             i = pos[w]
             tensor = inputs[w].get(i)
             if tensor is not None:
-                x, j = sent[tensor]
+                x, j = self.where(self.sent[tensor])
                 return x, f"{x} instruction {j} ({streams[x][j]})"
             late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
             return late, f"{late} to reach ALLREDUCE"

@@ -13,7 +13,7 @@ SEND or RECV alone (no plan needed); its integer id in a plan is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from schedcomp.costs import CostModel
@@ -42,25 +42,39 @@ def transfer_key(ins: Instruction) -> TransferKey:
 class PlanIndex:
     """A checked plan's tables (read-only; shared by reference with the validator that built them).
 
-    - `sent[t]`: where transfer id t's SEND is; `received[t]`: (where its RECV is, the index on the
-      receiver of the compute op that consumes it).
-    - `channels[(sender rank) * ranks + (receiver rank)]`: the transfer ids the channel carries, in
-      posting order (ranks as in `Topology.rank`; both ends agree: `check` proved FIFO order).
-    - `order`: a deadlock-free order: (worker, stop) segments; running each worker's stream up to
-      (not including) instruction `stop`, segment after segment, never waits for a tensor not yet
-      sent, and every ALLREDUCE is reached by its whole stage group before anyone passes it.
+    Columnar, in plain ints: a place is packed as `rank << 32 | index` (ranks as in `Topology.rank`),
+    so the tables are dicts and arrays of ints, which the cyclic garbage collector does not track (a
+    million tuples of workers kept alive cost it seconds per collection). Read them through the methods.
+
+    - `sent[t]` / `received[t]`: the packed place of transfer id t's SEND / RECV; `consumed[t]`: the
+      index, on the receiver, of the compute op that consumes it.
+    - `channel(sender, receiver)`: the transfer ids the channel carries, in posting order (both ends
+      agree: `check` proved FIFO order); read off the sender's stream when asked.
+    - `order` (from `order_ranks`, `order_stops`): a deadlock-free order of (worker, stop) segments:
+      running each worker's stream up to (not including) instruction `stop`, segment after segment,
+      never waits for a tensor not yet sent, and every ALLREDUCE is reached by its whole stage group
+      before anyone passes it.
     """
 
     pp: int
     microbatches: int
-    ranks: int
-    workers: tuple[Worker, ...]
-    sent: Mapping[int, Where]
-    received: Mapping[int, tuple[Where, int]]
-    channels: Mapping[int, Sequence[int]]
-    order: tuple[tuple[Worker, int], ...]
+    by_rank: tuple[Worker | None, ...]  # the plan's workers by rank; None for failed ones
+    sent: Mapping[int, int]
+    received: Mapping[int, int]
+    consumed: Mapping[int, int]
+    order_ranks: Sequence[int]
+    order_stops: Sequence[int]
     streams: Mapping[Worker, tuple[Instruction, ...]]
     costs: CostModel
+
+    @property
+    def ranks(self) -> int:
+        return len(self.by_rank)
+
+    @property
+    def order(self) -> Iterator[tuple[Worker, int]]:
+        by_rank = self.by_rank
+        return ((by_rank[r], stop) for r, stop in zip(self.order_ranks, self.order_stops, strict=True))  # type: ignore[misc]
 
     def transfer_id(self, key: TransferKey) -> int:
         d, m, s, channel = key
@@ -70,27 +84,39 @@ class PlanIndex:
         """The transfer id of a SEND or RECV of this plan."""
         return self.transfer_id(transfer_key(ins))
 
+    def where(self, at: int) -> Where:
+        """A packed place as (worker, index)."""
+        return self.by_rank[at >> 32], at & _LOW  # type: ignore[return-value]
+
+    def send_of(self, transfer: int) -> Where:
+        return self.where(self.sent[transfer])
+
+    def receive_of(self, transfer: int) -> Where:
+        return self.where(self.received[transfer])
+
     def peer_of(self, worker: Worker, index: int) -> Where:
         """Where the other end of the transfer at (worker, index) is."""
         ins = self.streams[worker][index]
         t = self.id_of(ins)
-        return self.received[t][0] if semantics_of(ins.kind).direction == SEND else self.sent[t]
+        return self.receive_of(t) if semantics_of(ins.kind).direction == SEND else self.send_of(t)
 
     def consumer(self, worker: Worker, index: int) -> int:
-        """The index of the compute op that consumes what the RECV at (worker, index) receives."""
-        return self.received[self.id_of(self.streams[worker][index])][1]
+        """The index of the compute op that consumes what the transfer at (worker, index) carries,
+        on the receiver (for a SEND, on its peer)."""
+        return self.consumed[self.id_of(self.streams[worker][index])]
 
     def channel(self, sender: Worker, receiver: Worker) -> tuple[int, ...]:
         """The transfer ids from `sender` to `receiver`, in the order both post them."""
-        return tuple(self.channels.get(self._rank(sender) * self.ranks + self._rank(receiver), ()))
+        return tuple(self.id_of(ins) for ins in self.streams[sender]
+                     if ins.peer == receiver and semantics_of(ins.kind).direction == SEND)
 
     def memory_profile(self, worker: Worker) -> tuple[float, ...]:
         """Activation memory `worker` holds after each instruction of its stream (the one memory model)."""
         deltas = stage_deltas(self.costs, worker.stage)
         return memory_levels(deltas[ins.kind] for ins in self.streams[worker])
 
-    def _rank(self, w: Worker) -> int:
-        return w.pipeline * self.pp + w.stage
+
+_LOW = (1 << 32) - 1
 
 
 def plan_index(plan: Plan) -> PlanIndex:

@@ -91,8 +91,8 @@ def residuals(plan: Plan, progress: Mapping[Worker, int], failed: Iterable[Worke
 
     def consumed(ins: Instruction) -> bool:
         """Whether the receiver of this transfer had completed the compute op that reads it."""
-        (receiver, _), reader = index.received[index.id_of(ins)]
-        return reader < progress[receiver]
+        transfer = index.id_of(ins)
+        return index.consumed[transfer] < progress[index.receive_of(transfer)[0]]
 
     donors = _donors(plan, progress, survivors)
     out: dict[Worker, Residual] = {}
