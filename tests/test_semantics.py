@@ -94,7 +94,11 @@ def test_a_registered_kind_is_read_by_ir_check_simulator_and_json(mark: ExtraKin
     plan = _plan()
     marked = _with_marks(plan, mark)
     check(marked)  # the validator takes it: op-less, neither ALLREDUCE nor STEP
-    assert simulate(marked).period == pytest.approx(simulate(plan).period)  # it takes no time
+    sim = simulate(marked)
+    assert sim.period == pytest.approx(simulate(plan).period)  # it takes no time
+    from schedcomp.draw.style import label
+
+    assert {label(s) for s in sim.spans if s.instruction.kind is mark} == {"MARK"}  # drawn by its name
     assert str(Instruction(mark)) == "MARK"  # type: ignore[arg-type]
     assert Instruction.parse("MARK", 0).kind is mark
     again = Plan.from_json(marked.to_json())
