@@ -94,6 +94,13 @@ def peak_memory(plan: Plan) -> dict[Worker, float]:
     return {w: max((0.0, *memory_profile(plan, w))) for w in plan.workers}
 
 
+class _Roles(dict):  # type: ignore[type-arg]
+    """kind -> role, -1 for a kind the table does not know (a subscript is cheaper than `.get` per instruction)."""
+
+    def __missing__(self, kind: object) -> int:
+        return -1
+
+
 class _Checker:
     """One validation run: the scan's indexes, then one method per rule.
 
@@ -154,6 +161,9 @@ class _Checker:
         """A packed place (rank << 32 | index) as (worker, index)."""
         return self.by_rank[at >> 32], at & _LOW  # type: ignore[return-value]
 
+    def unknown(self, worker: Worker, index: int, kind: object) -> NoReturn:
+        self.fail(worker, index, f"unknown instruction kind {kind!r}: every kind needs a row in schedcomp.semantics")
+
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         where = "" if worker is None else f"worker {worker}"
         if worker is not None and index is not None and worker in self.plan.streams:
@@ -190,7 +200,7 @@ class _Checker:
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
-        role_of = roles()  # every kind's role, read off the semantics table once per run
+        role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
@@ -200,14 +210,14 @@ class _Checker:
             self.tail[w.pipeline * pp + ws] = (reduce, step)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
-                role = role_of.get(kind)
-                if role is None:
-                    self.fail(w, i, f"unknown instruction kind {kind!r}: every kind needs a row in schedcomp.semantics")
+                role = role_of[kind]
                 if op is None:
                     if role == ROLE_ALLREDUCE:
                         reduce.append(i)
                     elif role == ROLE_STEP:
                         step.append(i)
+                    elif role < 0:
+                        self.unknown(w, i, kind)
                     continue
                 d, m = op.pipeline, op.microbatch
                 if op.stage != ws:
@@ -215,7 +225,11 @@ class _Checker:
                 if not (0 <= d < dp and 0 <= m < mbs):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
                 slot = (d * mbs + m) * pp + ws
-                if role == ROLE_COMPUTE:
+                if role == ROLE_SEND:
+                    sends.append((w, i, ins, slot))
+                elif role == ROLE_RECV:
+                    recvs.append((w, i, ins, slot))
+                elif role == ROLE_COMPUTE:
                     cid = slot * 4 + kid[op.kind]
                     first = comp.get(cid)
                     if first is not None:
@@ -230,10 +244,8 @@ class _Checker:
                     if slot in loads:
                         self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
                     loads[slot] = (w, i)
-                elif role == ROLE_SEND:
-                    sends.append((w, i, ins, slot))
-                elif role == ROLE_RECV:
-                    recvs.append((w, i, ins, slot))
+                elif role < 0:
+                    self.unknown(w, i, kind)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 
@@ -303,7 +315,8 @@ class _Checker:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
         pp, comp, kid = self.pp, self.comp, _KIND_ID
         sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
-        sems = SEMANTICS
+        # Per kind, the row's fields this pass reads: one dict lookup per transfer, not one per field.
+        rows = {k: (sem.op_kinds, sem.peer_stage, sem.channel) for k, sem in SEMANTICS.items() if sem.is_transfer}
         nw = self.plan.topology.dp * pp
         events = self.events = [[] for _ in range(nw)]
         ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
@@ -314,27 +327,27 @@ class _Checker:
                 ev_of, rank = w, w.pipeline * pp + w.stage
                 ev = events[rank]
             op, peer = ins.op, ins.peer
-            s, opk = op.stage, op.kind
-            sem = sems[ins.kind]
-            if opk not in sem.op_kinds or not 0 <= s + sem.peer_stage < pp:
-                self.fail(w, i, sem.rule)
+            opk = op.kind
+            op_kinds, step, channel = rows[ins.kind]
+            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+                self.fail(w, i, SEMANTICS[ins.kind].rule)
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((slot + sem.peer_stage) * 4)  # the F of the peer's slot: where it is consumed
+            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
             if target is None or (target[0] is not peer and target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = slot * 2 + sem.channel
+            tensor = slot * 2 + channel
             if tensor in sent:
                 self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor] & _LOW}): keep one")
             sent[tensor] = rank << 32 | i
             key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
-            channel = out.get(key)
-            if channel is None:
+            queue = out.get(key)
+            if queue is None:
                 out[key] = [tensor]
             else:
-                channel.append(tensor)
+                queue.append(tensor)
             ev.append((i, 1, tensor))
         ev_of = None
         for w, j, ins, slot in self.recvs:
@@ -342,30 +355,30 @@ class _Checker:
                 ev_of, rank = w, w.pipeline * pp + w.stage
                 ev = events[rank]
             op, peer = ins.op, ins.peer
-            s, opk = op.stage, op.kind
-            sem = sems[ins.kind]
-            if opk not in sem.op_kinds or not 0 <= s + sem.peer_stage < pp:
-                self.fail(w, j, sem.rule)
+            opk = op.kind
+            op_kinds, step, channel = rows[ins.kind]
+            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+                self.fail(w, j, SEMANTICS[ins.kind].rule)
             consumer = comp.get(slot * 4 + kid[opk])
             if consumer is None or (consumer[0] is not w and consumer[0] != w):
                 self.fail(w, j, f"receives for {op}, which does not run on this worker")
             if consumer[1] < j:
                 self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((slot + sem.peer_stage) * 4)
+            source = comp.get((slot + step) * 4)
             if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = (slot + sem.peer_stage) * 2 + sem.channel
+            tensor = (slot + step) * 2 + channel
             if tensor in received:
                 self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor] & _LOW})")
             received[tensor] = rank << 32 | j
             consumed[tensor] = consumer[1]
             key = (peer.pipeline * pp + peer.stage) * nw + rank
-            channel = into.get(key)
-            if channel is None:
+            queue = into.get(key)
+            if queue is None:
                 into[key] = [(tensor, j)]
             else:
-                channel.append((tensor, j))
+                queue.append((tensor, j))
             ev.append((consumer[1], 0, tensor))
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
