@@ -40,7 +40,7 @@ from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, peak_of, stage_deltas
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
-from schedcomp.timeline import Span, Timing, steady_window, timeline_metrics
+from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
@@ -279,10 +279,8 @@ def _timing(
             first_start = min(first_start, first, min((x for x in start[wi][:n] if x == x), default=math.inf))
     for k in range(1, K):
         ends[k] = max(ends[k], ends[k - 1])
-    window = steady_window(K)
-    h = window.start - 1
     makespan = ends[0] - first_start
-    period = (ends[-1] - ends[h]) / (K - 1 - h) if K > 1 else makespan
+    period = period_from_ends(ends, makespan)
     busy = {st.worker: sum(d for k, d in enumerate(st.dur) if st.codes[st.at[k]] == COMPUTE) for st in streams}
     capacity = period * len(streams)
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0

@@ -22,7 +22,8 @@ import random
 from collections.abc import Mapping, Sequence
 
 from schedcomp.memory import stage_deltas
-from schedcomp.solvers.problem import Problem, period_from_ends
+from schedcomp.solvers.problem import Problem
+from schedcomp.timeline import period_from_ends
 
 OP_STEPS_PER_SECOND = 1_500_000
 """Nominal speed of `FastTimer.score` (ops timed per second, measured on the 2-core dev machine): turns a

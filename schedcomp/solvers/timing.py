@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schedcomp.memory import stage_deltas
-from schedcomp.solvers.problem import Problem, period_from_ends
+from schedcomp.solvers.problem import Problem
+from schedcomp.timeline import period_from_ends
 
 INF = math.inf
 
