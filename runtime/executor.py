@@ -19,15 +19,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import InstrKind, Instruction, Op, Plan
+from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op, Plan
+from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
+from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
 from schedcomp.topology import Worker
 
 Key = tuple[int, int]  # (home pipeline, microbatch)
-_ACT, _GRAD = 0, 1
+_ACT, _GRAD = ACT, GRAD  # a transfer's channel, as the semantics table numbers it
 MAX_PARTS = 64  # tensors a stage may pass on (keeps gloo tags unique)
 
 
@@ -68,17 +70,16 @@ class Iteration:
     def chunks(self) -> int:
         return self.plan.topology.dp * self.plan.microbatches
 
-    def tag(self, op: Op, direction: int, part: int) -> int:
-        # Unique per message of an iteration, and differs between consecutive iterations (a sender
-        # is never more than one iteration ahead of its receiver: it waits for the receiver's
-        # gradients). Gloo matches on (peer, tag); NCCL ignores tags and relies on the plan's
-        # per-channel FIFO order.
-        chunk = chunk_index(op.pipeline, op.microbatch, self.plan.microbatches)
-        return (((chunk * 2 + direction) * 2 + self.number % 2) * MAX_PARTS) + part
+    def tag(self, ins: Instruction, part: int) -> int:
+        # The transfer's id in the plan's index (the same on both ends), so unique per message of an
+        # iteration, and differs between consecutive iterations (a sender is never more than one
+        # iteration ahead of its receiver: it waits for the receiver's gradients). Gloo matches on
+        # (peer, tag); NCCL ignores tags and relies on the plan's per-channel FIFO order.
+        return ((plan_index(self.plan).id_of(ins) * 2 + self.number % 2) * MAX_PARTS) + part
 
     def wait_inputs(self, ins: Instruction) -> None:
         """Block until the receives feeding this compute op have arrived."""
-        direction = _ACT if ins.kind is InstrKind.F else _GRAD
+        direction = semantics_of(ins.kind).reads
         pending = self.recvs.get((direction, _key(ins.op)))
         if pending is not None:
             for work in pending[1]:
@@ -104,12 +105,12 @@ class Iteration:
         if self.keep_sent:
             self.sent[key] = tensors
         for part, t in enumerate(tensors):
-            self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins.op, direction, part)), t))
+            self.sends.append((self.comm.isend(t, ins.peer, self.tag(ins, part)), t))
 
     def post_recvs(self, direction: int, ins: Instruction, metas: tuple[TensorMeta, ...]) -> None:
         assert ins.op is not None and ins.peer is not None
         buffers = tuple(m.empty(self.device) for m in metas)
-        works = [self.comm.irecv(b, ins.peer, self.tag(ins.op, direction, part)) for part, b in enumerate(buffers)]
+        works = [self.comm.irecv(b, ins.peer, self.tag(ins, part)) for part, b in enumerate(buffers)]
         self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
 
     def drop(self, lost: Iterable[Key]) -> None:
@@ -263,8 +264,14 @@ HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
     InstrKind.STEP: _step,
 }
 
-_WAITS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})
-_COMPUTE = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
+
+def handler(kind: InstrKind) -> Callable[[Iteration, Instruction], None]:
+    """The handler of `kind`; a kind without one is a setup error, never a silent skip."""
+    try:
+        return HANDLERS[kind]
+    except KeyError:
+        raise RuntimeSetupError(f"instruction kind {kind!r} has no runtime handler: add one to "
+                                "schedcomp.runtime.executor.HANDLERS") from None
 
 Timing = list[tuple[int, float, float]]  # (instruction index, start, end) in perf_counter seconds
 
@@ -281,19 +288,21 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
     when timing (profiling) is on.
     """
     sync = torch.cuda.synchronize if timing is not None and it.device.type == "cuda" else None
+    waits = {k for k, sem in SEMANTICS.items() if sem.reads >= 0}  # compute ops that consume a received tensor
     for index, ins in enumerate(stream):
         it.index = index
         if before is not None:
             before(index, ins)
-        if ins.kind in _WAITS:
+        if ins.kind in waits:
             it.wait_inputs(ins)
+        run = handler(ins.kind)
         start = time.perf_counter()
-        if it.meter is not None and timing is not None and ins.kind in _COMPUTE:
+        if it.meter is not None and timing is not None and ins.kind in COMPUTE_KINDS:
             with it.meter.measure(ins.kind, _key(ins.op)):
-                HANDLERS[ins.kind](it, ins)
+                run(it, ins)
             it.memory[index] = (it.meter.held, it.meter.peak)
         else:
-            HANDLERS[ins.kind](it, ins)
+            run(it, ins)
         if timing is not None:
             if sync is not None:
                 sync()
@@ -314,10 +323,7 @@ def run_residual(it: Iteration, resend: Sequence[Instruction], repost: Sequence[
     it.sends.clear()
     it.drop(lost)
     for ins in repost:
-        if ins.kind is InstrKind.RECV_ACT:
-            _recv_act(it, ins)
-        else:
-            _recv_grad(it, ins)
+        handler(ins.kind)(it, ins)  # a receive: posted again on the new generation
     for ins in resend:
-        it.post_sends(_ACT if ins.kind is InstrKind.SEND_ACT else _GRAD, ins, again=True)
+        it.post_sends(semantics_of(ins.kind).channel, ins, again=True)
     run_stream(it, rest)

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from schedcomp.draw.trace import to_chrome_trace
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.fileio import dumps_json, write_atomic
-from schedcomp.ir import InstrKind, Plan
+from schedcomp.ir import Plan
+from schedcomp.planindex import transfer_key
+from schedcomp.semantics import RECV, SEND, semantics_of
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
@@ -61,26 +63,19 @@ def _spans(worker: Worker, rows: list[tuple[float, ...]], history: list[tuple[in
     return spans
 
 
-def _message(span: Span, sender: Worker | None, receiver: Worker) -> tuple[object, ...]:
-    """What identifies one transfer on both ends: iteration, direction, micro-batch, sender, receiver."""
-    ins = span.instruction
-    assert ins.op is not None
-    direction = "act" if ins.kind in (InstrKind.SEND_ACT, InstrKind.RECV_ACT) else "grad"
-    return (span.iteration, direction, ins.op.pipeline, ins.op.microbatch, sender, receiver)
-
-
 def match_sends(spans: list[Span]) -> list[Span]:
-    """End each SEND when its matching RECV was seen complete (the arrival, as far as we can tell)."""
+    """End each SEND when its matching RECV was seen complete (the arrival, as far as we can tell).
+
+    Both ends name the transfer by `transfer_key` (the tensor it carries) within an iteration."""
     arrived = {}
     for s in spans:
-        ins = s.instruction
-        if ins.kind in (InstrKind.RECV_ACT, InstrKind.RECV_GRAD):
-            arrived[_message(s, sender=ins.peer, receiver=s.worker)] = s.end
+        if semantics_of(s.instruction.kind).direction == RECV:
+            arrived[(s.iteration, transfer_key(s.instruction))] = s.end
     out = []
     for s in spans:
         ins = s.instruction
-        if ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD):
-            end = arrived.get(_message(s, sender=s.worker, receiver=ins.peer))
+        if semantics_of(ins.kind).direction == SEND:
+            end = arrived.get((s.iteration, transfer_key(ins)))
             if end is not None:
                 s = Span(s.worker, s.iteration, s.index, ins, s.start, max(s.start, end))
         out.append(s)

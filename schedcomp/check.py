@@ -18,26 +18,39 @@ never earlier than its producer.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from collections import defaultdict, deque
 from typing import NoReturn
 
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import COMPUTE_KINDS, SEND_KINDS, InstrKind, Instruction, OpKind, Plan
-from schedcomp.memory import show_memory
+from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.memory import memory_levels, show_memory, stage_deltas
+from schedcomp.planindex import PlanIndex
+from schedcomp.semantics import (
+    ROLE_ALLREDUCE,
+    ROLE_COMPUTE,
+    ROLE_LOAD,
+    ROLE_RECV,
+    ROLE_SEND,
+    ROLE_STEP,
+    SEMANTICS,
+    roles,
+    semantics_of,
+)
 from schedcomp.topology import Worker
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
 Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
 Where = tuple[Worker, int]  # (worker, instruction index)
 
-__all__ = ["check", "is_checked", "memory_profile", "peak_memory"]
+__all__ = ["check", "index_of", "is_checked", "memory_profile", "peak_memory"]
 
 _EPS = 1e-9
-_BACKWARD = (OpKind.B, OpKind.BW)
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
-_NO_DELTAS = dict.fromkeys(OpKind, 0.0)
+_NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
 _INF = float("inf")
+_LOW = (1 << 32) - 1  # the index part of a packed place
 
 
 def check(plan: Plan) -> None:
@@ -48,27 +61,32 @@ def check(plan: Plan) -> None:
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"check needs a Plan, got {type(plan).__name__}")
     with paused_gc():  # the indexes are many small acyclic objects: see `schedcomp.gcpause`
-        _Checker(plan).run()
-    object.__setattr__(plan, _MARK, True)
+        checker = _Checker(plan)
+        checker.run()
+        index = checker.index()
+        # Free the scan's tables while the collector is still paused: alive when it resumes, they
+        # would be walked by a collection (seconds on a 200k-row plan) just before they die.
+        del checker
+    object.__setattr__(plan, _MARK, index)
 
 
-_MARK = "_schedcomp_checked"
+_MARK = "_schedcomp_index"  # the plan's `PlanIndex`, there once `check` passed
 
 
 def is_checked(plan: Plan) -> bool:
     """Whether `check(plan)` passed on this very object."""
-    return plan.__dict__.get(_MARK, False)
+    return _MARK in plan.__dict__
+
+
+def index_of(plan: Plan) -> PlanIndex | None:
+    """The `PlanIndex` `check` left on this plan, or None (read it through `schedcomp.planindex.plan_index`)."""
+    return plan.__dict__.get(_MARK)
 
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
     """Activation memory `worker` holds after each instruction of its stream."""
-    deltas = _deltas(plan, worker.stage)
-    held, out = 0.0, []
-    for ins in plan.streams[worker]:
-        if ins.op is not None and ins.kind in COMPUTE_KINDS:
-            held += deltas[ins.op.kind]
-        out.append(held)
-    return tuple(out)
+    deltas = stage_deltas(plan.costs, worker.stage)
+    return memory_levels(deltas[ins.kind] for ins in plan.streams[worker])
 
 
 def peak_memory(plan: Plan) -> dict[Worker, float]:
@@ -76,8 +94,11 @@ def peak_memory(plan: Plan) -> dict[Worker, float]:
     return {w: max((0.0, *memory_profile(plan, w))) for w in plan.workers}
 
 
-def _deltas(plan: Plan, stage: int) -> dict[OpKind, float]:
-    return {k: plan.costs.memory_delta(k.value, stage) for k in OpKind}
+class _Roles(dict):  # type: ignore[type-arg]
+    """kind -> role, -1 for a kind the table does not know (a subscript is cheaper than `.get` per instruction)."""
+
+    def __missing__(self, kind: object) -> int:
+        return -1
 
 
 class _Checker:
@@ -102,14 +123,20 @@ class _Checker:
         self.loads: dict[int, Where] = {}  # slot -> its LOAD
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        self.sent: dict[int, Where] = {}
-        self.received: dict[int, tuple[Where, int]] = {}  # tensor -> (receive, its consumer's index)
+        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
+        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds).
+        self.sent: dict[int, int] = {}  # tensor -> its send
+        self.received: dict[int, int] = {}  # tensor -> its receive
+        self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
         # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
         self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
         self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
         # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
         self.events: list[list[tuple[int, int, int]]] = []
+        self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
+        self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
+        self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -120,6 +147,22 @@ class _Checker:
         self.tails()
         self.deadlock()
         self.memory()
+
+    def index(self) -> PlanIndex:
+        """What this run learnt, for the plan's other consumers (after `run` passed)."""
+        streams, events, by_rank, stops = self.plan.streams, self.events, self.by_rank, self.order_stops
+        for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
+            ev, e = events[r], stops[n]
+            stops[n] = ev[e][0] if e < len(ev) else len(streams[by_rank[r]])  # type: ignore[index]
+        return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
+                         self.order_ranks, stops, streams, self.plan.costs)
+
+    def where(self, at: int) -> Where:
+        """A packed place (rank << 32 | index) as (worker, index)."""
+        return self.by_rank[at >> 32], at & _LOW  # type: ignore[return-value]
+
+    def unknown(self, worker: Worker, index: int, kind: object) -> NoReturn:
+        self.fail(worker, index, f"unknown instruction kind {kind!r}: every kind needs a row in schedcomp.semantics")
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         where = "" if worker is None else f"worker {worker}"
@@ -151,21 +194,30 @@ class _Checker:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
         self.workers = sorted(plan.streams)
+        self.by_rank = [None] * self.nw
+        for w in self.workers:
+            self.by_rank[w.pipeline * pp + w.stage] = w
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
-        LOAD, ALLREDUCE = InstrKind.LOAD, InstrKind.ALLREDUCE
+        role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
-            deltas, held = (_deltas(plan, ws) if top != _INF else _NO_DELTAS), 0.0  # memory only with a limit
+            deltas, held = (stage_deltas(plan.costs, ws) if top != _INF else _NO_DELTAS), 0.0  # only with a limit
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w.pipeline * pp + ws] = (reduce, step)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
+                role = role_of[kind]
                 if op is None:
-                    (reduce if kind is ALLREDUCE else step).append(i)  # op-less: ALLREDUCE or STEP
+                    if role == ROLE_ALLREDUCE:
+                        reduce.append(i)
+                    elif role == ROLE_STEP:
+                        step.append(i)
+                    elif role < 0:
+                        self.unknown(w, i, kind)
                     continue
                 d, m = op.pipeline, op.microbatch
                 if op.stage != ws:
@@ -173,25 +225,27 @@ class _Checker:
                 if not (0 <= d < dp and 0 <= m < mbs):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
                 slot = (d * mbs + m) * pp + ws
-                if kind in COMPUTE_KINDS:
+                if role == ROLE_SEND:
+                    sends.append((w, i, ins, slot))
+                elif role == ROLE_RECV:
+                    recvs.append((w, i, ins, slot))
+                elif role == ROLE_COMPUTE:
                     cid = slot * 4 + kid[op.kind]
                     first = comp.get(cid)
                     if first is not None:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
                     comp[cid] = (w, i)
-                    held += deltas[op.kind]
+                    held += deltas[kind]
                     if held > top and w not in self.over:
                         self.over[w] = (i, held)
-                elif kind is LOAD:
+                elif role == ROLE_LOAD:
                     if op.kind is not OpKind.F or 0 < ws < pp - 1:
-                        self.fail(w, i, "LOAD only feeds a forward at the first or last stage: drop it")
+                        self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                     if slot in loads:
                         self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
                     loads[slot] = (w, i)
-                elif kind in SEND_KINDS:
-                    sends.append((w, i, ins, slot))
-                else:
-                    recvs.append((w, i, ins, slot))
+                elif role < 0:
+                    self.unknown(w, i, kind)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 
@@ -260,70 +314,71 @@ class _Checker:
     def transfers(self) -> None:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
         pp, comp, kid = self.pp, self.comp, _KIND_ID
-        sent, received, out, into = self.sent, self.received, self.out, self.into
-        F, SEND_ACT, RECV_ACT = OpKind.F, InstrKind.SEND_ACT, InstrKind.RECV_ACT
+        sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
+        # Per kind, the row's fields this pass reads: one dict lookup per transfer, not one per field.
+        rows = {k: (sem.op_kinds, sem.peer_stage, sem.channel) for k, sem in SEMANTICS.items() if sem.is_transfer}
         nw = self.plan.topology.dp * pp
         events = self.events = [[] for _ in range(nw)]
         ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
         ev: list[tuple[int, int, int]] = []
+        rank = -1
         for w, i, ins, slot in self.sends:
+            if w is not ev_of:
+                ev_of, rank = w, w.pipeline * pp + w.stage
+                ev = events[rank]
             op, peer = ins.op, ins.peer
-            s, opk = op.stage, op.kind
-            act = ins.kind is SEND_ACT
-            if act and (opk is not F or s == pp - 1):
-                self.fail(w, i, "SEND_ACT names the F whose output goes to the next stage (none at the last stage)")
-            if not act and (opk not in _BACKWARD or s == 0):
-                self.fail(w, i, "SEND_GRAD names the B or BW whose input gradient goes back (none at stage 0)")
+            opk = op.kind
+            op_kinds, step, channel = rows[ins.kind]
+            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+                self.fail(w, i, SEMANTICS[ins.kind].rule)
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((slot + 1 if act else slot - 1) * 4)
+            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
             if target is None or (target[0] is not peer and target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = slot * 2 if act else slot * 2 + 1
+            tensor = slot * 2 + channel
             if tensor in sent:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor][1]}): keep one")
-            sent[tensor] = (w, i)
-            key = (w.pipeline * pp + w.stage) * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
-            channel = out.get(key)
-            if channel is None:
+                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor] & _LOW}): keep one")
+            sent[tensor] = rank << 32 | i
+            key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
+            queue = out.get(key)
+            if queue is None:
                 out[key] = [tensor]
             else:
-                channel.append(tensor)
-            if w is not ev_of:
-                ev_of, ev = w, events[w.pipeline * pp + w.stage]
+                queue.append(tensor)
             ev.append((i, 1, tensor))
         ev_of = None
         for w, j, ins, slot in self.recvs:
+            if w is not ev_of:
+                ev_of, rank = w, w.pipeline * pp + w.stage
+                ev = events[rank]
             op, peer = ins.op, ins.peer
-            s, opk = op.stage, op.kind
-            act = ins.kind is RECV_ACT
-            if act and (opk is not F or s == 0):
-                self.fail(w, j, "RECV_ACT names the F that consumes the previous stage's output (none at stage 0)")
-            if not act and (opk not in _BACKWARD or s == pp - 1):
-                self.fail(w, j, "RECV_GRAD names the B or BW that consumes the next stage's gradient (none last)")
+            opk = op.kind
+            op_kinds, step, channel = rows[ins.kind]
+            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+                self.fail(w, j, SEMANTICS[ins.kind].rule)
             consumer = comp.get(slot * 4 + kid[opk])
             if consumer is None or (consumer[0] is not w and consumer[0] != w):
                 self.fail(w, j, f"receives for {op}, which does not run on this worker")
             if consumer[1] < j:
                 self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((slot - 1 if act else slot + 1) * 4)
+            source = comp.get((slot + step) * 4)
             if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = (slot - 1) * 2 if act else (slot + 1) * 2 + 1
+            tensor = (slot + step) * 2 + channel
             if tensor in received:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor][0][1]})")
-            received[tensor] = ((w, j), consumer[1])
-            key = (peer.pipeline * pp + peer.stage) * nw + w.pipeline * pp + w.stage
-            channel = into.get(key)
-            if channel is None:
+                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor] & _LOW})")
+            received[tensor] = rank << 32 | j
+            consumed[tensor] = consumer[1]
+            key = (peer.pipeline * pp + peer.stage) * nw + rank
+            queue = into.get(key)
+            if queue is None:
                 into[key] = [(tensor, j)]
             else:
-                channel.append((tensor, j))
-            if w is not ev_of:
-                ev_of, ev = w, events[w.pipeline * pp + w.stage]
+                queue.append((tensor, j))
             ev.append((consumer[1], 0, tensor))
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
@@ -338,7 +393,8 @@ class _Checker:
                 if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
                     self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
         if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
-            for tensor, (w, i) in sent.items():
+            for tensor, at in sent.items():
+                w, i = self.where(at)
                 if tensor not in received:
                     self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
 
@@ -354,7 +410,7 @@ class _Checker:
             x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
             for n, (tensor, j) in enumerate(got):
                 if expected[n] != tensor:
-                    send = self.plan.streams[x][self.sent[expected[n]][1]]
+                    send = self.plan.streams[x][self.sent[expected[n]] & _LOW]
                     self.fail(y, j, f"is receive #{n} from {x}, but {x}'s send #{n} to {y} is {send}: "
                                     "post receives in the order the peer sends")
 
@@ -397,6 +453,7 @@ class _Checker:
         parked: dict[Tensor, int] = {}  # tensor -> the rank waiting for it
         arrived: list[set[int]] = [set() for _ in range(pp)]  # ranks at each stage's ALLREDUCE
         todo = deque(ranks)
+        order_ranks, order_stops = self.order_ranks, self.order_stops
         while todo:
             r = todo.popleft()
             ev, e = events[r], at[r]
@@ -422,6 +479,8 @@ class _Checker:
                         break
                 e += 1
             at[r] = e
+            order_ranks.append(r)
+            order_stops.append(e)
         # A worker that did not reach the end of its events waits at the instruction of the next one.
         pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)
@@ -429,12 +488,12 @@ class _Checker:
             topo = self.plan.topology
             waiting = {s: {topo.worker_of_rank(r) for r in arrived[s]} for s in range(pp)}
             inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
-            for tensor, ((y, _), c) in self.received.items():
-                inputs[y][c] = tensor
-            self.report_cycle(stuck, pos, inputs, self.sent, waiting)
+            for tensor, at in self.received.items():
+                inputs[self.where(at)[0]][self.consumer[tensor]] = tensor
+            self.report_cycle(stuck, pos, inputs, waiting)
 
     def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],
-                     sent: dict[Tensor, Where], arrived: dict[int, set[Worker]]) -> NoReturn:
+                     arrived: dict[int, set[Worker]]) -> NoReturn:
         """Follow 'waits for' from stuck worker to stuck worker until one repeats, and name that cycle."""
         streams = self.plan.streams
 
@@ -442,7 +501,7 @@ class _Checker:
             i = pos[w]
             tensor = inputs[w].get(i)
             if tensor is not None:
-                x, j = sent[tensor]
+                x, j = self.where(self.sent[tensor])
                 return x, f"{x} instruction {j} ({streams[x][j]})"
             late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
             return late, f"{late} to reach ALLREDUCE"

@@ -15,30 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from schedcomp.errors import PlanFormatError
+from schedcomp.semantics import COMPUTE, RECV, SEND, InstrKind, OpKind, kind_named, kinds, opless_kind, semantics_of
 from schedcomp.topology import Topology, Worker
 
 if TYPE_CHECKING:
     from schedcomp.costs import CostModel
-
-
-class OpKind(str, Enum):
-    """Compute kinds: forward, input-gradient backward, weight-gradient backward, fused backward."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-    BW = "BW"
-
-    # Enum hashes in Python (hash of the name); each name equals its value, so the str hash is the same
-    # number, computed in C: the compiler hashes kinds hundreds of thousands of times per plan.
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -85,32 +69,20 @@ class Op:
 _OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})")
 
 
-class InstrKind(str, Enum):
-    """Every kind of step in a worker's instruction stream."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-    BW = "BW"
-    LOAD = "LOAD"
-    SEND_ACT = "SEND_ACT"
-    RECV_ACT = "RECV_ACT"
-    SEND_GRAD = "SEND_GRAD"
-    RECV_GRAD = "RECV_GRAD"
-    ALLREDUCE = "ALLREDUCE"
-    STEP = "STEP"
-
-    __hash__ = str.__hash__  # as for OpKind: names equal values, so the same hash, in C
-
-    def __str__(self) -> str:
-        return self.value
-
-
-COMPUTE_KINDS = frozenset({InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
-SEND_KINDS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD})
-RECV_KINDS = frozenset({InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
+# The built-in kinds' classes, read off the semantics table (a registered kind is looked up there).
+COMPUTE_KINDS = kinds(cost=COMPUTE)
+SEND_KINDS = kinds(direction=SEND)
+RECV_KINDS = kinds(direction=RECV)
 _TEXT: dict[Any, str] = {k: k.value for k in (*OpKind, *InstrKind)}  # enum -> its text (OpKind.F == InstrKind.F)
-_FORM = {k: 0 if k in COMPUTE_KINDS else 2 if k in SEND_KINDS else 3 if k in RECV_KINDS else 1 for k in InstrKind}
+
+
+def _form(kind: Any) -> int:
+    """How an instruction of `kind` prints: 0 bare op, 1 KIND[op] or KIND, 2 a send, 3 a receive."""
+    sem = semantics_of(kind)
+    return 0 if sem.is_compute else 2 if sem.direction == SEND else 3 if sem.direction == RECV else 1
+
+
+_FORM = {k: _form(k) for k in InstrKind}  # cached for the built-in kinds: a plan's JSON prints millions
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +100,10 @@ class Instruction:
     peer: Worker | None = None
 
     def __post_init__(self) -> None:
-        needs_op = self.kind not in (InstrKind.ALLREDUCE, InstrKind.STEP)
-        needs_peer = self.kind in SEND_KINDS or self.kind in RECV_KINDS
-        if needs_op != (self.op is not None) or needs_peer != (self.peer is not None):
+        sem = semantics_of(self.kind)
+        if sem.has_op != (self.op is not None) or sem.has_peer != (self.peer is not None):
             raise PlanFormatError(f"instruction {self.kind} has the wrong fields: op={self.op}, peer={self.peer}")
-        if self.kind in COMPUTE_KINDS and self.op is not None and self.op.kind.value != self.kind.value:
+        if sem.is_compute and self.op is not None and self.op.kind not in sem.op_kinds:
             raise PlanFormatError(f"compute instruction {self.kind} carries op {self.op} of another kind")
 
     @classmethod
@@ -152,15 +123,15 @@ class Instruction:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
+        return self.kind in COMPUTE_KINDS or (self.kind not in _FORM and semantics_of(self.kind).is_compute)
 
     def __str__(self) -> str:
         # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
         kind, op = self.kind, self.op
         if op is None:
-            return _TEXT[kind]
+            return _TEXT[kind] if kind in _TEXT else str(getattr(kind, "value", kind))
         o = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
-        form = _FORM[kind]
+        form = _FORM[kind] if kind in _FORM else _form(kind)
         if form == 0:
             return o
         p = self.peer
@@ -170,17 +141,19 @@ class Instruction:
     def parse(cls, text: str, stage: int) -> Instruction:
         """Parse the text form of an instruction in the stream of a worker at `stage`."""
         text = text.strip()
-        if text in ("ALLREDUCE", "STEP"):
-            return cls(InstrKind(text))
+        opless = opless_kind(text)
+        if opless is not None:
+            return cls(opless)  # ALLREDUCE, STEP (or a registered op-less kind)
         m = _INSTR_RE.fullmatch(text)
         if m:
             try:
-                kind = InstrKind(m["kind"])
-            except ValueError:
+                kind = kind_named(m["kind"])
+            except PlanFormatError:
                 raise PlanFormatError(f"unknown instruction kind {m['kind']!r} in {text!r}") from None
             op = Op.parse(m["op"], stage)
             peer = Worker.parse(m["peer"]) if m["peer"] else None
-            if (m["dir"] == ">") != (kind in SEND_KINDS) or (m["dir"] == "<") != (kind in RECV_KINDS):
+            direction = semantics_of(kind).direction
+            if (m["dir"] == ">") != (direction == SEND) or (m["dir"] == "<") != (direction == RECV):
                 raise PlanFormatError(f"bad instruction {text!r}: sends use '>PEER', receives '<PEER', LOAD no peer")
             return cls(kind, op, peer)
         return cls.compute(Op.parse(text, stage))
@@ -236,6 +209,13 @@ class Plan:
 
     def compute_ops(self, worker: Worker) -> tuple[Op, ...]:
         return tuple(i.op for i in self.streams[worker] if i.is_compute and i.op is not None)
+
+    def to_networkx(self) -> Any:
+        """One iteration as a networkx DiGraph: nodes (worker, index), edges stream order and transfers
+        (see `schedcomp.graph`)."""
+        from schedcomp.graph import to_networkx
+
+        return to_networkx(self)
 
     def to_json(self) -> str:
         from schedcomp.serialize import plan_to_json

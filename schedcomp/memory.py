@@ -14,13 +14,15 @@ fits after it. `compile(memory_limit=...)` takes:
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError
+from schedcomp.semantics import SEMANTICS
 
 if TYPE_CHECKING:
     from schedcomp.ir import Plan
@@ -80,6 +82,24 @@ def format_bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
+def stage_deltas(costs: CostModel, stage: int) -> dict[Any, float]:
+    """The memory model, the one every consumer uses: how much activation memory each instruction kind
+    (and each op kind: `OpKind.F` looks up as `InstrKind.F`) adds when it runs at `stage`. Kinds whose
+    semantics name no memory effect add nothing."""
+    return {k: 0.0 if sem.memory is None else costs.memory_delta(sem.memory.value, stage)
+            for k, sem in SEMANTICS.items()}
+
+
+def memory_levels(deltas: Iterable[float]) -> tuple[float, ...]:
+    """Memory held after each step, from what each step adds (one worker runs its steps one at a time)."""
+    return tuple(itertools.accumulate(deltas, initial=0.0))[1:]
+
+
+def peak_of(levels: Sequence[float]) -> float:
+    """The most memory held at any point (0 before the first step)."""
+    return max(0.0, *levels) if levels else 0.0
+
+
 def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) -> tuple[float, ...]:
     """The most memory each stage holds in fault-free family `name` (every pipeline runs the same order).
 
@@ -88,11 +108,8 @@ def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) 
 
     peaks = []
     for s, ops in enumerate(get_family(name).build(pp, microbatches)):
-        held = peak = 0.0
-        for op in ops:
-            held += costs.memory_delta(op.kind.value, s)
-            peak = max(peak, held)
-        peaks.append(peak)
+        deltas = stage_deltas(costs, s)
+        peaks.append(peak_of(memory_levels(deltas[op.kind] for op in ops)))
     return tuple(peaks)
 
 

@@ -30,7 +30,9 @@ from pathlib import Path
 from schedcomp.costs import CostModel
 from schedcomp.draw.trace import load_trace, read_chrome_trace
 from schedcomp.errors import CostModelError
-from schedcomp.ir import InstrKind, Op
+from schedcomp.ir import COMPUTE_KINDS, InstrKind
+from schedcomp.planindex import TransferKey, transfer_key
+from schedcomp.semantics import RECV, SEND, kinds, semantics_of
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
@@ -38,9 +40,9 @@ log = logging.getLogger(__name__)
 
 MS = 1e3  # spans are in seconds; the cost model in milliseconds
 _WAIT_EPSILON = 20e-6  # seconds: a receive that completed later than this after the stream could go was waited for
-_COMPUTE = {InstrKind.F: "F", InstrKind.B: "B", InstrKind.W: "W", InstrKind.BW: "BW"}
-_TRANSFERS = frozenset({InstrKind.SEND_ACT, InstrKind.SEND_GRAD, InstrKind.RECV_ACT, InstrKind.RECV_GRAD})
-_CONSUMERS = frozenset({InstrKind.F, InstrKind.B, InstrKind.BW})  # compute ops that take a received tensor
+_COMPUTE = {k: k.value for k in COMPUTE_KINDS}
+_TRANSFERS = kinds(direction=SEND) | kinds(direction=RECV)
+_CONSUMERS = frozenset(k for k in COMPUTE_KINDS if semantics_of(k).reads >= 0)  # ops that take a received tensor
 
 
 def read_trace(path: str | Path) -> list[Span]:
@@ -202,33 +204,28 @@ def _allreduce_times(spans: list[Span]) -> dict[int, list[float]]:
     return out
 
 
-def _message(direction: str, op: Op, iteration: int, sender: Worker | None, receiver: Worker) -> tuple[object, ...]:
-    return (iteration, direction, op.pipeline, op.microbatch, sender, receiver)
-
-
 def _waited_transfers(spans: list[Span]) -> list[float]:
     """Send-to-arrival seconds of the transfers whose consumer had to wait for them."""
-    sent: dict[tuple[object, ...], float] = {}
-    received: dict[tuple[object, ...], Span] = {}
+    sent: dict[tuple[int, TransferKey], float] = {}  # (iteration, transfer) -> when its SEND was posted
+    received: dict[tuple[Worker, int, int, int, int], Span] = {}  # (worker, iteration, channel, d, m) -> RECV
     by_slot: dict[tuple[Worker, int, int], Span] = {}
     for s in spans:
         ins = s.instruction
         by_slot[(s.worker, s.iteration, s.index)] = s
         if ins.op is None:
             continue
-        if ins.kind in (InstrKind.SEND_ACT, InstrKind.SEND_GRAD):
-            direction = "act" if ins.kind is InstrKind.SEND_ACT else "grad"
-            sent[_message(direction, ins.op, s.iteration, s.worker, ins.peer)] = s.start  # type: ignore[arg-type]
-        elif ins.kind in (InstrKind.RECV_ACT, InstrKind.RECV_GRAD):
-            direction = "act" if ins.kind is InstrKind.RECV_ACT else "grad"
-            received[(s.worker, s.iteration, direction, ins.op.pipeline, ins.op.microbatch)] = s
+        sem = semantics_of(ins.kind)
+        if sem.direction == SEND:
+            sent[(s.iteration, transfer_key(ins))] = s.start
+        elif sem.direction == RECV:
+            received[(s.worker, s.iteration, sem.channel, ins.op.pipeline, ins.op.microbatch)] = s
     out = []
     for s in spans:
         kind = s.instruction.kind
         if kind not in _CONSUMERS or s.instruction.op is None:
             continue
-        op, direction = s.instruction.op, ("act" if kind is InstrKind.F else "grad")
-        recv = received.get((s.worker, s.iteration, direction, op.pipeline, op.microbatch))
+        op = s.instruction.op
+        recv = received.get((s.worker, s.iteration, semantics_of(kind).reads, op.pipeline, op.microbatch))
         before = by_slot.get((s.worker, s.iteration, s.index - 1))
         if recv is None or before is None:
             continue
@@ -236,7 +233,7 @@ def _waited_transfers(spans: list[Span]) -> list[float]:
         ready = before.start if before.instruction.kind in _TRANSFERS else before.end
         if recv.end <= ready + _WAIT_EPSILON:
             continue
-        posted = sent.get(_message(direction, op, s.iteration, recv.instruction.peer, s.worker))
+        posted = sent.get((s.iteration, transfer_key(recv.instruction)))
         if posted is not None and recv.end >= posted:
             out.append(recv.end - posted)
     return out

@@ -11,17 +11,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from schedcomp.errors import ValidationError
-from schedcomp.ir import InstrKind, Instruction, Plan
+from schedcomp.ir import COMPUTE_KINDS, Instruction, Plan
+from schedcomp.planindex import transfer_key
+from schedcomp.semantics import (
+    OPTIMIZER,
+    ROLE_ALLREDUCE,
+    ROLE_COMPUTE,
+    ROLE_INERT,
+    ROLE_LOAD,
+    ROLE_RECV,
+    ROLE_SEND,
+    ROLE_STEP,
+    semantics_of,
+)
 from schedcomp.topology import Worker
 
-COMPUTE, LOAD, SEND, RECV, ALLREDUCE, STEP = range(6)
+# The engine's codes are the semantics table's roles; an inert kind is timed as a LOAD (it takes no time).
+COMPUTE, LOAD, SEND, RECV, ALLREDUCE, STEP = (
+    ROLE_COMPUTE, ROLE_LOAD, ROLE_SEND, ROLE_RECV, ROLE_ALLREDUCE, ROLE_STEP)
 
-_CODE = {
-    InstrKind.F: COMPUTE, InstrKind.B: COMPUTE, InstrKind.W: COMPUTE, InstrKind.BW: COMPUTE,
-    InstrKind.LOAD: LOAD, InstrKind.SEND_ACT: SEND, InstrKind.SEND_GRAD: SEND,
-    InstrKind.RECV_ACT: RECV, InstrKind.RECV_GRAD: RECV, InstrKind.ALLREDUCE: ALLREDUCE, InstrKind.STEP: STEP,
-}
-_ACT = frozenset({InstrKind.SEND_ACT, InstrKind.RECV_ACT})
+
+def _code(kind: object) -> int:
+    role = semantics_of(kind).role  # an unknown kind raises here, before anything is timed
+    return LOAD if role == ROLE_INERT else role
 
 
 @dataclass
@@ -41,7 +53,8 @@ class Stream:
 
 
 def compile_streams(plan: Plan) -> list[Stream]:
-    """Flatten the streams and match every send with its receive (FIFO per channel)."""
+    """Flatten the streams and match every send with its receive: the one carrying the same tensor
+    (`schedcomp.planindex.transfer_key`) between the same two workers (FIFO if a hand-made plan repeats one)."""
     workers = plan.workers
     index_of = {w: i for i, w in enumerate(workers)}
     costs = plan.costs
@@ -50,9 +63,9 @@ def compile_streams(plan: Plan) -> list[Stream]:
     pending_sends: list[tuple[int, int, Instruction]] = []
     for wi, w in enumerate(workers):
         instrs = tuple(plan.streams[w])
-        codes = [_CODE[i.kind] for i in instrs]
+        codes = [_code(i.kind) for i in instrs]
         speed = costs.speed.get(w, 1.0)
-        times = {k: costs.compute_time(k.value, w) for k in (InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW)}
+        times = {k: costs.compute_time(k.value, w) for k in COMPUTE_KINDS}
         st = Stream(w, instrs, codes, [], [], [], [], [], {})
         block_of = st.block_of
         waiting: dict[Any, list[int]] = {}  # op -> receives posted before its compute
@@ -65,7 +78,7 @@ def compile_streams(plan: Plan) -> list[Stream]:
                 d = times[ins.kind]
             elif c == STEP:
                 inputs = ()
-                d = costs.optimizer[w.stage] / speed
+                d = costs.optimizer[w.stage] / speed if semantics_of(ins.kind).cost == OPTIMIZER else 0.0
             elif c == ALLREDUCE:
                 inputs = ()
                 d = costs.allreduce[w.stage]
@@ -76,9 +89,7 @@ def compile_streams(plan: Plan) -> list[Stream]:
                         raise ValidationError(f"worker {w}, instruction {j} ({ins}) receives from {ins.peer}, which "
                                               "has no stream in this plan: re-lower the plan", worker=w, index=j)
                     waiting.setdefault(ins.op, []).append(j)
-                    channel = ins.kind in _ACT
-                    recvs.setdefault((channel, ins.op.pipeline, ins.op.microbatch, index_of[ins.peer], wi),  # type: ignore[union-attr]
-                                     []).append((wi, j))
+                    recvs.setdefault((transfer_key(ins), index_of[ins.peer], wi), []).append((wi, j))
                 elif c == SEND:
                     pending_sends.append((wi, j, ins))
                 continue
@@ -105,7 +116,7 @@ def compile_streams(plan: Plan) -> list[Stream]:
         if ins.peer not in index_of:
             raise ValidationError(f"worker {w}, instruction {j} ({ins}) sends to {ins.peer}, which has no stream in "
                                   "this plan: re-lower the plan", worker=w, index=j)
-        queue = recvs.get((ins.kind in _ACT, ins.op.pipeline, ins.op.microbatch, wi, index_of[ins.peer]))  # type: ignore[union-attr]
+        queue = recvs.get((transfer_key(ins), wi, index_of[ins.peer]))
         if not queue:
             raise ValidationError(f"worker {w}, instruction {j} ({ins}) has no matching receive on {ins.peer}: every "
                                   "send needs one receive of the same micro-batch", worker=w, index=j)

@@ -37,9 +37,10 @@ from typing import Any
 from schedcomp import limits
 from schedcomp.check import check, is_checked
 from schedcomp.errors import SchedcompTypeError, ValidationError
-from schedcomp.ir import InstrKind, Instruction, Plan
+from schedcomp.ir import Instruction, Plan
+from schedcomp.memory import memory_levels, peak_of, stage_deltas
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
-from schedcomp.timeline import Span, Timing, steady_window, timeline_metrics
+from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
             elif code == STEP:
                 s_start[base + j], s_end[base + j] = t, t + dur[k]
                 t += dur[k]
-            else:  # ALLREDUCE: a collective over the stage's live workers
+            elif code == ALLREDUCE:  # a collective over the stage's live workers
                 group = groups[wi]
                 key = (group, it, st.ordinal[k])
                 reached_ar = rendezvous.setdefault(key, {})
@@ -229,6 +230,8 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
                         pos[v], clock[v] = vp + 1, finish
                         wake(v)
                 t = finish
+            else:  # `compile_streams` numbers only these three as blocking
+                raise AssertionError(f"blocking code {code} has no timing rule")
             p += 1
         pos[wi], clock[wi] = p, t
         waiting[wi] = blocked
@@ -276,10 +279,8 @@ def _timing(
             first_start = min(first_start, first, min((x for x in start[wi][:n] if x == x), default=math.inf))
     for k in range(1, K):
         ends[k] = max(ends[k], ends[k - 1])
-    window = steady_window(K)
-    h = window.start - 1
     makespan = ends[0] - first_start
-    period = (ends[-1] - ends[h]) / (K - 1 - h) if K > 1 else makespan
+    period = period_from_ends(ends, makespan)
     busy = {st.worker: sum(d for k, d in enumerate(st.dur) if st.codes[st.at[k]] == COMPUTE) for st in streams}
     capacity = period * len(streams)
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
@@ -319,16 +320,11 @@ def _spans(
 
 
 def _peak_memory(plan: Plan, st: Stream, iterations: int) -> float:
-    """Most activation memory the worker holds. Its compute ops run one at a time in stream order,
+    """Most activation memory the worker holds. Its instructions run one at a time in stream order,
     so the levels are prefix sums, and iteration k shifts them by k x the net change."""
-    delta = {k: plan.costs.memory_delta(k.value, st.worker.stage)
-             for k in (InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW)}
-    level = peak = 0.0
-    for j in st.at:
-        if st.codes[j] == COMPUTE:
-            level += delta[st.instrs[j].kind]
-            if level > peak:
-                peak = level
+    delta = stage_deltas(plan.costs, st.worker.stage)
+    levels = memory_levels(delta[ins.kind] for ins in st.instrs)
+    level, peak = (levels[-1] if levels else 0.0), peak_of(levels)
     return peak + (iterations - 1) * level if level > 1e-9 else peak
 
 

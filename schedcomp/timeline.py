@@ -61,6 +61,16 @@ def steady_window(iterations: int) -> range:
     return range((iterations - 1) // 2 + 1, iterations) if iterations > 1 else range(1)
 
 
+def period_from_ends(ends: Sequence[float], makespan: float | None = None) -> float:
+    """The one period formula (see `timeline_metrics`): the mean time between iteration ends over
+    `steady_window`; with one iteration, `makespan` (the end of the only one when not given)."""
+    k = len(ends)
+    if k <= 1:
+        return ends[0] if makespan is None else makespan
+    h = steady_window(k).start - 1
+    return (ends[-1] - ends[h]) / (k - 1 - h)
+
+
 def timeline_metrics(spans: Iterable[Span], workers: Sequence[Worker] | None = None) -> Timing:
     """Makespan, period and bubble ratio of any timeline, simulated or measured.
 
@@ -96,8 +106,7 @@ def timeline_metrics(spans: Iterable[Span], workers: Sequence[Worker] | None = N
     for k in range(1, iterations):  # an iteration without spans (a partial trace) ends with the one before
         ends[k] = max(ends[k], ends[k - 1])
     makespan = ends[0] - first_start
-    h = window.start - 1
-    period = (ends[-1] - ends[h]) / (iterations - 1 - h) if iterations > 1 else makespan
+    period = period_from_ends(ends, makespan)
     busy = {w: b / len(window) for w, b in busy.items()}
     capacity = period * len(workers)
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0

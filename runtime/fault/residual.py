@@ -34,12 +34,11 @@ from dataclasses import dataclass
 
 from schedcomp.errors import RecoveryError
 from schedcomp.ir import InstrKind, Instruction, Plan
+from schedcomp.planindex import plan_index
+from schedcomp.semantics import RECV, SEND, semantics_of
 from schedcomp.topology import Worker
 
 MicroBatch = tuple[int, int]  # (home pipeline, microbatch)
-
-_SENDS = {InstrKind.SEND_ACT: InstrKind.RECV_ACT, InstrKind.SEND_GRAD: InstrKind.RECV_GRAD}
-_CONSUMERS = {InstrKind.RECV_ACT: (InstrKind.F,), InstrKind.RECV_GRAD: (InstrKind.B, InstrKind.BW)}
 
 
 @dataclass(frozen=True)
@@ -72,18 +71,6 @@ def _key(ins: Instruction) -> MicroBatch:
     return (ins.op.pipeline, ins.op.microbatch)
 
 
-def _consumer_index(stream: tuple[Instruction, ...]) -> dict[tuple[InstrKind, MicroBatch], int]:
-    """For each receive kind and micro-batch on a worker: the index of the compute op that reads it."""
-    out: dict[tuple[InstrKind, MicroBatch], int] = {}
-    for index, ins in enumerate(stream):
-        if ins.op is None:
-            continue
-        for recv, readers in _CONSUMERS.items():
-            if ins.kind in readers:
-                out.setdefault((recv, _key(ins)), index)
-    return out
-
-
 def residuals(plan: Plan, progress: Mapping[Worker, int], failed: Iterable[Worker]) -> dict[Worker, Residual]:
     """Every survivor's residual of an iteration of `plan` (see the module docstring).
 
@@ -100,14 +87,12 @@ def residuals(plan: Plan, progress: Mapping[Worker, int], failed: Iterable[Worke
             raise RecoveryError(f"worker {w} reports progress {progress[w]} in a stream of {len(plan.streams[w])} "
                                 "instructions: it ran a different plan")
     lost = lost_microbatches(plan, failed)
-    consumers = {w: _consumer_index(plan.streams[w]) for w in survivors}
+    index = plan_index(plan)  # pairs every transfer with its receive and that receive's consumer
 
-    def consumed(receiver: Worker, recv: InstrKind, key: MicroBatch) -> bool:
-        reader = consumers[receiver].get((recv, key))
-        if reader is None:
-            raise RecoveryError(f"worker {receiver} receives {recv} of micro-batch {key} but never reads it: "
-                                "the plan is malformed, run `schedcomp check` on it")
-        return reader < progress[receiver]
+    def consumed(ins: Instruction) -> bool:
+        """Whether the receiver of this transfer had completed the compute op that reads it."""
+        transfer = index.id_of(ins)
+        return index.consumed[transfer] < progress[index.receive_of(transfer)[0]]
 
     donors = _donors(plan, progress, survivors)
     out: dict[Worker, Residual] = {}
@@ -117,11 +102,10 @@ def residuals(plan: Plan, progress: Mapping[Worker, int], failed: Iterable[Worke
         for ins in stream[:done]:
             if ins.op is None or _key(ins) in lost:
                 continue
-            if ins.kind in _SENDS:
-                assert ins.peer is not None
-                if not consumed(ins.peer, _SENDS[ins.kind], _key(ins)):
-                    resend.append(ins)
-            elif ins.kind in _CONSUMERS and not consumed(w, ins.kind, _key(ins)):
+            direction = semantics_of(ins.kind).direction
+            if direction == SEND and not consumed(ins):
+                resend.append(ins)
+            elif direction == RECV and not consumed(ins):
                 repost.append(ins)
         rest = tuple(i for i in stream[done:] if i.op is None or _key(i) not in lost)
         donor = donors.get(w)

@@ -35,7 +35,8 @@ def label(span: Span) -> str:
     if ins.kind is InstrKind.STEP:
         return "OPT"
     op = ins.op
-    assert op is not None
+    if op is None:  # another op-less kind (a registered one): its name
+        return str(ins)
     text = f"{op.kind.value}{op.microbatch}"
     if op.pipeline != span.worker.pipeline:
         text += f".{op.pipeline}"

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schedcomp.errors import ScheduleError
+from schedcomp.memory import stage_deltas
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
@@ -66,9 +67,8 @@ def list_schedule(
     costs = problem.costs
     p2p = costs.p2p
     limits = [lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0) for lim in costs.stage_limits]
-    act = costs.activation
-    free_b = [a * costs.frees_at(s) if split else a for s, a in enumerate(act)]
-    free_w = [a - fb for a, fb in zip(act, free_b, strict=True)]
+    # What each op kind (position in `problem.kinds`) adds to held memory at each stage: the one model.
+    delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
     window = [params.window[wid % pp] for wid in range(problem.dp * pp)]
     if params.scale_window and quota is not None:
         mb = problem.microbatches
@@ -166,7 +166,7 @@ def list_schedule(
             slot = wqw.popleft()
             kind = 2
         else:
-            mem_ok = mem[w] + act[s] <= limits[s]
+            mem_ok = mem[w] + delta[s][0] <= limits[s]
             f_ok = infl[w] < window[w] and mem_ok
             pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
             if f_ok:
@@ -210,7 +210,7 @@ def list_schedule(
         st = slot % pp
         if kind == 0:
             infl[w] += 1
-            mem[w] += act[st]
+            mem[w] += delta[st][0]
             if st < pp - 1:
                 deliver_f(slot + 1, end + p2p)
             need[slot] -= 1
@@ -220,7 +220,7 @@ def list_schedule(
                 deliver_b(slot, b_ready[slot])
         elif kind == 1:
             infl[w] -= 1
-            mem[w] -= free_b[st]
+            mem[w] += delta[st][1]
             if split:
                 wqw.append(slot)
             if st > 0:
@@ -231,7 +231,7 @@ def list_schedule(
                 if need[up] == 0:
                     deliver_b(up, b_ready[up])
         else:
-            mem[w] -= free_w[st]
+            mem[w] += delta[st][2]
     if scheduled != n_slots * nk:
         raise ScheduleError(
             f"list scheduler stalled after {scheduled} of {n_slots * nk} ops (a bug): "

@@ -21,7 +21,9 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 
-from schedcomp.solvers.problem import Problem, period_from_ends
+from schedcomp.memory import stage_deltas
+from schedcomp.solvers.problem import Problem
+from schedcomp.timeline import period_from_ends
 
 OP_STEPS_PER_SECOND = 1_500_000
 """Nominal speed of `FastTimer.score` (ops timed per second, measured on the 2-core dev machine): turns a
@@ -65,7 +67,7 @@ class FastTimer:
         self.dur = {wid: [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds] for wid in self.live}
         self.allreduce = problem.allreduce_times
         self.step = {wid: problem.step_time(wid) for wid in self.live}
-        deltas = [[costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)]
+        deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
         self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
         self.limits = [lim * (1 + 1e-9) + 1e-12 for lim in costs.stage_limits]
 

@@ -12,7 +12,6 @@ solvers can work on flat lists:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -149,15 +148,6 @@ class Problem:
                 f"memory limit {have} is below the {need} one micro-batch's activations need at stage {s}: "
                 f"raise {least} (or split the model into more stages)"
             )
-
-
-def period_from_ends(ends: Sequence[float]) -> float:
-    """The simulator's period: mean time between iteration ends over the second half of the run."""
-    k = len(ends)
-    if k == 1:
-        return ends[0]
-    h = (k - 1) // 2
-    return (ends[-1] - ends[h]) / (k - 1 - h)
 
 
 def order_from_sequences(problem: Problem, sequences: dict[Worker, list[Op]], family: str) -> Order:

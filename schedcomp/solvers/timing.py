@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schedcomp.solvers.problem import Problem, period_from_ends
+from schedcomp.memory import stage_deltas
+from schedcomp.solvers.problem import Problem
+from schedcomp.timeline import period_from_ends
 
 INF = math.inf
 
@@ -55,7 +57,7 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
     """The most activation memory each worker (id) holds running its sequence (memory depends on the
     order only)."""
     nk, pp = len(problem.kinds), problem.pp
-    table = np.array([[problem.costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)])
+    table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(pp))])
     peaks = {}
     for wid, seq in seqs.items():
         if len(seq):

@@ -1,0 +1,131 @@
+"""What `check` learns about a plan, kept for every consumer: `plan_index(plan)`.
+
+The validator already pairs every send with its receive, finds each received tensor's consumer,
+groups transfers by channel and walks the streams in a deadlock-free order; the `PlanIndex` keeps
+those tables (built once, by `check`, and cached on the plan) so that the simulator, the runtime's
+message tags, lossy recovery's residuals, profiles and traces read them instead of re-deriving them.
+
+A transfer is named by the tensor it carries: the slot (pipeline d, micro-batch m, stage s) of the op
+that produces it and its channel (ACT forward, GRAD backward). `transfer_key(ins)` reads that off a
+SEND or RECV alone (no plan needed); its integer id in a plan is
+`((d * microbatches + m) * pp + s) * 2 + channel`, unique among the plan's transfers of an iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from schedcomp.costs import CostModel
+from schedcomp.ir import Instruction, Plan
+from schedcomp.memory import memory_levels, stage_deltas
+from schedcomp.semantics import RECV, SEND, semantics_of
+from schedcomp.topology import Worker
+
+__all__ = ["PlanIndex", "plan_index", "transfer_key"]
+
+Where = tuple[Worker, int]  # (worker, instruction index)
+TransferKey = tuple[int, int, int, int]  # (pipeline, micro-batch, producing stage, channel)
+
+
+def transfer_key(ins: Instruction) -> TransferKey:
+    """The tensor a SEND or RECV carries, the same on both ends (see the module docstring)."""
+    sem = semantics_of(ins.kind)
+    op = ins.op
+    if sem.direction not in (SEND, RECV) or op is None:
+        raise ValueError(f"{ins} is not a transfer")
+    stage = op.stage if sem.direction == SEND else op.stage + sem.peer_stage  # a receive names its consumer
+    return (op.pipeline, op.microbatch, stage, sem.channel)
+
+
+@dataclass(frozen=True, eq=False)
+class PlanIndex:
+    """A checked plan's tables (read-only; shared by reference with the validator that built them).
+
+    Columnar, in plain ints: a place is packed as `rank << 32 | index` (ranks as in `Topology.rank`),
+    so the tables are dicts and arrays of ints, which the cyclic garbage collector does not track (a
+    million tuples of workers kept alive cost it seconds per collection). Read them through the methods.
+
+    - `sent[t]` / `received[t]`: the packed place of transfer id t's SEND / RECV; `consumed[t]`: the
+      index, on the receiver, of the compute op that consumes it.
+    - `channel(sender, receiver)`: the transfer ids the channel carries, in posting order (both ends
+      agree: `check` proved FIFO order); read off the sender's stream when asked.
+    - `order` (from `order_ranks`, `order_stops`): a deadlock-free order of (worker, stop) segments:
+      running each worker's stream up to (not including) instruction `stop`, segment after segment,
+      never waits for a tensor not yet sent, and every ALLREDUCE is reached by its whole stage group
+      before anyone passes it.
+    """
+
+    pp: int
+    microbatches: int
+    by_rank: tuple[Worker | None, ...]  # the plan's workers by rank; None for failed ones
+    sent: Mapping[int, int]
+    received: Mapping[int, int]
+    consumed: Mapping[int, int]
+    order_ranks: Sequence[int]
+    order_stops: Sequence[int]
+    streams: Mapping[Worker, tuple[Instruction, ...]]
+    costs: CostModel
+
+    @property
+    def ranks(self) -> int:
+        return len(self.by_rank)
+
+    @property
+    def order(self) -> Iterator[tuple[Worker, int]]:
+        by_rank = self.by_rank
+        return ((by_rank[r], stop) for r, stop in zip(self.order_ranks, self.order_stops, strict=True))  # type: ignore[misc]
+
+    def transfer_id(self, key: TransferKey) -> int:
+        d, m, s, channel = key
+        return ((d * self.microbatches + m) * self.pp + s) * 2 + channel
+
+    def id_of(self, ins: Instruction) -> int:
+        """The transfer id of a SEND or RECV of this plan."""
+        return self.transfer_id(transfer_key(ins))
+
+    def where(self, at: int) -> Where:
+        """A packed place as (worker, index)."""
+        return self.by_rank[at >> 32], at & _LOW  # type: ignore[return-value]
+
+    def send_of(self, transfer: int) -> Where:
+        return self.where(self.sent[transfer])
+
+    def receive_of(self, transfer: int) -> Where:
+        return self.where(self.received[transfer])
+
+    def peer_of(self, worker: Worker, index: int) -> Where:
+        """Where the other end of the transfer at (worker, index) is."""
+        ins = self.streams[worker][index]
+        t = self.id_of(ins)
+        return self.receive_of(t) if semantics_of(ins.kind).direction == SEND else self.send_of(t)
+
+    def consumer(self, worker: Worker, index: int) -> int:
+        """The index of the compute op that consumes what the transfer at (worker, index) carries,
+        on the receiver (for a SEND, on its peer)."""
+        return self.consumed[self.id_of(self.streams[worker][index])]
+
+    def channel(self, sender: Worker, receiver: Worker) -> tuple[int, ...]:
+        """The transfer ids from `sender` to `receiver`, in the order both post them."""
+        return tuple(self.id_of(ins) for ins in self.streams[sender]
+                     if ins.peer == receiver and semantics_of(ins.kind).direction == SEND)
+
+    def memory_profile(self, worker: Worker) -> tuple[float, ...]:
+        """Activation memory `worker` holds after each instruction of its stream (the one memory model)."""
+        deltas = stage_deltas(self.costs, worker.stage)
+        return memory_levels(deltas[ins.kind] for ins in self.streams[worker])
+
+
+_LOW = (1 << 32) - 1
+
+
+def plan_index(plan: Plan) -> PlanIndex:
+    """The index of `plan`, validating it first if it has not passed `check` (which builds the index)."""
+    from schedcomp.check import check, index_of
+
+    found = index_of(plan)
+    if found is None:
+        check(plan)
+        found = index_of(plan)
+    assert found is not None
+    return found
