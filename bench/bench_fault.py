@@ -20,7 +20,7 @@ Table 2. A live replica sends a stage (one float32 parameter + Adam state = 3x i
 replacement over gloo on loopback: seconds and GB/s, median of 3 transfers.
 
 Table 3. Training end to end (`ResilientTrainer`, pp = 4, dp = 2, 8 processes, CPU/gloo, the
-chaos-test model of `tests/resilient_procs.py`, an asynchronous checkpoint after every iteration):
+chaos-test model of `tests/support/resilient_procs.py`, an asynchronous checkpoint after every iteration):
 a seeded worker SIGKILLs itself at a seeded instruction, and the same job runs twice with the same
 death. `ours`: seconds from the death to the re-run iteration completed on every survivor
 (detection by the launcher's death notice, agreement, regroup, plan switch, rollback and the
@@ -36,7 +36,7 @@ the samples it dropped, of 16). `relaunch`: the part of `restart` until the last
 up with torch imported (teardown, process start, imports), before it joins, restores and re-runs.
 `--table 3` runs it alone.
 
-Table 4. Several hosts on one machine (`tests/netns_hosts.py`: three network namespaces on a bridge,
+Table 4. Several hosts on one machine (`tests/support/netns_hosts.py`: three network namespaces on a bridge,
 needs root and `ip`), pp = 2, dp = 3, host h running pipeline h under its own launcher, the store on
 host 0, the chaos-test model. The job stands still at the start of iteration 2 while the harness
 (a) cuts host 2 off and kills all its processes (`host lost`: no death notice, no connection reset:
@@ -51,7 +51,7 @@ the final failed set (1:1 in it shows that the second death happened).
 `--table 4` runs it alone; `--detection-time` sets the heartbeat timeout.
 
 Each worker is a process of this file (`worker` / `transfer` sub-commands), started by the
-launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/resilient_procs.py resilient`.
+launcher of `schedcomp.runtime.fault.launch`; Table 3's workers are `tests/support/resilient_procs.py resilient`.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def training(plans: str, victims: str, on_failure: str, iterations: int = 5, pol
     import subprocess
     import tempfile
 
-    procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "resilient_procs.py")
+    procs = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "support", "resilient_procs.py")
     with tempfile.TemporaryDirectory(prefix="schedcomp-ckpt-") as ckpt:
         run = subprocess.run([sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", "4", "--dp", "2",
                               "--max-restarts", "1", "--", sys.executable, procs, "restart", str(iterations), plans,
@@ -255,7 +255,7 @@ def table_training(seeds: list[int]) -> None:
 def table_hosts(detection: float) -> None:
     import tempfile
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "support"))
     from hosts_job import HostJob
     from netns_hosts import Hosts, unavailable
 

@@ -1,7 +1,7 @@
 """The recovery protocol's exhaustive model (issue 11): states explored and time, per scenario, job size and deaths.
 
 Every interleaving of every worker's steps, with up to `deaths` deaths at every step, checked for
-agreement, termination and that nobody waits on a dead member (`tests/protocol_model.py`). States
+agreement, termination and that nobody waits on a dead member (`tests/support/protocol_model.py`). States
 are counted after the reductions (one state per renaming class, one local step alone where there
 is one, store keys nobody reads again forgotten); `plain` is the same search without them (only for
 small jobs: it grows much faster). A property that fails stops the script with its violation.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from protocol_model import SCENARIOS, search  # the model lives with the tests
 

@@ -7,7 +7,7 @@ pp micro-batches in flight (F done, W not yet), the memory of 1F1B.
 
 The bubble is (pp-1)(T_F + T_B - T_W), a third of 1F1B's when T_F = T_B = T_W. With the same
 costs at every stage and no communication, the simulated period equals that exactly whenever
-T_W <= T_F and M >= pp (tests/test_closed_forms.py). This is the order of PyTorch's ZB1P
+T_W <= T_F and M >= pp (tests/compiler/test_closed_forms.py). This is the order of PyTorch's ZB1P
 (`_get_1f1b_rank_ops` with `enable_zero_bubble`, one stage per rank).
 """
 

@@ -5,7 +5,7 @@ them), and W passes are moved to the tail, so each stage's work forms a parallel
 T_F = T_B = T_W and the optimizer step not a global barrier, the steady state has no bubble.
 Every stage keeps at most 2pp-1 micro-batches in flight (F done, W not yet). With the same
 costs at every stage and no communication, the steady-state bubble is exactly
-max(0, (pp-1)(T_F + T_B - 2 T_W)) whenever T_W <= T_F and M >= 2pp-1 (tests/test_closed_forms.py).
+max(0, (pp-1)(T_F + T_B - 2 T_W)) whenever T_W <= T_F and M >= 2pp-1 (tests/compiler/test_closed_forms.py).
 
 The order is the one a unit-time list schedule produces: at each tick a stage runs, in
 priority, the B whose gradient has arrived, else the next F if its input has arrived and it

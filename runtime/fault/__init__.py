@@ -9,7 +9,7 @@ training loop around it):
 - `membership`: `View` (generation + failed set), `Heartbeat`, `FailureDetector`, `wait_work`.
 - `agreement`: one view per generation for every survivor; joins; commit records.
 - `protocol`: the agreement's steps and the meetings of a change of generation, one store
-  operation per step (what `tests/test_fault_protocol.py` model-checks); every wait in them
+  operation per step (what `tests/fault/test_fault_protocol.py` model-checks); every wait in them
   gives up when the failure detector finds a member dead.
 - `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead; their
   construction gives up when the generation breaks (`Abort`).

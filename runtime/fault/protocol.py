@@ -1,7 +1,7 @@
 """The agreement protocol as small steps: the same code runs in the job and in the exhaustive model.
 
 `agreement.agree` drives a `Round` with the job's store and failure detector, sleeping between
-steps that change nothing; `tests/test_fault_protocol.py` drives the very same steps of several
+steps that change nothing; `tests/fault/test_fault_protocol.py` drives the very same steps of several
 workers against an in-memory store, in every interleaving, with deaths injected at every step.
 Each step makes at most one store write (plus reads of write-once keys or monotone counters, and
 the `events` wake-up), so the model's interleavings are the job's interleavings.

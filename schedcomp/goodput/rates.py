@@ -21,7 +21,7 @@ Two fidelities:
     memo shared across failure sets (exact: their pipelines are independent by construction).
   * the fault-free reference: two copies of one pipeline (dp = 2), the slowest speed class if
     pipelines differ in speed. Without speed factors it equals the dp-pipeline plan's period
-    (tests/test_goodput.py checks it).
+    (tests/compiler/test_goodput.py checks it).
 """
 
 from __future__ import annotations

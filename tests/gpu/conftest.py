@@ -2,8 +2,8 @@
 
 Run it with `tests/gpu/run.sh` on a GPU machine (it sets up imports without installing and
 records the results). The shared test helpers (`dist_audit`, `momentum`, `fault_procs`,
-`resilient_procs`) live in tests/; this suite may run without tests/conftest.py (which needs
-hypothesis), so it puts tests/ on the path itself.
+`resilient_procs`) live in tests/support; this suite may run without tests/conftest.py (which
+needs hypothesis), so it puts tests/support on the path itself.
 """
 
 from __future__ import annotations
@@ -11,6 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))

@@ -1,6 +1,6 @@
 """Worker processes for the fault-tolerance tests, and the parent-side helpers that start and reap them.
 
-Run as `python tests/fault_procs.py SCENARIO [ARGS...]` with the launcher's environment
+Run as `python tests/support/fault_procs.py SCENARIO [ARGS...]` with the launcher's environment
 (`WorkerEnv.to_env()`); each scenario prints one JSON line with what it observed, which the
 test asserts on. Every child has its own deadline (`faulthandler`), and the parent kills every
 child it started when the test ends, so a hang fails a test instead of blocking the suite.

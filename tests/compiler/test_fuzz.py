@@ -6,7 +6,7 @@ raises a `SchedcompError` with a one-line message, within a deadline; the CLI ex
 `schedcomp: error:` line and no file changed. Any other exception fails the test with its input.
 
 Example counts (default, per test) are in `EXAMPLES`; multiply them with SCHEDCOMP_FUZZ_SCALE (e.g. 10
-for a long local run): `SCHEDCOMP_FUZZ_SCALE=10 .venv/bin/python -m pytest tests/test_fuzz.py -q`.
+for a long local run): `SCHEDCOMP_FUZZ_SCALE=10 .venv/bin/python -m pytest tests/compiler/test_fuzz.py -q`.
 """
 
 from __future__ import annotations

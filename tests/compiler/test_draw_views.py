@@ -121,7 +121,7 @@ def test_terminal_at_dp2_numbers_every_op_and_keys_only_the_kinds_drawn(failure)
     assert "F3.1 micro-batch 3 of pipeline 1" in legend
 
 
-CHECK = Path(__file__).parent / "browser" / "check_html.py"
+CHECK = Path(__file__).resolve().parents[1] / "browser" / "check_html.py"
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The recovery protocol checked exhaustively: every interleaving, deaths at every step (see `protocol_model`).
 
-The model (`tests/protocol_model.py`) runs the real steps of `runtime/fault/protocol.py` for every
+The model (`tests/support/protocol_model.py`) runs the real steps of `runtime/fault/protocol.py` for every
 worker against an in-memory store, in every order, with deaths injected at every step, and checks
 agreement, termination and that nobody waits on a dead member. It explores one state per class of
 states equal up to renaming the workers (symmetry), a single local step where one exists (partial

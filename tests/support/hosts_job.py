@@ -4,14 +4,14 @@
 serving the store, host h running every stage of pipeline h; the workers are
 `resilient_procs.py resilient` (the chaos-test model), which stop at the iterations in `gates`
 until the harness opens them. The harness lives outside the namespaces, so it reaches the store
-through a controller process on host 0 (`python tests/hosts_job.py control`), which answers one
+through a controller process on host 0 (`python tests/support/hosts_job.py control`), which answers one
 command per line on its stdin:
 
     count KEY N      wait until the counter KEY reaches N (90 s at most); answers its value
     stamp KEY        set KEY to the time now (time.time(), the same clock in every namespace)
     set KEY          set KEY to "1"
 
-`python tests/hosts_job.py stale WORKER GENERATION` (run on a healed host, with the launcher's
+`python tests/support/hosts_job.py stale WORKER GENERATION` (run on a healed host, with the launcher's
 environment for that worker) plays a worker that outlived a cut: it tries to agree on the
 generation after GENERATION, again after each newer one as a session would, and prints whether
 it was evicted or joined.

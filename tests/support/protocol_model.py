@@ -70,7 +70,7 @@ the model before this encoding and these reductions took 224,409 states and 163 
 | admission       | 6       | 1 / 2  | 23,571 / 1,489,403 | 6 / 40 | 1.4 / 240.3 |
 
 Two deliberate bugs are caught through every reduction, in every scenario with 3 and 4 members
-(`tests/test_fault_protocol.py`): a group construction that cannot be interrupted (the hang of
+(`tests/fault/test_fault_protocol.py`): a group construction that cannot be interrupted (the hang of
 issue 11: a deadlock once a member dies after the generation is sealed) and a member that seals
 on its acknowledgement count instead of winning the outcome key (a disagreement).
 """

@@ -1,6 +1,6 @@
 """Worker processes of resilient jobs (`ResilientTrainer`) for the chaos tests and `bench/bench_fault.py`.
 
-Run as `python tests/resilient_procs.py resilient ITERATIONS CACHE_DIR VICTIMS [HOLD]` under
+Run as `python tests/support/resilient_procs.py resilient ITERATIONS CACHE_DIR VICTIMS [HOLD]` under
 `python -m schedcomp.runtime.fault.launch`; each worker prints one JSON line with its report and
 its stage's final state. `chaos_reference` trains the same model fault-free in one process.
 """
