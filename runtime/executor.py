@@ -1,6 +1,6 @@
 """Execute one worker's instruction stream for one iteration: a dispatch table, one handler per kind.
 
-Semantics (design.md): receives are posted in stream order and never block; a compute op waits
+Semantics (docs/design.md): receives are posted in stream order and never block; a compute op waits
 only for the receives of its own inputs; a send is posted right after its producer and never
 blocks; sends are waited on when the stream ends (their buffers live until then). ALLREDUCE sums
 the stage's gradients over its live workers (each micro-batch's loss was already scaled by

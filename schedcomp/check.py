@@ -1,4 +1,4 @@
-"""The validator: proves a `Plan` keeps the semantics in design.md, or says where it does not.
+"""The validator: proves a `Plan` keeps the semantics in docs/design.md, or says where it does not.
 
 `check(plan)` raises `ValidationError(message, worker, index, grid)` at the first rule broken,
 in this order: live workers and stages; exactly one F, B and W (or BW) per (pipeline,

@@ -1,6 +1,6 @@
 """Simulate a plan over its cost model: when each instruction runs, the period, bubbles and memory.
 
-The semantics are those of design.md, the contract the runtime follows:
+The semantics are those of docs/design.md, the contract the runtime follows:
 
 - Every worker runs its stream in order, once per iteration, `iterations` times.
   Compute (F/B/W/BW), ALLREDUCE and STEP block the stream; LOAD takes no time.

@@ -1,6 +1,6 @@
 """Op-level timing of per-worker compute sequences over several iterations (the solvers' own clock).
 
-Same semantics as the plan simulator (design.md), on the compute graph alone: each worker runs its ops
+Same semantics as the plan simulator (docs/design.md), on the compute graph alone: each worker runs its ops
 in order; an op starts when its worker is free and its inputs have arrived (a transfer between workers
 takes `costs.p2p`; F -> B -> W of a slot are local); after its last op a worker joins its stage's
 all-reduce, which starts when every live worker of the stage has arrived, then steps; with a staggered
