@@ -1,0 +1,190 @@
+"""The validator's order rules: whether the checked streams can run, and the grid its errors show.
+
+`OrderRules` is the half of `check._Checker` that looks at order rather than at single
+instructions: FIFO per channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
+then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
+deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
+built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `received`,
+`consumer`, `order_ranks`, `order_stops`) and reports through `fail` and `where`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from schedcomp.ir import Plan
+from schedcomp.topology import Worker
+
+if TYPE_CHECKING:
+    Tensor = int
+    Where = tuple[Worker, int]
+
+_LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
+
+
+class OrderRules:
+    """FIFO, tails and deadlock, mixed into `check._Checker` (which provides the tables above)."""
+
+    plan: Plan
+    pp: int
+    workers: list[Worker]
+    events: list[list[tuple[int, int, int]]]
+    tail: list[Any]
+    out: dict[int, list[int]]
+    into: dict[int, list[tuple[int, int]]]
+    sent: dict[int, int]
+    received: dict[int, int]
+    consumer: Any
+    order_ranks: Any
+    order_stops: Any
+
+    def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
+        raise NotImplementedError
+
+    def where(self, at: int) -> Where:
+        raise NotImplementedError
+
+    def fifo(self) -> None:
+        """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
+        topo, out, into = self.plan.topology, self.out, self.into
+        nw = topo.dp * topo.pp
+        # Compare every channel in one comparison each; only when some disagree, report the first of them
+        # in (sender, receiver) order (sorting all channels up front cost more than comparing them).
+        bad = [key for key, got in into.items() if [t for t, _ in got] != out[key][: len(got)]]
+        for key in sorted(bad):
+            got, expected = into[key], out[key]
+            x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
+            for n, (tensor, j) in enumerate(got):
+                if expected[n] != tensor:
+                    send = self.plan.streams[x][self.sent[expected[n]] & _LOW]
+                    self.fail(y, j, f"is receive #{n} from {x}, but {x}'s send #{n} to {y} is {send}: "
+                                    "post receives in the order the peer sends")
+
+    def tails(self) -> None:
+        streams, tail, pp = self.plan.streams, self.tail, self.pp
+        for w in self.workers:
+            n = len(streams[w])
+            reduce, step = tail[w.pipeline * pp + w.stage]
+            rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
+            if not reduce or not step:
+                self.fail(w, n - 1 if n else None, f"no {'ALLREDUCE' if not reduce else 'STEP'}: {rule}")
+            if len(reduce) > 1 or len(step) > 1:
+                self.fail(w, reduce[1] if len(reduce) > 1 else step[1], f"repeated: {rule}")
+            if step[0] < reduce[0]:
+                self.fail(w, step[0], f"STEP before ALLREDUCE: {rule}")
+            if (reduce[0], step[0]) != (n - 2, n - 1):
+                extra = reduce[0] + 1 if step[0] != reduce[0] + 1 else step[0] + 1
+                self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
+
+    def deadlock(self) -> None:
+        """Kahn's pass over the wait-for graph, walked stream by stream.
+
+        The graph's edges are stream order, send -> consumer, and one shared node per stage's
+        ALLREDUCE. Each worker advances until a compute op's input has not been sent yet (its
+        sender has not reached the SEND) or it reaches ALLREDUCE before the rest of its stage
+        group; it resumes when that changes. Whoever cannot finish waits on a cycle.
+        """
+        streams, events, tail, pp, workers = self.plan.streams, self.events, self.tail, self.pp, self.workers
+        ranks = [w.pipeline * pp + w.stage for w in workers]  # in rank order, as `workers`
+        for r in ranks:
+            events[r].append((tail[r][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
+            events[r].sort()  # one instruction is at most one event, so the index decides
+        group = [0] * pp  # live workers per stage, in one pass: a pass per stage was quadratic in workers
+        for w in workers:
+            group[w.stage] += 1
+        at = [0] * self.nw  # next event of each rank
+        reached: set[Tensor] = set()
+        parked: dict[Tensor, int] = {}  # tensor -> the rank waiting for it
+        arrived: list[set[int]] = [set() for _ in range(pp)]  # ranks at each stage's ALLREDUCE
+        todo = deque(ranks)
+        order_ranks, order_stops = self.order_ranks, self.order_stops
+        while todo:
+            r = todo.popleft()
+            ev, e = events[r], at[r]
+            n = len(ev)
+            while e < n:
+                _, code, tensor = ev[e]
+                if code == 0:  # a compute op needs this input
+                    if tensor not in reached:
+                        parked[tensor] = r
+                        break
+                elif code == 1:  # a send is posted
+                    reached.add(tensor)
+                    if tensor in parked:
+                        todo.append(parked.pop(tensor))
+                else:  # ALLREDUCE
+                    s = r % pp
+                    here = arrived[s]
+                    if r not in here:
+                        here.add(r)
+                        if len(here) == group[s]:
+                            todo.extend(v for v in here if v != r)
+                    if len(here) < group[s]:
+                        break
+                e += 1
+            at[r] = e
+            order_ranks.append(r)
+            order_stops.append(e)
+        # A worker that did not reach the end of its events waits at the instruction of the next one.
+        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
+        stuck = set(pos)
+        if stuck:
+            topo = self.plan.topology
+            waiting = {s: {topo.worker_of_rank(r) for r in arrived[s]} for s in range(pp)}
+            inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
+            for tensor, at in self.received.items():
+                inputs[self.where(at)[0]][self.consumer[tensor]] = tensor
+            self.report_cycle(stuck, pos, inputs, waiting)
+
+    def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],
+                     arrived: dict[int, set[Worker]]) -> NoReturn:
+        """Follow 'waits for' from stuck worker to stuck worker until one repeats, and name that cycle."""
+        streams = self.plan.streams
+
+        def blocker(w: Worker) -> tuple[Worker, str]:
+            i = pos[w]
+            tensor = inputs[w].get(i)
+            if tensor is not None:
+                x, j = self.where(self.sent[tensor])
+                return x, f"{x} instruction {j} ({streams[x][j]})"
+            late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
+            return late, f"{late} to reach ALLREDUCE"
+
+        w, walk = min(stuck), []
+        while w not in walk:
+            walk.append(w)
+            w = blocker(w)[0]
+        cycle = walk[walk.index(w) :]
+        first = cycle.index(min(cycle))
+        cycle = cycle[first:] + cycle[:first]
+        steps = [f"{v} instruction {pos[v]} ({streams[v][pos[v]]}) waits for {blocker(v)[1]}" for v in cycle]
+        self.fail(cycle[0], pos[cycle[0]],
+                  f"deadlock: {'; '.join(steps)}; each of those comes after the next one's wait in its stream: "
+                  "reorder the ops")
+
+
+def error_grid(plan: Plan, worker: Worker | None, index: int | None, rows: int = 6, cols: int = 3) -> str:
+    """A step x worker picture of the streams around the bad cell, which is marked >>like this<<."""
+    workers = sorted(w for w in plan.streams if isinstance(w, Worker))
+    if not workers:
+        return ""
+    at = workers.index(worker) if worker in plan.streams else 0
+    shown = workers[max(0, at - cols) : at + cols + 1]
+    mid = index if index is not None else 0
+    steps = range(max(0, mid - rows), min(max(len(plan.streams[w]) for w in shown), mid + rows + 1))
+
+    def cell(w: Worker, i: int) -> str:
+        stream = plan.streams[w]
+        text = str(stream[i]) if i < len(stream) else ""
+        return f">>{text}<<" if (w == worker and i == index) else text
+
+    table = [[str(i), *(cell(w, i) for w in shown)] for i in steps]
+    header = ["step", *(str(w) for w in shown)]
+    widths = [max(len(r[c]) for r in [header, *table]) for c in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return " | ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip()
+
+    rule = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    return "\n".join([line(header), rule, *(line(r) for r in table)])
