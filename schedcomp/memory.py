@@ -90,6 +90,22 @@ def stage_deltas(costs: CostModel, stage: int) -> dict[Any, float]:
             for k, sem in SEMANTICS.items()}
 
 
+def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int) -> list[float]:
+    """What each instruction of a stream adds, at its op's stage: with virtual stages a worker's ops
+    belong to several chunks, each with its own activation size. `stage` (the worker's) serves the
+    op-less instructions and ops whose stage is outside the model (a hand-made plan, left to `check`)."""
+    tables: dict[int, dict[Any, float]] = {}
+    out = []
+    for ins in instructions:
+        op = ins.op
+        s = op.stage if op is not None and 0 <= op.stage < costs.pp else stage
+        table = tables.get(s)
+        if table is None:
+            table = tables[s] = stage_deltas(costs, s)
+        out.append(table[ins.kind])
+    return out
+
+
 def memory_levels(deltas: Iterable[float]) -> tuple[float, ...]:
     """Memory held after each step, from what each step adds (one worker runs its steps one at a time)."""
     return tuple(itertools.accumulate(deltas, initial=0.0))[1:]
