@@ -117,15 +117,16 @@ def peak_of(levels: Sequence[float]) -> float:
 
 
 def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) -> tuple[float, ...]:
-    """The most memory each stage holds in fault-free family `name` (every pipeline runs the same order).
+    """The most memory each stage holds in fault-free family `name` (every pipeline runs the same order);
+    with virtual stages (`costs` has pp x chunks stages) the peak of each worker over its chunks.
 
     Built for any `microbatches`, also below the family's minimum: the orders stay valid there."""
     from schedcomp.schedules import get_family
 
     peaks = []
-    for s, ops in enumerate(get_family(name).build(pp, microbatches)):
-        deltas = stage_deltas(costs, s)
-        peaks.append(peak_of(memory_levels(deltas[op.kind] for op in ops)))
+    for ops in get_family(name).orders(pp, microbatches, costs.pp // pp):
+        deltas = {t: stage_deltas(costs, t) for t in {op.stage for op in ops}}  # a worker's chunks have their own
+        peaks.append(peak_of(memory_levels(deltas[op.stage][op.kind] for op in ops)))
     return tuple(peaks)
 
 
@@ -163,7 +164,8 @@ def limit_facts(plan: Plan) -> dict[str, Any]:
 
     costs = plan.costs
     peaks = peak_memory(plan)
-    stage_peaks = [max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(costs.pp)]
+    # Per place in the pipeline (with virtual stages a worker's peak spans all its chunks).
+    stage_peaks = [max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(plan.topology.pp)]
     limited = costs.memory_limit is not None
     facts: dict[str, Any] = {
         "memory_unit": costs.memory_unit,

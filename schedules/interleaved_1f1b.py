@@ -1,0 +1,55 @@
+"""Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", SC 2021): each worker holds `chunks` (v) model chunks, virtual stage c * pp + r on
+worker r (the loop placement), and runs 1F1B over them.
+
+The order is Megatron-LM's (`forward_backward_pipelining_with_interleaving`): forwards go through
+the chunks in groups of pp micro-batches (chunk 0 of micro-batches 0..pp-1, chunk 1 of the same,
+..., then the next pp), backwards the same with the chunks reversed; worker r runs
+2(pp-1-r) + (v-1)pp warm-up forwards (all of them when M = pp), then one forward one fused backward,
+then the remaining backwards (with v = 1: 1F1B's pp-1-r, and the order is 1F1B's). With each chunk costing 1/v of a stage the bubble is Megatron's
+(pp-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's (tests/compiler/test_virtual_stages.py pins it).
+M must be a multiple of pp (as Megatron-LM requires).
+"""
+
+from __future__ import annotations
+
+from schedcomp.errors import ScheduleError
+from schedcomp.ir import Op, OpKind
+from schedcomp.schedules.family import StageOrders, op
+from schedcomp.topology import LOOP
+
+NAME = "interleaved-1f1b"
+DESCRIPTION = "v chunks per worker (looped), 1F1B over them with fused backwards; bubble 1/v of 1F1B's"
+PLACEMENT = LOOP
+DEFAULT_CHUNKS = 2
+
+
+def worker_order(pp: int, microbatches: int, chunks: int, r: int) -> tuple[Op, ...]:
+    total = microbatches * chunks
+    group = pp * chunks
+
+    def nth(k: int, kind: OpKind) -> Op:
+        rounds, at = divmod(k, group)
+        chunk = at // pp if kind is OpKind.F else chunks - 1 - at // pp
+        return op(kind, rounds * pp + at % pp, chunk * pp + r)
+
+    if chunks == 1:  # plain 1F1B (Megatron-LM's interleaved warm-up assumes v > 1 and would hold twice as much)
+        warmup = pp - 1 - r
+    else:
+        warmup = total if microbatches == pp else min(2 * (pp - 1 - r) + (chunks - 1) * pp, total)
+    ops = [nth(k, OpKind.F) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [nth(warmup + k, OpKind.F), nth(k, OpKind.BW)]
+    ops += [nth(k, OpKind.BW) for k in range(total - warmup, total)]
+    return tuple(ops)
+
+
+def build(pp: int, microbatches: int, chunks: int) -> StageOrders:
+    if microbatches % pp:
+        raise ScheduleError(f"{NAME} runs micro-batches in groups of pp={pp}, got {microbatches}: use a multiple of "
+                            f"{pp}")
+    return tuple(worker_order(pp, microbatches, chunks, r) for r in range(pp))
+
+
+def min_microbatches(pp: int) -> int:
+    return pp
