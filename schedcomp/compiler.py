@@ -17,7 +17,7 @@ from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeErro
 from schedcomp.ir import Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
-from schedcomp.schedules import FAMILIES, fault_free_order, get_family
+from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES, fault_free_order, get_family
 from schedcomp.topology import LOOP, Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ def _fit_memory(plan: Plan) -> None:
             peaks = family_stage_peaks(name, pp, mbs, costs)
             return all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(peaks))
 
-        fitting = [name for name, family in FAMILIES.items()  # one-stage families: the others need their own costs
-                   if not family.placement and mbs >= family.min_microbatches(pp) and fits(name)]
+        fitting = [name for name in ONE_STAGE_FAMILIES  # chunked families need costs per virtual stage
+                   if mbs >= FAMILIES[name].min_microbatches(pp) and fits(name)]
         other = f", use {' or '.join(fitting)}, which fit{'s' if len(fitting) == 1 else ''}," if fitting else ""
         raise MemoryLimitError(
             f"{plan.family} needs {show_memory(need, costs)} at stage {worst.stage} but memory_limit is "

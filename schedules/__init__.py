@@ -19,6 +19,8 @@ FAMILIES: dict[str, Family] = {
 }
 FAMILIES.update({m.NAME: Family(m.NAME, m.build, m.min_microbatches, m.DESCRIPTION, m.PLACEMENT, m.DEFAULT_CHUNKS)
                  for m in (interleaved_1f1b, zb_v)})
+ONE_STAGE_FAMILIES = tuple(name for name, family in FAMILIES.items() if not family.placement)
+"""The families that run one stage per worker (the others hold several chunks: `Family.placement`)."""
 
 
 def get_family(name: str) -> Family:
@@ -59,4 +61,4 @@ def fault_free_order(family_name: str, topology: Topology, microbatches: int) ->
     return Order(topology, microbatches, ops, family.name)
 
 
-__all__ = ["FAMILIES", "Family", "fault_free_order", "get_family"]
+__all__ = ["FAMILIES", "ONE_STAGE_FAMILIES", "Family", "fault_free_order", "get_family"]

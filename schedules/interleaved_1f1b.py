@@ -6,7 +6,8 @@ The order is Megatron-LM's (`forward_backward_pipelining_with_interleaving`): fo
 the chunks in groups of pp micro-batches (chunk 0 of micro-batches 0..pp-1, chunk 1 of the same,
 ..., then the next pp), backwards the same with the chunks reversed; worker r runs
 2(pp-1-r) + (v-1)pp warm-up forwards (all of them when M = pp), then one forward one fused backward,
-then the remaining backwards (with v = 1: 1F1B's pp-1-r, and the order is 1F1B's). With each chunk costing 1/v of a stage the bubble is Megatron's
+then the remaining backwards (with v = 1: 1F1B's pp-1-r, and the order is 1F1B's). With each chunk
+costing 1/v of a stage the bubble is Megatron's
 (pp-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's (tests/compiler/test_virtual_stages.py pins it).
 M must be a multiple of pp (as Megatron-LM requires).
 """

@@ -17,7 +17,7 @@ from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, InstrKind, Instruction, Plan
-from schedcomp.schedules import FAMILIES
+from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES
 from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
@@ -46,7 +46,7 @@ def cost_models(draw: st.DrawFn, pp: int, dp: int) -> CostModel:
 
 @st.composite
 def configs(draw: st.DrawFn) -> tuple[str, int, int, int, CostModel]:
-    name = draw(st.sampled_from(list(FAMILIES)))
+    name = draw(st.sampled_from(ONE_STAGE_FAMILIES))
     pp = draw(st.integers(1, 8))
     dp = draw(st.integers(1, 3))
     m = FAMILIES[name].min_microbatches(pp) + draw(st.integers(0, 6))
