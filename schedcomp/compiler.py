@@ -75,6 +75,9 @@ def compile(
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if topology.failed or schedule == ADAPTIVE:
+        if topology.chunks > 1:
+            raise ScheduleError(f"re-routing around failed workers with virtual stages (chunks={topology.chunks}) is "
+                                f"not supported yet: compile {schedule} without failures, or a one-stage family")
         return _adaptive(topology, microbatches, costs, solver, time_limit)
 
     family = get_family(schedule)

@@ -214,3 +214,8 @@ def test_zb_v_is_pytorchs_zbv_order(pp: int, m: int) -> None:
         theirs = zbv_class._calculate_single_rank_operations(fake, rank)
         want = [f"{kinds[a.computation_type.name]}{a.microbatch_index}.0@{a.stage_index}" for a in theirs if a]
         assert [f"{op}@{op.stage}" for op in ours[rank]] == want
+
+
+def test_failures_with_chunks_are_refused_until_re_routing_handles_them() -> None:
+    with pytest.raises(ScheduleError, match="virtual stages"):
+        compile(4, dp=2, microbatches=8, schedule="zb-v", failed=[(1, 2)])
