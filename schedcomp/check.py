@@ -421,28 +421,6 @@ class _Checker(OrderRules):
                 if tensor not in received:
                     self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
 
-    def handoffs(self) -> None:
-        """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
-        transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
-        comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
-        for cid, (w, i) in comp.items():
-            k, slot = cid & 3, cid >> 2
-            s = slot % ns
-            if k == 0 and s < ns - 1:
-                to = comp.get((slot + 1) * 4)  # the next chunk's F
-                tensor, why = slot * 2, "it consumes the activation"
-            elif (k == 1 or k == 3) and s > 0:
-                to = comp.get((slot - 1) * 4 + 1) or comp.get((slot - 1) * 4 + 3)  # the previous chunk's B or BW
-                tensor, why = slot * 2 + 1, "it consumes the input gradient"
-            else:
-                continue
-            if to is None or (to[0] is not w and to[0] != w):
-                continue
-            if to[1] < i:
-                self.fail(*to, f"runs before {streams[w][i]} (instruction {i}) of the neighbouring chunk: {why} "
-                               "that op hands off here")
-            local.add(tensor)
-
     def memory(self) -> None:
         costs = self.plan.costs
         for w, (i, held) in sorted(self.over.items()):

@@ -1,11 +1,12 @@
 """The validator's order rules: whether the checked streams can run, and the grid its errors show.
 
 `OrderRules` is the half of `check._Checker` that looks at order rather than at single
-instructions: FIFO per channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
+instructions: local hand-offs between two chunks of one worker (the producer first), FIFO per
+channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
 then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
 deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
 built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `received`,
-`consumer`, `order_ranks`, `order_stops`) and reports through `fail` and `where`.
+`consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail` and `where`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
 
 
 class OrderRules:
-    """FIFO, tails and deadlock, mixed into `check._Checker` (which provides the tables above)."""
+    """Hand-offs, FIFO, tails and deadlock, mixed into `check._Checker` (which provides the tables above)."""
 
     plan: Plan
     pp: int
@@ -38,12 +39,37 @@ class OrderRules:
     consumer: Any
     order_ranks: Any
     order_stops: Any
+    comp: dict[int, Where]  # op id -> where it runs (see `check._Checker`)
+    ns: int  # virtual stages per pipeline
+    local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         raise NotImplementedError
 
     def where(self, at: int) -> Where:
         raise NotImplementedError
+
+    def handoffs(self) -> None:
+        """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
+        transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
+        comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
+        for cid, (w, i) in comp.items():
+            k, slot = cid & 3, cid >> 2
+            s = slot % ns
+            if k == 0 and s < ns - 1:
+                to = comp.get((slot + 1) * 4)  # the next chunk's F
+                tensor, why = slot * 2, "it consumes the activation"
+            elif (k == 1 or k == 3) and s > 0:
+                to = comp.get((slot - 1) * 4 + 1) or comp.get((slot - 1) * 4 + 3)  # the previous chunk's B or BW
+                tensor, why = slot * 2 + 1, "it consumes the input gradient"
+            else:
+                continue
+            if to is None or (to[0] is not w and to[0] != w):
+                continue
+            if to[1] < i:
+                self.fail(*to, f"runs before {streams[w][i]} (instruction {i}) of the neighbouring chunk: {why} "
+                               "that op hands off here")
+            local.add(tensor)
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
