@@ -29,7 +29,7 @@ from array import array
 from collections import defaultdict
 from typing import NoReturn
 
-from schedcomp.check_order import OrderRules, error_grid
+from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
@@ -177,7 +177,8 @@ class _Checker(OrderRules):
         where = "" if worker is None else f"worker {worker}"
         if worker is not None and index is not None and worker in self.plan.streams:
             stream = self.plan.streams[worker]
-            where += f", instruction {index} ({stream[index]})" if index < len(stream) else f", instruction {index}"
+            where += f", instruction {index} ({text_of(self.plan)(stream[index])})" if index < len(stream) \
+                else f", instruction {index}"
         message = f"{where}: {problem}" if where else problem
         raise ValidationError(message, worker, index, error_grid(self.plan, worker, index))
 

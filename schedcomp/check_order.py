@@ -12,9 +12,10 @@ built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from schedcomp.ir import Plan
+from schedcomp.ir import Instruction, Plan, staged_text
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -67,8 +68,8 @@ class OrderRules:
             if to is None or (to[0] is not w and to[0] != w):
                 continue
             if to[1] < i:
-                self.fail(*to, f"runs before {streams[w][i]} (instruction {i}) of the neighbouring chunk: {why} "
-                               "that op hands off here")
+                self.fail(*to, f"runs before {staged_text(streams[w][i])} (instruction {i}) of the neighbouring "
+                               f"chunk: {why} that op hands off here")
             local.add(tensor)
 
     def fifo(self) -> None:
@@ -190,8 +191,14 @@ class OrderRules:
                   "reorder the ops")
 
 
+def text_of(plan: Plan) -> Callable[[Instruction], str]:
+    """How errors show the plan's instructions: with their ops' virtual stages when workers hold several chunks."""
+    return staged_text if plan.topology.chunks > 1 else str
+
+
 def error_grid(plan: Plan, worker: Worker | None, index: int | None, rows: int = 6, cols: int = 3) -> str:
     """A step x worker picture of the streams around the bad cell, which is marked >>like this<<."""
+    show = text_of(plan)
     workers = sorted(w for w in plan.streams if isinstance(w, Worker))
     if not workers:
         return ""
@@ -202,7 +209,7 @@ def error_grid(plan: Plan, worker: Worker | None, index: int | None, rows: int =
 
     def cell(w: Worker, i: int) -> str:
         stream = plan.streams[w]
-        text = str(stream[i]) if i < len(stream) else ""
+        text = show(stream[i]) if i < len(stream) else ""
         return f">>{text}<<" if (w == worker and i == index) else text
 
     table = [[str(i), *(cell(w, i) for w in shown)] for i in steps]

@@ -119,6 +119,9 @@ def test_a_local_hand_off_out_of_order_is_refused() -> None:
     with pytest.raises(ValidationError, match="neighbouring chunk") as info:
         check(swap(plan, w, f3, f4))
     assert (info.value.worker, info.value.index) == (w, f3)
+    # Errors and their grid name each op's chunk: F0.0 alone would not say which of the two it is.
+    assert f"instruction {f3} (F0.0@4): runs before F0.0@3" in str(info.value)
+    assert ">>F0.0@4<<" in info.value.grid
 
 
 def test_an_op_of_a_chunk_the_worker_does_not_hold_is_refused() -> None:
