@@ -201,22 +201,34 @@ def test_costs_must_cover_the_virtual_stages() -> None:
         compile(4, microbatches=8, schedule="zb-h1", chunks=2)
 
 
-@pytest.mark.parametrize(("pp", "m"), [(2, 3), (4, 8), (4, 5), (5, 12)])
-def test_zb_v_is_pytorchs_zbv_order(pp: int, m: int) -> None:
-    """Our ZB-V is PyTorch's ScheduleZBVZeroBubble order, action for action (its rank r holds stage r and 2pp-1-r)."""
+def _torch_rank_orders(class_name: str, pp: int, **fields: int) -> list[list[str]]:
+    """Each rank's actions in PyTorch's schedule `class_name`, as `F3.0@5` (its `_calculate_single_rank_operations`
+    reads only these fields of the schedule, so no process group is needed)."""
     from types import SimpleNamespace
 
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    zbv_class = getattr(schedules, "ScheduleZBVZeroBubble", None)
-    if zbv_class is None or not hasattr(zbv_class, "_calculate_single_rank_operations"):
-        pytest.skip("this torch has no ScheduleZBVZeroBubble._calculate_single_rank_operations")
+    cls = getattr(schedules, class_name, None)
+    if cls is None or not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip(f"this torch has no {class_name}._calculate_single_rank_operations")
     kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
-    fake = SimpleNamespace(pp_group_size=pp, num_stages=2 * pp, _n_microbatches=m)
-    ours = FAMILIES["zb-v"].orders(pp, m, 2)
-    for rank in range(pp):
-        theirs = zbv_class._calculate_single_rank_operations(fake, rank)
-        want = [f"{kinds[a.computation_type.name]}{a.microbatch_index}.0@{a.stage_index}" for a in theirs if a]
-        assert [f"{op}@{op.stage}" for op in ours[rank]] == want
+    fake = SimpleNamespace(pp_group_size=pp, **fields)
+    return [[f"{kinds[a.computation_type.name]}{a.microbatch_index}.0@{a.stage_index}"
+             for a in cls._calculate_single_rank_operations(fake, rank) if a] for rank in range(pp)]
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 3), (4, 8), (4, 5), (5, 12)])
+def test_zb_v_is_pytorchs_zbv_order(pp: int, m: int) -> None:
+    """Our ZB-V is PyTorch's ScheduleZBVZeroBubble order, action for action (its rank r holds stage r and 2pp-1-r)."""
+    theirs = _torch_rank_orders("ScheduleZBVZeroBubble", pp, num_stages=2 * pp, _n_microbatches=m)
+    assert [[f"{op}@{op.stage}" for op in ops] for ops in FAMILIES["zb-v"].orders(pp, m, 2)] == theirs
+
+
+@pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 2), (4, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 9), (5, 3, 15)])
+def test_interleaved_1f1b_is_pytorchs_interleaved_order(pp: int, v: int, m: int) -> None:
+    """Our interleaved 1F1B is PyTorch's ScheduleInterleaved1F1B order (M a multiple of pp: rounds of pp)."""
+    theirs = _torch_rank_orders("ScheduleInterleaved1F1B", pp, n_local_stages=v, _n_microbatches=m,
+                                number_of_rounds=m // pp, microbatches_per_round=pp)
+    assert [[f"{op}@{op.stage}" for op in ops] for ops in FAMILIES["interleaved-1f1b"].orders(pp, m, v)] == theirs
 
 
 def test_failures_with_chunks_are_refused_until_re_routing_handles_them() -> None:
