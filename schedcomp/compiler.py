@@ -120,8 +120,9 @@ def _fit_memory(plan: Plan) -> None:
             peaks = family_stage_peaks(name, pp, mbs, costs)
             return all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(peaks))
 
-        fitting = [name for name in ONE_STAGE_FAMILIES  # chunked families need costs per virtual stage
-                   if mbs >= FAMILIES[name].min_microbatches(pp) and fits(name)]
+        # Suggested only for one-stage costs: the families' shapes differ in chunks, and so do their costs.
+        fitting = [name for name in ONE_STAGE_FAMILIES
+                   if plan.topology.chunks == 1 and mbs >= FAMILIES[name].min_microbatches(pp) and fits(name)]
         other = f", use {' or '.join(fitting)}, which fit{'s' if len(fitting) == 1 else ''}," if fitting else ""
         raise MemoryLimitError(
             f"{plan.family} needs {show_memory(need, costs)} at stage {worst.stage} but memory_limit is "
