@@ -234,3 +234,12 @@ def test_interleaved_1f1b_is_pytorchs_interleaved_order(pp: int, v: int, m: int)
 def test_failures_with_chunks_are_refused_until_re_routing_handles_them() -> None:
     with pytest.raises(ScheduleError, match="virtual stages"):
         compile(4, dp=2, microbatches=8, schedule="zb-v", failed=[(1, 2)])
+
+
+def test_a_family_needs_a_topology_of_its_shape() -> None:
+    from schedcomp.schedules import fault_free_order
+
+    with pytest.raises(ScheduleError, match="places chunks 'v'"):
+        fault_free_order("zb-v", Topology.of(4, chunks=2), 8)
+    with pytest.raises(ScheduleError, match="runs one stage per worker"):
+        fault_free_order("zb-h1", Topology.of(4, chunks=2), 8)
