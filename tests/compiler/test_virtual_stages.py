@@ -243,3 +243,11 @@ def test_a_family_needs_a_topology_of_its_shape() -> None:
         fault_free_order("zb-v", Topology.of(4, chunks=2), 8)
     with pytest.raises(ScheduleError, match="runs one stage per worker"):
         fault_free_order("zb-h1", Topology.of(4, chunks=2), 8)
+
+
+def test_drawings_name_the_later_chunk() -> None:
+    from schedcomp.draw.style import label
+
+    spans = simulate(zbv(), iterations=1).spans
+    labels = {label(s) for s in spans if s.worker == Worker(0, 0) and s.instruction.is_compute}
+    assert {"F0", "F0@7", "B7@7", "W7"} <= labels and not any("@0" in t for t in labels)
