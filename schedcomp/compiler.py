@@ -54,6 +54,9 @@ def compile(
         raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
     chunks, placement = _chunks(schedule, chunks, failed)
     topology = Topology.of(pp, dp, failed, chunks, placement)
+    if topology.failed and chunks > 1:
+        raise ScheduleError(f"re-routing around failed workers with virtual stages (chunks={chunks}) is not "
+                            f"supported yet: compile {schedule} without failures, or a one-stage family")
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int):
         raise ScheduleError(f"microbatches must be a positive integer, got {microbatches!r}: pass microbatches=M")
     if microbatches < 1:
@@ -75,9 +78,6 @@ def compile(
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if topology.failed or schedule == ADAPTIVE:
-        if topology.chunks > 1:
-            raise ScheduleError(f"re-routing around failed workers with virtual stages (chunks={topology.chunks}) is "
-                                f"not supported yet: compile {schedule} without failures, or a one-stage family")
         return _adaptive(topology, microbatches, costs, solver, time_limit)
 
     family = get_family(schedule)
@@ -124,10 +124,15 @@ def _fit_memory(plan: Plan) -> None:
         fitting = [name for name in ONE_STAGE_FAMILIES
                    if plan.topology.chunks == 1 and mbs >= FAMILIES[name].min_microbatches(pp) and fits(name)]
         other = f", use {' or '.join(fitting)}, which fit{'s' if len(fitting) == 1 else ''}," if fitting else ""
+        topo = plan.topology
+        where = (f"stage {worst.stage}" if topo.chunks == 1 else
+                 f"worker {worst} (chunks {', '.join(map(str, topo.chunks_of(worst.stage)))})")
+        # The adaptive schedules trade time for memory, but not with virtual stages yet.
+        adaptive = ' or use schedule="adaptive", which schedules within the limit' if topo.chunks == 1 else ""
         raise MemoryLimitError(
-            f"{plan.family} needs {show_memory(need, costs)} at stage {worst.stage} but memory_limit is "
+            f"{plan.family} needs {show_memory(need, costs)} at {where} but memory_limit is "
             f"{show_memory(limit, costs, unit=False)}: set memory_limit >= {show_memory(need, costs, unit=False)}"
-            f'{other} or use schedule="adaptive", which schedules within the limit'
+            f"{other}{adaptive}"
         )
 
 

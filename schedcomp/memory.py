@@ -143,7 +143,14 @@ def resolve_limit(limit: MemoryLimit, topology: Topology, microbatches: int, cos
                 return costs
             name = REFERENCE
         if name in FAMILIES:
-            return costs.with_memory_limit(family_stage_peaks(name, topology.pp, microbatches, costs))
+            if topology.chunks > 1 and not FAMILIES[name].placement:
+                chunked = ", ".join(n for n, f in FAMILIES.items() if f.placement)
+                raise MemoryLimitError(f"memory limit {limit!r} names a family with one stage per worker, but "
+                                       f"this plan has {topology.chunks} chunks per worker: name {chunked}, or give "
+                                       "a number")
+            peaks = family_stage_peaks(name, topology.pp, microbatches, costs)
+            # With virtual stages a limit is one number for every worker: the family's largest peak.
+            return costs.with_memory_limit(peaks if topology.chunks == 1 else max(peaks))
         value, in_bytes = parse_memory(limit)
         if in_bytes and costs.memory_unit != "bytes":
             raise MemoryLimitError(
