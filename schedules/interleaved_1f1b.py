@@ -4,14 +4,14 @@ worker r (the loop placement), and runs 1F1B over them.
 
 The order is Megatron-LM's (`forward_backward_pipelining_with_interleaving`) and PyTorch's
 `ScheduleInterleaved1F1B` (which, unlike Megatron-LM, does not make every op a warm-up one when
-M = pp; neither do we): forwards go through
-the chunks in groups of pp micro-batches (chunk 0 of micro-batches 0..pp-1, chunk 1 of the same,
-..., then the next pp), backwards the same with the chunks reversed; worker r runs
-2(pp-1-r) + (v-1)pp warm-up forwards (at most all of them), then one forward one fused backward,
+M = pp; neither do we): the M micro-batches run in R = max(1, M // pp) equal rounds of n = M / R
+(n = pp when M is a multiple of pp); forwards go through the chunks round by round (chunk 0 of the
+round's n micro-batches, chunk 1 of the same, ...), backwards the same with the chunks reversed;
+worker r runs 2(pp-1-r) + (v-1)n warm-up forwards (at most all of them), then one forward one fused backward,
 then the remaining backwards (with v = 1: 1F1B's pp-1-r, and the order is 1F1B's). With each chunk
 costing 1/v of a stage the bubble is Megatron's
-(pp-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's (tests/compiler/test_virtual_stages.py pins it).
-M must be a multiple of pp (as Megatron-LM requires).
+(pp-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's, when M is a multiple of pp (tests/compiler/test_virtual_stages.py
+pins it). M must be at least pp and split into equal rounds (PyTorch's rule).
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ DEFAULT_CHUNKS = 2
 
 def worker_order(pp: int, microbatches: int, chunks: int, r: int) -> tuple[Op, ...]:
     total = microbatches * chunks
-    group = pp * chunks
+    per_round = microbatches // max(1, microbatches // pp)  # micro-batches per round: pp when M is a multiple
+    group = per_round * chunks
 
     def nth(k: int, kind: OpKind) -> Op:
         rounds, at = divmod(k, group)
-        chunk = at // pp if kind is OpKind.F else chunks - 1 - at // pp
-        return op(kind, rounds * pp + at % pp, chunk * pp + r)
+        chunk = at // per_round if kind is OpKind.F else chunks - 1 - at // per_round
+        return op(kind, rounds * per_round + at % per_round, chunk * pp + r)
 
     # With one chunk, plain 1F1B's warm-up: the interleaved one assumes v > 1 and would hold twice as much.
-    warmup = pp - 1 - r if chunks == 1 else min(2 * (pp - 1 - r) + (chunks - 1) * pp, total)
+    warmup = pp - 1 - r if chunks == 1 else min(2 * (pp - 1 - r) + (chunks - 1) * per_round, total)
     ops = [nth(k, OpKind.F) for k in range(warmup)]
     for k in range(total - warmup):
         ops += [nth(warmup + k, OpKind.F), nth(k, OpKind.BW)]
@@ -46,10 +47,10 @@ def worker_order(pp: int, microbatches: int, chunks: int, r: int) -> tuple[Op, .
 
 
 def build(pp: int, microbatches: int, chunks: int) -> StageOrders:
-    if microbatches % pp:
-        # PyTorch also takes M = rounds x (a round of more than pp), with its own warm-up: not ported yet.
-        raise ScheduleError(f"{NAME} runs micro-batches in groups of pp={pp}, got {microbatches}: use a multiple of "
-                            f"{pp}")
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds:  # PyTorch's rule: equal rounds of at least pp micro-batches
+        raise ScheduleError(f"{NAME} runs micro-batches in equal rounds of at least pp={pp}, but {microbatches} is not "
+                            f"a multiple of {rounds} rounds: use a multiple of {pp} or of {rounds}")
     return tuple(worker_order(pp, microbatches, chunks, r) for r in range(pp))
 
 

@@ -60,7 +60,9 @@ def chunked_configs(draw: st.DrawFn) -> tuple[str, int, int, int, CostModel]:
     pp = draw(st.integers(1, 6))
     dp = draw(st.integers(1, 3))
     chunks = 2 if name == "zb-v" else draw(st.integers(1, 3))
-    m = pp * draw(st.integers(1, 3)) if name == "interleaved-1f1b" else draw(st.integers(1, 3 * pp))
+    m = draw(st.integers(pp, 3 * pp) if name == "interleaved-1f1b" else st.integers(1, 3 * pp))
+    if name == "interleaved-1f1b":
+        m -= m % max(1, m // pp)  # equal rounds (PyTorch's rule)
     return name, pp, dp, m, draw(cost_models(pp, dp, chunks))
 
 

@@ -182,7 +182,7 @@ def test_show_json_gives_the_pinned_periods(capsys, name: str, period: float) ->
 
 @pytest.mark.parametrize(("argv", "words"), [
     (["--schedule", "1f1b", "--chunks", "2", "-m", "8"], "runs one stage per worker"),
-    (["--schedule", "interleaved-1f1b", "--chunks", "2", "-m", "6"], "multiple of 4"),
+    (["--schedule", "interleaved-1f1b", "--chunks", "2", "-m", "9"], "multiple of 4 or of 2"),
     (["--schedule", "zb-v", "--chunks", "3", "-m", "8"], "exactly 2 chunks"),
 ])
 def test_bad_chunk_requests_are_one_line(capsys, argv: list[str], words: str) -> None:
@@ -223,11 +223,15 @@ def test_zb_v_is_pytorchs_zbv_order(pp: int, m: int) -> None:
     assert [[f"{op}@{op.stage}" for op in ops] for ops in FAMILIES["zb-v"].orders(pp, m, 2)] == theirs
 
 
-@pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 2), (4, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 9), (5, 3, 15)])
+@pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 2), (4, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 9), (5, 3, 15),
+                                            (4, 2, 6), (4, 3, 10), (5, 2, 7), (3, 2, 8)])
 def test_interleaved_1f1b_is_pytorchs_interleaved_order(pp: int, v: int, m: int) -> None:
-    """Our interleaved 1F1B is PyTorch's ScheduleInterleaved1F1B order (M a multiple of pp: rounds of pp)."""
+    """Our interleaved 1F1B is PyTorch's ScheduleInterleaved1F1B order, also when M is not a multiple of pp
+    (equal rounds of more than pp micro-batches), and it is sound there."""
+    rounds = max(1, m // pp)
     theirs = _torch_rank_orders("ScheduleInterleaved1F1B", pp, n_local_stages=v, _n_microbatches=m,
-                                number_of_rounds=m // pp, microbatches_per_round=pp)
+                                number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    check(compile(pp, microbatches=m, schedule="interleaved-1f1b", chunks=v))
     assert [[f"{op}@{op.stage}" for op in ops] for ops in FAMILIES["interleaved-1f1b"].orders(pp, m, v)] == theirs
 
 
