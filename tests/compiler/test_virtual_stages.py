@@ -255,3 +255,26 @@ def test_drawings_name_the_later_chunk() -> None:
     spans = simulate(zbv(), iterations=1).spans
     labels = {label(s) for s in spans if s.worker == Worker(0, 0) and s.instruction.is_compute}
     assert {"F0", "F0@7", "B7@7", "W7"} <= labels and not any("@0" in t for t in labels)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-v"])
+def test_memory_and_time_are_each_chunks_own(name: str) -> None:
+    """Each op costs its own chunk's time and activation (a model whose chunks all differ), not its worker's."""
+    from itertools import accumulate
+
+    from schedcomp.check import peak_memory
+    from schedcomp.costs import CostModel
+
+    stages = range(8)
+    costs = CostModel(forward=[1 + s for s in stages], backward_input=[2 + s for s in stages],
+                      backward_weight=[0.5 + s for s in stages], activation=[1.0 + 3 * s for s in stages], b_frees=0.25)
+    plan = compile(4, microbatches=8, schedule=name, costs=costs)
+    frees = {"F": -1.0, "B": 0.25, "W": 0.75, "BW": 1.0}  # of the op's own chunk's activation
+    sim = simulate(plan, iterations=1)
+    for w, ops in ((w, plan.compute_ops(w)) for w in plan.workers):
+        held = accumulate(-frees[op.kind.value] * costs.activation[op.stage] for op in ops)
+        assert peak_memory(plan)[w] == pytest.approx(max(held)) == pytest.approx(sim.memory[w])
+        times = {"F": costs.forward, "B": costs.backward_input, "W": costs.backward_weight}
+        want = sum(times[op.kind.value][op.stage] if op.kind.value in times
+                   else costs.backward_input[op.stage] + costs.backward_weight[op.stage] for op in ops)
+        assert sim.busy[w] == pytest.approx(want)
