@@ -85,6 +85,9 @@ class PipelineTrainer:
                  backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
                  setup_collectives: bool = True) -> None:
+        if plan.topology.chunks > 1:  # refused before any process group is made
+            raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: running virtual stages "
+                                    "is not supported yet, compile a family with one stage per worker")
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):

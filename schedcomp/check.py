@@ -10,6 +10,13 @@ The scan is one pass over the streams into plain dicts keyed by integers (op, sl
 channel ids: hashing dataclasses dominated the run), and per-worker tables are lists indexed by
 rank; the checks that hold for every sound plan (every output sent, every send received, FIFO per
 channel) compare counts or whole sets first and only walk item by item to name the first failure.
+
+Virtual stages (`Topology.chunks` > 1): an op's stage is its chunk and must be one its worker holds
+(`Topology.place_of`); every rule above holds per virtual stage, slots count `Topology.stages`; a
+tensor between two chunks of the same worker is handed off locally: no SEND or RECV (a send to
+oneself is refused), and its producer must come first in the stream. ALLREDUCE and STEP stay one
+per worker: one gradient reduction over the worker's stage group covers all its chunks (the
+workers at one place of each pipeline hold the same chunks, so each chunk's replicas are that group).
 The deadlock check is a Kahn pass over the wait-for graph (stream order, send -> consumer, one node
 per stage's ALLREDUCE), walked stream by stream over each stream's waits and posts only. A send
 counts as posted when its stream reaches the SEND instruction (the runtime posts it there), which is
@@ -22,11 +29,11 @@ from array import array
 from collections import defaultdict
 from typing import NoReturn
 
-from schedcomp.check_order import OrderRules, error_grid
+from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
-from schedcomp.memory import memory_levels, show_memory, stage_deltas
+from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
 from schedcomp.planindex import PlanIndex
 from schedcomp.semantics import (
     ROLE_ALLREDUCE,
@@ -86,8 +93,7 @@ def index_of(plan: Plan) -> PlanIndex | None:
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
     """Activation memory `worker` holds after each instruction of its stream."""
-    deltas = stage_deltas(plan.costs, worker.stage)
-    return memory_levels(deltas[ins.kind] for ins in plan.streams[worker])
+    return memory_levels(stream_deltas(plan.costs, plan.streams[worker], worker.stage))
 
 
 def peak_memory(plan: Plan) -> dict[Worker, float]:
@@ -112,8 +118,10 @@ class _Checker(OrderRules):
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.pp = plan.topology.pp
+        self.pp = plan.topology.pp  # workers per pipeline: ranks are pipeline * pp + place
+        self.ns = plan.topology.stages  # virtual stages per pipeline: slots count these
         self.mbs = plan.microbatches
+        self.local: set[int] = set()  # tensors handed off between two chunks of one worker
         # Per-worker state lives in lists indexed by rank (`Topology.rank`), not in dicts keyed by
         # `Worker`: hashing the dataclass cost more than the rules (a 200k-row CSV has 200k workers).
         self.nw = plan.topology.dp * self.pp
@@ -156,7 +164,7 @@ class _Checker(OrderRules):
             ev, e = events[r], stops[n]
             stops[n] = ev[e][0] if e < len(ev) else len(streams[by_rank[r]])  # type: ignore[index]
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
-                         self.order_ranks, stops, streams, self.plan.costs)
+                         self.order_ranks, stops, streams, self.plan.costs, self.ns)
 
     def where(self, at: int) -> Where:
         """A packed place (rank << 32 | index) as (worker, index)."""
@@ -169,12 +177,13 @@ class _Checker(OrderRules):
         where = "" if worker is None else f"worker {worker}"
         if worker is not None and index is not None and worker in self.plan.streams:
             stream = self.plan.streams[worker]
-            where += f", instruction {index} ({stream[index]})" if index < len(stream) else f", instruction {index}"
+            where += f", instruction {index} ({text_of(self.plan)(stream[index])})" if index < len(stream) \
+                else f", instruction {index}"
         message = f"{where}: {problem}" if where else problem
         raise ValidationError(message, worker, index, error_grid(self.plan, worker, index))
 
     def key_of(self, slot: int) -> Key:
-        rest, s = divmod(slot, self.pp)
+        rest, s = divmod(slot, self.ns)
         d, m = divmod(rest, self.mbs)
         return (d, m, s)
 
@@ -182,8 +191,13 @@ class _Checker(OrderRules):
 
     def scan(self) -> None:
         plan, topo = self.plan, self.plan.topology
-        dp, mbs, pp = topo.dp, plan.microbatches, self.pp
+        dp, mbs, pp, ns = topo.dp, plan.microbatches, self.pp, self.ns
         failed = topo.failed
+        chunked = ns != pp
+        place = [topo.place_of(s) for s in range(ns)] if chunked else []
+        if chunked and isinstance(plan.costs.memory_limit, tuple):
+            self.fail(None, None, "a memory limit per stage is not defined with virtual stages yet: give one number "
+                                  "for every worker, or none")
         for w in plan.streams:
             live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
                     and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))
@@ -200,12 +214,14 @@ class _Checker(OrderRules):
             self.by_rank[w.pipeline * pp + w.stage] = w
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
-        tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]
+        tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
             deltas, held = (stage_deltas(plan.costs, ws) if top != _INF else _NO_DELTAS), 0.0  # only with a limit
+            # With virtual stages each chunk has its own activation size: its deltas, by its stage.
+            chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
             step: list[int] = []
             self.tail[w.pipeline * pp + ws] = (reduce, step)
@@ -220,12 +236,13 @@ class _Checker(OrderRules):
                     elif role < 0:
                         self.unknown(w, i, kind)
                     continue
-                d, m = op.pipeline, op.microbatch
-                if op.stage != ws:
-                    self.fail(w, i, f"names stage {op.stage} but {w} runs stage {ws}")
+                d, m, os = op.pipeline, op.microbatch, op.stage
+                if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
+                    held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
+                    self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
                 if not (0 <= d < dp and 0 <= m < mbs):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
-                slot = (d * mbs + m) * pp + ws
+                slot = (d * mbs + m) * ns + os
                 if role == ROLE_SEND:
                     sends.append((w, i, ins, slot))
                 elif role == ROLE_RECV:
@@ -236,11 +253,11 @@ class _Checker(OrderRules):
                     if first is not None:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
                     comp[cid] = (w, i)
-                    held += deltas[kind]
+                    held += chunk_deltas[os][kind] if chunked and top != _INF else deltas[kind]
                     if held > top and w not in self.over:
                         self.over[w] = (i, held)
                 elif role == ROLE_LOAD:
-                    if op.kind is not OpKind.F or 0 < ws < pp - 1:
+                    if op.kind is not OpKind.F or 0 < os < ns - 1:
                         self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                     if slot in loads:
                         self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
@@ -252,7 +269,7 @@ class _Checker(OrderRules):
 
     def exactly_once(self) -> None:
         get, streams = self.comp.get, self.plan.streams
-        for slot in range(self.plan.topology.dp * self.mbs * self.pp):  # in (pipeline, micro-batch, stage) order
+        for slot in range(self.plan.topology.dp * self.mbs * self.ns):  # in (pipeline, micro-batch, stage) order
             base = slot * 4
             f, b, w, bw = get(base), get(base + 1), get(base + 2), get(base + 3)
             if f is not None and bw is None and b is not None and w is not None:
@@ -289,19 +306,19 @@ class _Checker(OrderRules):
         topo = self.plan.topology
         for w in [*sorted(self.plan.streams), None]:
             if w is None:
-                home = Worker(key[0], key[2])
+                home = Worker(key[0], topo.place_of(key[2]))
                 self.fail(home if topo.is_live(home) else None, None, problem)
             for i, ins in enumerate(self.plan.streams[w]):
                 if ins.op is not None and ins.op.key == key:
                     self.fail(w, i, problem)
 
     def loads_present(self) -> None:
-        pp, loads, comp = self.pp, self.loads, self.comp
+        ns, loads, comp = self.ns, self.loads, self.comp
         for cid, (w, i) in comp.items():
             if cid & 3 == 0:  # an F
                 slot = cid >> 2
-                s = slot % pp
-                if s == 0 or s == pp - 1:
+                s = slot % ns
+                if s == 0 or s == ns - 1:
                     load = loads.get(slot)
                     if load is None or (load[0] is not w and load[0] != w) or load[1] > i:
                         ins = self.plan.streams[w][i]
@@ -314,7 +331,9 @@ class _Checker(OrderRules):
 
     def transfers(self) -> None:
         """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
-        pp, comp, kid = self.pp, self.comp, _KIND_ID
+        pp, ns, comp, kid = self.pp, self.ns, self.comp, _KIND_ID
+        if ns != pp:
+            self.handoffs()
         sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
         # Per kind, the row's fields this pass reads: one dict lookup per transfer, not one per field.
         rows = {k: (sem.op_kinds, sem.peer_stage, sem.channel) for k, sem in SEMANTICS.items() if sem.is_transfer}
@@ -330,8 +349,11 @@ class _Checker(OrderRules):
             op, peer = ins.op, ins.peer
             opk = op.kind
             op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+            if opk not in op_kinds or not 0 <= op.stage + step < ns:
                 self.fail(w, i, SEMANTICS[ins.kind].rule)
+            if peer is w or peer == w:
+                self.fail(w, i, "sends to its own worker: a tensor between two chunks of one worker is handed off "
+                                "locally, drop the SEND and its RECV")
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
@@ -358,7 +380,7 @@ class _Checker(OrderRules):
             op, peer = ins.op, ins.peer
             opk = op.kind
             op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < pp:
+            if opk not in op_kinds or not 0 <= op.stage + step < ns:
                 self.fail(w, j, SEMANTICS[ins.kind].rule)
             consumer = comp.get(slot * 4 + kid[opk])
             if consumer is None or (consumer[0] is not w and consumer[0] != w):
@@ -385,13 +407,14 @@ class _Checker(OrderRules):
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
         # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
         # the first one that is not.
-        if len(sent) != 2 * self.plan.topology.dp * self.mbs * (pp - 1):
+        local = self.local
+        if len(sent) != 2 * self.plan.topology.dp * self.mbs * (ns - 1) - len(local):
             for cid, (w, i) in comp.items():
                 k, slot = cid & 3, cid >> 2
-                s = slot % pp
-                if k == 0 and s < pp - 1 and slot * 2 not in sent:
+                s = slot % ns
+                if k == 0 and s < ns - 1 and slot * 2 not in sent and slot * 2 not in local:
                     self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent:
+                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
                     self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
         if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
             for tensor, at in sent.items():

@@ -1,19 +1,21 @@
 """The validator's order rules: whether the checked streams can run, and the grid its errors show.
 
 `OrderRules` is the half of `check._Checker` that looks at order rather than at single
-instructions: FIFO per channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
+instructions: local hand-offs between two chunks of one worker (the producer first), FIFO per
+channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
 then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
 deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
 built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `received`,
-`consumer`, `order_ranks`, `order_stops`) and reports through `fail` and `where`.
+`consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail` and `where`.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from schedcomp.ir import Plan
+from schedcomp.ir import Instruction, Plan, staged_text
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ _LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
 
 
 class OrderRules:
-    """FIFO, tails and deadlock, mixed into `check._Checker` (which provides the tables above)."""
+    """Hand-offs, FIFO, tails and deadlock, mixed into `check._Checker` (which provides the tables above)."""
 
     plan: Plan
     pp: int
@@ -38,12 +40,37 @@ class OrderRules:
     consumer: Any
     order_ranks: Any
     order_stops: Any
+    comp: dict[int, Where]  # op id -> where it runs (see `check._Checker`)
+    ns: int  # virtual stages per pipeline
+    local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         raise NotImplementedError
 
     def where(self, at: int) -> Where:
         raise NotImplementedError
+
+    def handoffs(self) -> None:
+        """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
+        transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
+        comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
+        for cid, (w, i) in comp.items():
+            k, slot = cid & 3, cid >> 2
+            s = slot % ns
+            if k == 0 and s < ns - 1:
+                to = comp.get((slot + 1) * 4)  # the next chunk's F
+                tensor, why = slot * 2, "it consumes the activation"
+            elif (k == 1 or k == 3) and s > 0:
+                to = comp.get((slot - 1) * 4 + 1) or comp.get((slot - 1) * 4 + 3)  # the previous chunk's B or BW
+                tensor, why = slot * 2 + 1, "it consumes the input gradient"
+            else:
+                continue
+            if to is None or (to[0] is not w and to[0] != w):
+                continue
+            if to[1] < i:
+                self.fail(*to, f"runs before {staged_text(streams[w][i])} (instruction {i}) of the neighbouring "
+                               f"chunk: {why} that op hands off here")
+            local.add(tensor)
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
@@ -164,8 +191,14 @@ class OrderRules:
                   "reorder the ops")
 
 
+def text_of(plan: Plan) -> Callable[[Instruction], str]:
+    """How errors show the plan's instructions: with their ops' virtual stages when workers hold several chunks."""
+    return staged_text if plan.topology.chunks > 1 else str
+
+
 def error_grid(plan: Plan, worker: Worker | None, index: int | None, rows: int = 6, cols: int = 3) -> str:
     """A step x worker picture of the streams around the bad cell, which is marked >>like this<<."""
+    show = text_of(plan)
     workers = sorted(w for w in plan.streams if isinstance(w, Worker))
     if not workers:
         return ""
@@ -176,7 +209,7 @@ def error_grid(plan: Plan, worker: Worker | None, index: int | None, rows: int =
 
     def cell(w: Worker, i: int) -> str:
         stream = plan.streams[w]
-        text = str(stream[i]) if i < len(stream) else ""
+        text = show(stream[i]) if i < len(stream) else ""
         return f">>{text}<<" if (w == worker and i == index) else text
 
     table = [[str(i), *(cell(w, i) for w in shown)] for i in steps]

@@ -17,8 +17,8 @@ from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeErro
 from schedcomp.ir import Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
-from schedcomp.schedules import FAMILIES, fault_free_order, get_family
-from schedcomp.topology import Topology, Worker
+from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES, fault_free_order, get_family
+from schedcomp.topology import LOOP, Topology, Worker
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def compile(
     memory_limit: MemoryLimit = FAULT_FREE,
     solver: str = "auto",
     time_limit: float = 10.0,
+    chunks: int | None = None,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
@@ -44,21 +45,35 @@ def compile(
     a limit in the cost model wins), a family name (its per-stage peak), None / "none" (no limit), a
     number, one per stage, or bytes ("60GiB", with a measured cost model): see `schedcomp.memory`.
     `solver` and `time_limit` go to the adaptive scheduler.
+
+    `chunks` is the virtual stages per worker of a family that has them (interleaved-1f1b, zb-v;
+    default: the family's own, 2): the model then has pp x chunks stages, `costs` gives one entry per
+    virtual stage, and the default unit model makes each chunk cost 1/chunks of a stage.
     """
-    topology = Topology.of(pp, dp, failed)
+    if not isinstance(schedule, str):
+        raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
+    chunks, placement = _chunks(schedule, chunks, failed)
+    topology = Topology.of(pp, dp, failed, chunks, placement)
+    if topology.failed and chunks > 1:
+        raise ScheduleError(f"re-routing around failed workers with virtual stages (chunks={chunks}) is not "
+                            f"supported yet: compile {schedule} without failures, or a one-stage family")
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int):
         raise ScheduleError(f"microbatches must be a positive integer, got {microbatches!r}: pass microbatches=M")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}: pass microbatches=M with M >= 1")
     limits.check_job(pp, dp, microbatches)  # before any per-slot work
-    if not isinstance(schedule, str):
-        raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
     if costs is not None and not isinstance(costs, CostModel):
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}: "
                                  "build one with CostModel.from_dict(...) or CostModel.load(path)")
-    costs = CostModel.uniform(pp) if costs is None else costs
-    if costs.pp != pp:
-        raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage")
+    stages = topology.stages
+    if costs is None:
+        # The unit model, each chunk 1/chunks of a stage (exactly the unit model with one chunk).
+        unit = 1.0 / chunks
+        costs = CostModel.uniform(stages, forward=unit, backward_input=unit, backward_weight=unit, activation=unit)
+    if costs.pp != stages:
+        raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage" if chunks == 1
+                             else f"the cost model has {costs.pp} stages but the model has pp x chunks = {stages} "
+                                  "virtual stages: give one cost per virtual stage")
     costs.check_workers(topology)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
@@ -72,6 +87,21 @@ def compile(
     check(plan)
     log.debug("compiled %s pp=%d dp=%d M=%d", family.name, pp, dp, microbatches)
     return plan
+
+
+def _chunks(schedule: str, chunks: int | None, failed: object) -> tuple[int, str]:
+    """The chunks per worker and their placement for `schedule` (one, looped, without virtual stages)."""
+    family = FAMILIES.get(schedule)
+    placement = family.placement if family is not None and family.placement else LOOP
+    if chunks is None:
+        return (family.default_chunks if family is not None else 1), placement
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ScheduleError(f"chunks must be a positive integer, got {chunks!r}")
+    if chunks > 1 and (family is None or not family.placement):
+        with_chunks = ", ".join(name for name, f in FAMILIES.items() if f.placement)
+        raise ScheduleError(f"{schedule} runs one stage per worker, not chunks={chunks}: virtual stages need "
+                            f"{with_chunks} (adaptive re-routing with chunks is not there yet)")
+    return chunks, placement
 
 
 def _fit_memory(plan: Plan) -> None:
@@ -90,12 +120,19 @@ def _fit_memory(plan: Plan) -> None:
             peaks = family_stage_peaks(name, pp, mbs, costs)
             return all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(peaks))
 
-        fitting = [name for name, family in FAMILIES.items() if mbs >= family.min_microbatches(pp) and fits(name)]
+        # Suggested only for one-stage costs: the families' shapes differ in chunks, and so do their costs.
+        fitting = [name for name in ONE_STAGE_FAMILIES
+                   if plan.topology.chunks == 1 and mbs >= FAMILIES[name].min_microbatches(pp) and fits(name)]
         other = f", use {' or '.join(fitting)}, which fit{'s' if len(fitting) == 1 else ''}," if fitting else ""
+        topo = plan.topology
+        where = (f"stage {worst.stage}" if topo.chunks == 1 else
+                 f"worker {worst} (chunks {', '.join(map(str, topo.chunks_of(worst.stage)))})")
+        # The adaptive schedules trade time for memory, but not with virtual stages yet.
+        adaptive = ' or use schedule="adaptive", which schedules within the limit' if topo.chunks == 1 else ""
         raise MemoryLimitError(
-            f"{plan.family} needs {show_memory(need, costs)} at stage {worst.stage} but memory_limit is "
+            f"{plan.family} needs {show_memory(need, costs)} at {where} but memory_limit is "
             f"{show_memory(limit, costs, unit=False)}: set memory_limit >= {show_memory(need, costs, unit=False)}"
-            f'{other} or use schedule="adaptive", which schedules within the limit'
+            f"{other}{adaptive}"
         )
 
 

@@ -170,9 +170,10 @@ class CostModel:
     def pp(self) -> int:
         return len(self.forward)
 
-    def compute_time(self, kind: str, worker: Worker) -> float:
-        """Time `worker` needs for one op of `kind` ("F", "B", "W" or "BW") at its stage."""
-        s = worker.stage
+    def compute_time(self, kind: str, worker: Worker, stage: int | None = None) -> float:
+        """Time `worker` needs for one op of `kind` ("F", "B", "W" or "BW") at `stage` (default: its own;
+        with virtual stages the op's chunk, whose costs are the model's entries for that stage)."""
+        s = worker.stage if stage is None else stage
         base = {
             "F": self.forward[s],
             "B": self.backward_input[s],
@@ -180,6 +181,14 @@ class CostModel:
             "BW": self.backward_input[s] + self.backward_weight[s],
         }[kind]
         return base / self.speed.get(worker, 1.0)
+
+    def allreduce_of(self, stages: Sequence[int]) -> float:
+        """The all-reduce time of a worker holding `stages` (its chunks): one collective over all of them."""
+        return sum(self.allreduce[s] for s in stages)
+
+    def optimizer_of(self, stages: Sequence[int]) -> float:
+        """The optimizer-step time of a worker holding `stages` (its chunks), before its speed factor."""
+        return sum(self.optimizer[s] for s in stages)
 
     def memory_delta(self, kind: str, stage: int) -> float:
         """Change in held activation memory when an op of `kind` completes at `stage`."""

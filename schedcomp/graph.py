@@ -28,11 +28,12 @@ def duration(plan: Plan, worker: Worker, ins: Instruction) -> float:
     """How long `ins` takes on `worker` under the plan's cost model (0 for what takes no time)."""
     cost, costs = semantics_of(ins.kind).cost, plan.costs
     if cost == COMPUTE:
-        return costs.compute_time(ins.kind.value, worker)
+        return costs.compute_time(ins.kind.value, worker, None if ins.op is None else ins.op.stage)
+    held = plan.topology.chunks_of(worker.stage)  # one ALLREDUCE and STEP per worker cover all its chunks
     if cost == OPTIMIZER:
-        return costs.optimizer[worker.stage] / costs.speed.get(worker, 1.0)
+        return costs.optimizer_of(held) / costs.speed.get(worker, 1.0)
     if cost == ALLREDUCE_COST:
-        return costs.allreduce[worker.stage] if len(plan.topology.stage_group(worker.stage)) > 1 else 0.0
+        return costs.allreduce_of(held) if len(plan.topology.stage_group(worker.stage)) > 1 else 0.0
     return 0.0
 
 

@@ -8,6 +8,8 @@ Text forms (they round-trip through `parse`):
   (receive the input of F3.1 from worker 1:0); `SEND_GRAD[B3.1>0:0]`,
   `RECV_GRAD[BW3.1<0:2]` likewise for input gradients; `ALLREDUCE`; `STEP`.
   A transfer names the op *on this worker* that produces (send) or consumes (recv) it.
+- with virtual stages (a worker holds several chunks), an op carries its virtual stage:
+  `F3.1@5`, `SEND_ACT[F3.1@5>0:2]` (`staged_text`); without `@` it is the worker's stage.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ class Op:
         m = _OP_RE.fullmatch(text.strip())
         if not m:
             raise PlanFormatError(f"bad op {text!r}: write KIND MICROBATCH.PIPELINE, e.g. F3.1 or BW0.0")
-        return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage)
+        given = m["stage"]
+        return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage if given is None else int(given))
 
 
-_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})")
+_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})(?:@(?P<stage>\d{1,18}))?")
 
 
 # The built-in kinds' classes, read off the semantics table (a registered kind is looked up there).
@@ -159,6 +162,18 @@ class Instruction:
         return cls.compute(Op.parse(text, stage))
 
 
+def staged_text(ins: Instruction) -> str:
+    """The text of `ins` with its op's virtual stage (`F3.1@5`, `SEND_ACT[F3.1@5>0:2]`): the form of
+    plans whose workers hold several chunks, where the worker alone does not say the op's stage."""
+    text = str(ins)
+    op = ins.op
+    if op is None:
+        return text
+    bare = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
+    at = text.index(bare) + len(bare)  # the op is the first thing after the kind (or all of it)
+    return f"{text[:at]}@{op.stage}{text[at:]}"
+
+
 _new = object.__new__  # bound once: `trusted` builds millions of ops and instructions
 # The slots' own setters, for `trusted`: a C call each, five times faster than `object.__setattr__` by
 # name (what a frozen dataclass's `__init__` does), which was a third of `lower`'s time on big plans.
@@ -166,7 +181,7 @@ _OP_KIND, _OP_PIPELINE, _OP_MICROBATCH, _OP_STAGE = (
     getattr(Op, f).__set__ for f in ("kind", "pipeline", "microbatch", "stage"))
 _INSTR_KIND, _INSTR_OP, _INSTR_PEER = (getattr(Instruction, f).__set__ for f in ("kind", "op", "peer"))
 _N = r"\d{1,18}"  # bounded: int() of a 4300-digit number raises, and no count needs more than 18 digits
-_INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N})(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
+_INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N}(?:@{_N})?)(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ For each worker, in its compute order:
   the transfer overlaps that op;
 - `LOAD` comes right before a forward at the first stage (inputs) and the last stage (targets);
 - a send follows the op that produced its tensor;
+- with virtual stages (`Topology.chunks` > 1) stages are the model's chunks: a tensor between two
+  chunks that the same worker runs is handed off locally (no SEND or RECV: stream order carries it,
+  and `check` proves the producer comes first), any other goes to the worker running the neighbour;
 - the stream ends with `ALLREDUCE` then `STEP`.
 
 NCCL matches point-to-point messages between two ranks in posting order, whatever the tag, so
@@ -49,7 +52,7 @@ def _lower(
     order: Order, costs: CostModel, solver: str, lower_bound: float | None, meta: Mapping[str, Any] | None
 ) -> Plan:
     topology = order.topology
-    pp = topology.pp
+    pp = topology.stages  # virtual stages: the model's stages, whichever workers hold them
     # Workers are numbered by their place in `order.ops` and every per-worker table below is a list
     # indexed by that number: hashing the `Worker` dataclass per op cost more than the lowering itself.
     workers = list(order.ops)
@@ -79,6 +82,9 @@ def _lower(
             y = runner.get(to)
             if y is None:
                 raise _missing(*to)
+            if y == x:  # the next chunk runs here too: a local hand-off
+                out.append(None)
+                continue
             out.append((tensor, y))
             lst = inbound[y].get(x)
             if lst is None:
@@ -87,7 +93,7 @@ def _lower(
                 lst.append(tensor)
 
     streams = {
-        w: _stream(w, ops, pp, runner, workers, sends[x], inbound[x])
+        w: _stream(x, ops, pp, runner, workers, sends[x], inbound[x])
         for x, (w, ops) in enumerate(order.ops.items())
     }
     return Plan(
@@ -123,7 +129,7 @@ _SEND = {"act": InstrKind.SEND_ACT, "grad": InstrKind.SEND_GRAD}
 
 
 def _stream(
-    w: Worker,
+    me: int,
     ops: tuple[Op, ...],
     pp: int,
     runner: Mapping[tuple[int, int, int], int],
@@ -131,8 +137,9 @@ def _stream(
     sends: list[tuple[Tensor, int] | None],
     inbound: Mapping[int, list[Tensor]],
 ) -> tuple[Instruction, ...]:
-    """One worker's stream (see the module docstring for where each instruction goes); other workers
-    are named by their number in `workers`."""
+    """The stream of worker number `me` (see the module docstring for where each instruction goes);
+    workers are named by their number in `workers`."""
+    w = workers[me]
     make = Instruction.trusted  # the fields are right by construction: skip re-validating each one
     # What this worker receives: tensor -> (consumer op here, sender), and per op its one input.
     consumer: dict[Tensor, tuple[Op, int]] = {}
@@ -149,7 +156,10 @@ def _stream(
             x = runner.get(tensor[1:])
             if x is None:
                 raise _missing(*tensor[1:])
-            consumer[tensor] = (op, x)
+            if x == me:  # produced here, by another chunk: a local hand-off, nothing to receive
+                tensor = None
+            else:
+                consumer[tensor] = (op, x)
         needs.append(tensor)
     position: dict[Tensor, int] = {}  # tensor -> its place on its channel
     for x, tensors in inbound.items():

@@ -90,6 +90,22 @@ def stage_deltas(costs: CostModel, stage: int) -> dict[Any, float]:
             for k, sem in SEMANTICS.items()}
 
 
+def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int) -> list[float]:
+    """What each instruction of a stream adds, at its op's stage: with virtual stages a worker's ops
+    belong to several chunks, each with its own activation size. `stage` (the worker's) serves the
+    op-less instructions and ops whose stage is outside the model (a hand-made plan, left to `check`)."""
+    tables: dict[int, dict[Any, float]] = {}
+    out = []
+    for ins in instructions:
+        op = ins.op
+        s = op.stage if op is not None and 0 <= op.stage < costs.pp else stage
+        table = tables.get(s)
+        if table is None:
+            table = tables[s] = stage_deltas(costs, s)
+        out.append(table[ins.kind])
+    return out
+
+
 def memory_levels(deltas: Iterable[float]) -> tuple[float, ...]:
     """Memory held after each step, from what each step adds (one worker runs its steps one at a time)."""
     return tuple(itertools.accumulate(deltas, initial=0.0))[1:]
@@ -101,15 +117,16 @@ def peak_of(levels: Sequence[float]) -> float:
 
 
 def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) -> tuple[float, ...]:
-    """The most memory each stage holds in fault-free family `name` (every pipeline runs the same order).
+    """The most memory each stage holds in fault-free family `name` (every pipeline runs the same order);
+    with virtual stages (`costs` has pp x chunks stages) the peak of each worker over its chunks.
 
     Built for any `microbatches`, also below the family's minimum: the orders stay valid there."""
     from schedcomp.schedules import get_family
 
     peaks = []
-    for s, ops in enumerate(get_family(name).build(pp, microbatches)):
-        deltas = stage_deltas(costs, s)
-        peaks.append(peak_of(memory_levels(deltas[op.kind] for op in ops)))
+    for ops in get_family(name).orders(pp, microbatches, costs.pp // pp):
+        deltas = {t: stage_deltas(costs, t) for t in {op.stage for op in ops}}  # a worker's chunks have their own
+        peaks.append(peak_of(memory_levels(deltas[op.stage][op.kind] for op in ops)))
     return tuple(peaks)
 
 
@@ -126,7 +143,14 @@ def resolve_limit(limit: MemoryLimit, topology: Topology, microbatches: int, cos
                 return costs
             name = REFERENCE
         if name in FAMILIES:
-            return costs.with_memory_limit(family_stage_peaks(name, topology.pp, microbatches, costs))
+            if topology.chunks > 1 and not FAMILIES[name].placement:
+                chunked = ", ".join(n for n, f in FAMILIES.items() if f.placement)
+                raise MemoryLimitError(f"memory limit {limit!r} names a family with one stage per worker, but "
+                                       f"this plan has {topology.chunks} chunks per worker: name {chunked}, or give "
+                                       "a number")
+            peaks = family_stage_peaks(name, topology.pp, microbatches, costs)
+            # With virtual stages a limit is one number for every worker: the family's largest peak.
+            return costs.with_memory_limit(peaks if topology.chunks == 1 else max(peaks))
         value, in_bytes = parse_memory(limit)
         if in_bytes and costs.memory_unit != "bytes":
             raise MemoryLimitError(
@@ -147,7 +171,8 @@ def limit_facts(plan: Plan) -> dict[str, Any]:
 
     costs = plan.costs
     peaks = peak_memory(plan)
-    stage_peaks = [max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(costs.pp)]
+    # Per place in the pipeline (with virtual stages a worker's peak spans all its chunks).
+    stage_peaks = [max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(plan.topology.pp)]
     limited = costs.memory_limit is not None
     facts: dict[str, Any] = {
         "memory_unit": costs.memory_unit,

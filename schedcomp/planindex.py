@@ -8,7 +8,9 @@ message tags, lossy recovery's residuals, profiles and traces read them instead 
 A transfer is named by the tensor it carries: the slot (pipeline d, micro-batch m, stage s) of the op
 that produces it and its channel (ACT forward, GRAD backward). `transfer_key(ins)` reads that off a
 SEND or RECV alone (no plan needed); its integer id in a plan is
-`((d * microbatches + m) * pp + s) * 2 + channel`, unique among the plan's transfers of an iteration.
+`((d * microbatches + m) * stages + s) * 2 + channel`, unique among the plan's transfers of an iteration
+(`stages` is `pp` times the chunks each worker holds; a hand-off between two chunks of one worker is
+no transfer at all).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from schedcomp.costs import CostModel
 from schedcomp.ir import Instruction, Plan
-from schedcomp.memory import memory_levels, stage_deltas
+from schedcomp.memory import memory_levels, stream_deltas
 from schedcomp.semantics import RECV, SEND, semantics_of
 from schedcomp.topology import Worker
 
@@ -66,6 +68,7 @@ class PlanIndex:
     order_stops: Sequence[int]
     streams: Mapping[Worker, tuple[Instruction, ...]]
     costs: CostModel
+    stages: int  # virtual stages per pipeline (`Topology.stages`): what transfer ids count in
 
     @property
     def ranks(self) -> int:
@@ -78,7 +81,7 @@ class PlanIndex:
 
     def transfer_id(self, key: TransferKey) -> int:
         d, m, s, channel = key
-        return ((d * self.microbatches + m) * self.pp + s) * 2 + channel
+        return ((d * self.microbatches + m) * self.stages + s) * 2 + channel
 
     def id_of(self, ins: Instruction) -> int:
         """The transfer id of a SEND or RECV of this plan."""
@@ -112,8 +115,7 @@ class PlanIndex:
 
     def memory_profile(self, worker: Worker) -> tuple[float, ...]:
         """Activation memory `worker` holds after each instruction of its stream (the one memory model)."""
-        deltas = stage_deltas(self.costs, worker.stage)
-        return memory_levels(deltas[ins.kind] for ins in self.streams[worker])
+        return memory_levels(stream_deltas(self.costs, self.streams[worker], worker.stage))
 
 
 _LOW = (1 << 32) - 1

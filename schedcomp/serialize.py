@@ -10,7 +10,10 @@ JSON (`plan_to_json` / `plan_from_json`)::
 
 Text (`plan_to_text` / `plan_from_text`): the same header without streams as one JSON line,
 then one line per worker, `0:2: F0.0 SEND_ACT[F0.0>0:3] ...`. Blank lines and `#` lines are
-ignored. Both forms round-trip exactly: `plan_from_json(plan_to_json(p)) == p`, provided
+ignored. With virtual stages the topology also has "chunks" and "placement" (both optional: a
+plan without them has one chunk per worker, and one-chunk plans are written without them) and every
+op names its virtual stage: `F3.1@5` (`schedcomp.ir.staged_text`). Both forms round-trip exactly:
+`plan_from_json(plan_to_json(p)) == p`, provided
 `meta` holds JSON values (lists, not tuples).
 
 PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
@@ -30,14 +33,14 @@ import io
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from schedcomp import fileio, limits
 from schedcomp.costs import CostModel
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Instruction, Op, OpKind, Order, Plan
+from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text
 from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
@@ -67,7 +70,9 @@ def _header(plan: Plan) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": VERSION,
-        "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)]},
+        "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)],
+                     # Optional: written only with virtual stages, so one-chunk plans stay as they were.
+                     **({"chunks": topo.chunks, "placement": topo.placement} if topo.chunks > 1 else {})},
         "microbatches": plan.microbatches,
         "family": plan.family,
         "solver": plan.solver,
@@ -121,10 +126,15 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         failed = _get(topo, "failed", list, f"{what} topology")
         if not all(isinstance(w, str) for w in failed):
             raise PlanFormatError(f"{what}: topology failed workers must be strings like \"1:2\"")
-        topology = Topology.of(pp, dp, [Worker.parse(w) for w in failed])  # refuses dp=1e9 before allocating
+        chunks = _get(topo, "chunks", int, f"{what} topology") if "chunks" in topo else 1
+        placement = _get(topo, "placement", str, f"{what} topology") if "placement" in topo else "loop"
+        # refuses dp=1e9 before allocating
+        topology = Topology.of(pp, dp, [Worker.parse(w) for w in failed], chunks, placement)
         costs = CostModel.from_dict(_get(data, "costs", dict, what))
-        if costs.pp != topology.pp:
-            raise PlanFormatError(f"{what}: the cost model has {costs.pp} stages but the topology has pp={pp}")
+        if costs.pp != topology.stages:
+            raise PlanFormatError(f"{what}: the cost model has {costs.pp} stages but the topology has "
+                                  f"{topology.stages} (pp={pp} x chunks={chunks})" if chunks > 1 else
+                                  f"{what}: the cost model has {costs.pp} stages but the topology has pp={pp}")
         costs.check_workers(topology)
         microbatches = _get(data, "microbatches", int, what)
         if microbatches < 1:
@@ -182,7 +192,8 @@ def plan_to_json(plan: Plan, indent: bool = True) -> str:
     # they are: each stream is joined directly, not escaped by `json` text by text (that was most of the
     # time for plans of 100k+ workers). Anything else (a hand-made op with odd fields) goes through `json`.
     item, sep = (": ", ", ") if indent else (":", ",")
-    streams = [f"{_string(str(w))}{item}{_string_list(plan.streams[w], sep)}" for w in sorted(plan.streams)]
+    text = _text_of(plan)
+    streams = [f"{_string(str(w))}{item}{_string_list(plan.streams[w], sep, text)}" for w in sorted(plan.streams)]
     if not indent:
         head = _dumps(data, separators=(",", ":"))
         return f'{head[:-1]},"streams":{{{",".join(streams)}}}}}'
@@ -199,9 +210,14 @@ def _string(text: str) -> str:
     return f'"{text}"' if _PLAIN.fullmatch(text) else _dumps(text)
 
 
-def _string_list(stream: Sequence[Instruction], sep: str) -> str:
-    """`json.dumps([str(i) for i in stream], separators=(sep, ...))`, fast for plain texts."""
-    texts = list(map(str, stream))
+def _text_of(plan: Plan) -> Callable[[Instruction], str]:
+    """How the plan's instructions are written: with each op's virtual stage when workers hold several."""
+    return staged_text if plan.topology.chunks > 1 else str
+
+
+def _string_list(stream: Sequence[Instruction], sep: str, text: Callable[[Instruction], str] = str) -> str:
+    """`json.dumps([text(i) for i in stream], separators=(sep, ...))`, fast for plain texts."""
+    texts = list(map(text, stream))
     if not _PLAIN.fullmatch("".join(texts)):
         return _dumps(texts, separators=(sep, ":"))
     return '["' + f'"{sep}"'.join(texts) + '"]' if texts else "[]"
@@ -230,8 +246,9 @@ def _plan_from_data(data: Any) -> Plan:
 def plan_to_text(plan: Plan) -> str:
     """The compact text form: a JSON header line, then `WORKER: INSTR INSTR ...` per worker."""
     lines = [_dumps(_header(plan), separators=(",", ":"))]
+    text = _text_of(plan)
     for w in sorted(plan.streams):
-        lines.append(f"{w}: " + " ".join(str(i) for i in plan.streams[w]))
+        lines.append(f"{w}: " + " ".join(map(text, plan.streams[w])))
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +310,9 @@ _ACTION_RE = re.compile(r"(?P<stage>\d{1,18})(?P<kind>[A-Z_]+?)(?P<mb>\d{0,18})"
 def order_to_torch_csv(order: Order) -> str:
     """PyTorch's compute-only CSV of a fault-free, one-stage-per-rank compute order."""
     topo = order.topology
+    if topo.chunks > 1:  # the CSV itself can say it (stage index per action); the export is not written yet
+        raise PlanFormatError(f"this plan has {topo.chunks} chunks per worker: the PyTorch CSV export handles one "
+                              "stage per rank for now")
     if topo.failed:
         raise PlanFormatError(f"the PyTorch CSV format has no failed workers, but {len(topo.failed)} failed here: "
                               "export a fault-free plan")

@@ -66,6 +66,8 @@ def compile_streams(plan: Plan) -> list[Stream]:
         codes = [_code(i.kind) for i in instrs]
         speed = costs.speed.get(w, 1.0)
         times = {k: costs.compute_time(k.value, w) for k in COMPUTE_KINDS}
+        held = plan.topology.chunks_of(w.stage)  # its chunks: one ALLREDUCE and one STEP cover them all
+        chunked = len(held) > 1
         st = Stream(w, instrs, codes, [], [], [], [], [], {})
         block_of = st.block_of
         waiting: dict[Any, list[int]] = {}  # op -> receives posted before its compute
@@ -75,13 +77,14 @@ def compile_streams(plan: Plan) -> list[Stream]:
             if c == COMPUTE:
                 block_of.setdefault(ins.op, len(st.at))
                 inputs: tuple[int, ...] = tuple(waiting.pop(ins.op, ()))
-                d = times[ins.kind]
+                op = ins.op
+                d = costs.compute_time(ins.kind.value, w, op.stage) if chunked and op is not None else times[ins.kind]
             elif c == STEP:
                 inputs = ()
-                d = costs.optimizer[w.stage] / speed if semantics_of(ins.kind).cost == OPTIMIZER else 0.0
+                d = costs.optimizer_of(held) / speed if semantics_of(ins.kind).cost == OPTIMIZER else 0.0
             elif c == ALLREDUCE:
                 inputs = ()
-                d = costs.allreduce[w.stage]
+                d = costs.allreduce_of(held)
                 n_allreduce += 1
             else:
                 if c == RECV:

@@ -38,7 +38,7 @@ from schedcomp import limits
 from schedcomp.check import check, is_checked
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.ir import Instruction, Plan
-from schedcomp.memory import memory_levels, peak_of, stage_deltas
+from schedcomp.memory import memory_levels, peak_of, stream_deltas
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
 from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
 from schedcomp.topology import Worker
@@ -322,8 +322,7 @@ def _spans(
 def _peak_memory(plan: Plan, st: Stream, iterations: int) -> float:
     """Most activation memory the worker holds. Its instructions run one at a time in stream order,
     so the levels are prefix sums, and iteration k shifts them by k x the net change."""
-    delta = stage_deltas(plan.costs, st.worker.stage)
-    levels = memory_levels(delta[ins.kind] for ins in st.instrs)
+    levels = memory_levels(stream_deltas(plan.costs, st.instrs, st.worker.stage))
     level, peak = (levels[-1] if levels else 0.0), peak_of(levels)
     return peak + (iterations - 1) * level if level > 1e-9 else peak
 

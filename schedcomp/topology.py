@@ -1,4 +1,11 @@
-"""Workers and the job's topology: pipeline depth, data-parallel width, failed workers."""
+"""Workers and the job's topology: pipeline depth, data-parallel width, failed workers, virtual stages.
+
+With virtual stages (`chunks` > 1) a worker holds several model chunks: the model has `pp * chunks`
+stages, an op's `stage` is its virtual stage, and `Worker.stage` stays the worker's place in its
+pipeline (0..pp-1). Which place holds virtual stage s is the topology's `placement`, as PyTorch's
+`stage_to_rank`: "loop" (interleaved 1F1B: s mod pp) or "v" (the V shape of ZB-V, two chunks:
+s for s < pp, 2pp-1-s after). With `chunks` = 1 both are the identity and nothing else changes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,9 @@ from dataclasses import dataclass, field
 
 from schedcomp import limits
 from schedcomp.errors import SchedcompTypeError, TopologyError
+
+LOOP, V = "loop", "v"
+PLACEMENTS = (LOOP, V)
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -37,11 +47,14 @@ class Worker:
 
 @dataclass(frozen=True)
 class Topology:
-    """`pp` stages per pipeline, `dp` pipelines holding the same weights, and the failed workers."""
+    """`pp` workers per pipeline, `dp` pipelines holding the same weights, the failed workers, and how
+    many model chunks (virtual stages) each worker holds, placed by `placement` (see the module docstring)."""
 
     pp: int
     dp: int = 1
     failed: frozenset[Worker] = field(default_factory=frozenset)
+    chunks: int = 1
+    placement: str = LOOP
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
@@ -49,6 +62,13 @@ class Topology:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise TopologyError(f"dp must be a positive integer, got {self.dp!r}")
         limits.check_job(self.pp, self.dp)  # before anything sized by the job is built
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise TopologyError(f"chunks must be a positive integer, got {self.chunks!r}")
+        if self.placement not in PLACEMENTS:
+            raise TopologyError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.placement == V and self.chunks != 2:
+            raise TopologyError(f"the V placement holds exactly 2 chunks per worker, got chunks={self.chunks}")
+        limits.check_job(self.pp * self.chunks, self.dp)
         failed = frozenset(self.failed)
         object.__setattr__(self, "failed", failed)
         for w in failed:
@@ -60,9 +80,28 @@ class Topology:
                 )
 
     @classmethod
-    def of(cls, pp: int, dp: int = 1, failed: Iterable[Worker | tuple[int, int]] = ()) -> Topology:
+    def of(cls, pp: int, dp: int = 1, failed: Iterable[Worker | tuple[int, int]] = (), chunks: int = 1,
+           placement: str = LOOP) -> Topology:
         """Build a topology, accepting failed workers as `Worker`s, `(pipeline, stage)` pairs or "d:s" strings."""
-        return cls(pp, dp, frozenset(as_workers(failed)))
+        return cls(pp, dp, frozenset(as_workers(failed)), chunks, placement)
+
+    @property
+    def stages(self) -> int:
+        """Virtual stages per pipeline (model chunks): `pp * chunks`; `pp` without virtual stages."""
+        return self.pp * self.chunks
+
+    def place_of(self, stage: int) -> int:
+        """The place in the pipeline (`Worker.stage`) of the worker holding virtual stage `stage`."""
+        pp = self.pp
+        if self.placement == V and stage >= pp:
+            return 2 * pp - 1 - stage
+        return stage % pp
+
+    def chunks_of(self, place: int) -> tuple[int, ...]:
+        """The virtual stages the worker at `place` holds, in model order (the inverse of `place_of`)."""
+        if self.placement == V:
+            return (place, 2 * self.pp - 1 - place)
+        return tuple(place + k * self.pp for k in range(self.chunks))
 
     @property
     def workers(self) -> tuple[Worker, ...]:

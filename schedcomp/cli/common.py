@@ -114,13 +114,19 @@ def load_plan(path: str, validate: bool = True) -> Plan:
     return plan
 
 
-def load_costs(path: str | None, pp: int) -> CostModel | None:
+def load_costs(path: str | None, pp: int | None) -> CostModel | None:
+    """The cost model at `path` (None without one), with one entry per stage of `pp` (None: `compile`
+    checks it, against the virtual stages when the schedule has chunks)."""
     if path is None:
         return None
     costs = CostModel.load(path)
-    if costs.pp != pp:
+    if pp is not None and costs.pp != pp:
         raise SchedcompError(f"{path} has costs for {costs.pp} stages but --pp is {pp}: give one entry per stage")
     return costs
+
+
+CHUNKS_HELP = ("virtual stages (model chunks) per worker, for interleaved-1f1b and zb-v (default 2); the model then "
+               "has pp x chunks stages and --costs gives one entry per virtual stage")
 
 
 def add_plan_source(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +140,7 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=positive_int, help="pipeline stages")
     group.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches per pipeline and iteration")
     group.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines (default 1)")
+    group.add_argument("--chunks", type=positive_int, help=CHUNKS_HELP)
     add_failure_arguments(group, "; they use the adaptive schedules")
     group.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
     group.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
@@ -143,7 +150,8 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan named by `add_plan_source`'s arguments: loaded and validated, or compiled."""
-    compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit") if getattr(args, f)]
+    compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit", "chunks")
+                     if getattr(args, f)]
     if args.plan is not None:
         if args.failed:
             compile_flags.append("failed")
@@ -160,8 +168,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     from schedcomp.memory import FAULT_FREE
 
     return compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
-                   costs=load_costs(args.costs, args.pp), memory_limit=args.memory_limit or FAULT_FREE,
-                   solver=args.solver, time_limit=args.time_limit)
+                   costs=load_costs(args.costs, None), memory_limit=args.memory_limit or FAULT_FREE,
+                   solver=args.solver, time_limit=args.time_limit, chunks=args.chunks)
 
 
 def plan_facts(plan: Plan) -> dict[str, Any]:
@@ -169,7 +177,9 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
 
     topo = plan.topology
     failed = ",".join(str(w) for w in sorted(topo.failed))
+    chunks = {"chunks": topo.chunks, "placement": topo.placement} if topo.chunks > 1 else {}
     return {
+        **chunks,
         "family": plan.family,
         "solver": plan.solver,
         "topology": f"pp={topo.pp} dp={topo.dp}" + (f" failed={failed}" if failed else ""),

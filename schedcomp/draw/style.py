@@ -28,7 +28,8 @@ def category(instruction: Instruction) -> str:
 
 
 def label(span: Span) -> str:
-    """Short label: `F3` for the forward of micro-batch 3, `F3.1` when it is pipeline 1's re-routed here."""
+    """Short label: `F3` for the forward of micro-batch 3, `F3.1` when it is pipeline 1's re-routed here,
+    `F3@5` when it is of virtual stage 5, a later chunk than the worker's first."""
     ins = span.instruction
     if ins.kind is InstrKind.ALLREDUCE:
         return "AR"
@@ -40,4 +41,6 @@ def label(span: Span) -> str:
     text = f"{op.kind.value}{op.microbatch}"
     if op.pipeline != span.worker.pipeline:
         text += f".{op.pipeline}"
+    if op.stage != span.worker.stage:  # a later chunk of a worker with virtual stages: say which
+        text += f"@{op.stage}"
     return text if ins.is_compute else f"{ins.kind.value}[{text}]"

@@ -6,7 +6,7 @@ import pytest
 
 from schedcomp.errors import ScheduleError
 from schedcomp.ir import Op, OpKind
-from schedcomp.schedules import FAMILIES, Family, fault_free_order, get_family
+from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES, Family, fault_free_order, get_family
 from schedcomp.topology import Topology, Worker
 
 SHAPES = [(pp, m) for pp in (1, 2, 3, 4, 5, 8) for m in (2 * pp - 1, 2 * pp, 3 * pp + 1)]
@@ -27,14 +27,14 @@ def warmup(ops: tuple[Op, ...]) -> int:
 
 
 def test_registry_names_and_fields() -> None:
-    assert list(FAMILIES) == ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+    assert list(FAMILIES) == ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v"]
     for name, family in FAMILIES.items():
         assert isinstance(family, Family) and family.name == name
         assert family.description and "\n" not in family.description
-    assert [FAMILIES[n].min_microbatches(4) for n in FAMILIES] == [1, 4, 4, 7]
+    assert [FAMILIES[n].min_microbatches(4) for n in FAMILIES] == [1, 4, 4, 7, 4, 1]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", ONE_STAGE_FAMILIES)
 @pytest.mark.parametrize(("pp", "m"), SHAPES)
 def test_every_slot_once_in_dependency_order(name: str, pp: int, m: int) -> None:
     stages = FAMILIES[name].build(pp, m)
@@ -57,7 +57,7 @@ def test_every_slot_once_in_dependency_order(name: str, pp: int, m: int) -> None
 
 @pytest.mark.parametrize(("pp", "m"), SHAPES)
 def test_warmups_and_memory_peaks(pp: int, m: int) -> None:
-    gpipe, f1b1, h1, h2 = (FAMILIES[n].build(pp, m) for n in FAMILIES)
+    gpipe, f1b1, h1, h2 = (FAMILIES[n].build(pp, m) for n in ONE_STAGE_FAMILIES)
     assert [in_flight(ops) for ops in gpipe] == [m] * pp
     assert [warmup(ops) for ops in f1b1] == [pp - s for s in range(pp)]  # pp-1-s, then one F before BW
     assert [in_flight(ops) for ops in f1b1] == [pp - s for s in range(pp)]

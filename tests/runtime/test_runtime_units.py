@@ -68,3 +68,12 @@ def test_shape_messages_round_trip() -> None:
     assert [m.has_grad for m in metas] == [True, False, True]
     with pytest.raises(RuntimeSetupError, match="fewer tensors"):
         _encode(tuple(TensorMeta((1,) * 8, torch.float32) for _ in range(40)))
+
+
+def test_a_plan_with_virtual_stages_is_refused_before_any_process_group() -> None:
+    from schedcomp.runtime.trainer import PipelineTrainer
+
+    plan = compile(2, microbatches=4, schedule="zb-v")
+    with pytest.raises(RuntimeSetupError, match="chunks per worker"):
+        PipelineTrainer(plan, nn.Sequential(nn.Linear(2, 2)), nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1),
+                        process=(0, 1, torch.device("cpu")))
