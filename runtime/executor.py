@@ -6,6 +6,13 @@ blocks; sends are waited on when the stream ends (their buffers live until then)
 the stage's gradients over its live workers (each micro-batch's loss was already scaled by
 1 / (dp * microbatches)); STEP runs the optimizer. Nothing waits on other stages after that: the
 next iteration starts at once (staggered optimizer).
+
+Virtual stages: a worker holds one `Stage` per chunk (`Iteration.stages`, by virtual stage) and
+each op runs on the chunk its `op.stage` names. Tensors in flight are keyed by (channel, chunk,
+micro-batch). A tensor between two chunks of this worker has no SEND or RECV: the producer leaves
+it in `outgoing` and the consumer takes it from there (a local hand-off). ALLREDUCE reduces every
+chunk's gradients in one collective (the worker's stage group holds the same chunks everywhere);
+STEP steps every chunk's optimizer.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
 from schedcomp.topology import Worker
 
 Key = tuple[int, int]  # (home pipeline, microbatch)
+Slot = tuple[int, int, Key]  # a tensor in flight: (channel, virtual stage of the op that names it, micro-batch)
 _ACT, _GRAD = ACT, GRAD  # a transfer's channel, as the semantics table numbers it
 MAX_PARTS = 64  # tensors a stage may pass on (keeps gloo tags unique)
 
@@ -39,28 +47,40 @@ class Iteration:
 
     plan: Plan
     worker: Worker
-    stage: Stage
+    stage: Stage  # the worker's (first) chunk
     comm: Comm
     inputs: Tensors
     targets: Tensors
-    input_meta: tuple[TensorMeta, ...]  # what this stage receives (empty at stage 0)
-    output_meta: tuple[TensorMeta, ...]  # what it sends on (empty at the last stage)
+    boundaries: tuple[tuple[TensorMeta, ...], ...]  # what crosses from virtual stage s to s + 1, per s
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
     ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
     keep_sent: bool = False  # keep every sent tensor until the iteration is dropped (lossy recovery)
     meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
+    stages: dict[int, Stage] = field(default_factory=dict)  # every chunk held, by virtual stage (default: `stage`)
     # state, filled and emptied as the stream runs
-    loaded: dict[Key, tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
-    recvs: dict[tuple[int, Key], tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
-    outgoing: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)
+    loaded: dict[tuple[int, Key], tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
+    recvs: dict[Slot, tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
+    outgoing: dict[Slot, tuple[Tensor, ...]] = field(default_factory=dict)
     sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
-    sent: dict[tuple[int, Key], tuple[Tensor, ...]] = field(default_factory=dict)  # kept to send again (lossy)
+    sent: dict[Slot, tuple[Tensor, ...]] = field(default_factory=dict)  # kept to send again (lossy)
     losses: dict[Key, Tensor] = field(default_factory=dict)  # last stage: each micro-batch's scaled loss
     arrivals: dict[int, float] = field(default_factory=dict)  # RECV index -> when its consumer saw it complete
     memory: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute index -> (held after, peak)
     index: int = 0  # of the instruction being run
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            self.stages = {self.stage.index: self.stage}
+
+    def stage_of(self, op: Op) -> Stage:
+        """The chunk that runs `op` (its virtual stage)."""
+        try:
+            return self.stages[op.stage]
+        except KeyError:
+            raise RuntimeSetupError(f"{op} on worker {self.worker} is of stage {op.stage}, which this worker does not "
+                                    f"hold (it holds {sorted(self.stages)}): the plan is malformed") from None
 
     @property
     def device(self) -> torch.device:
@@ -80,7 +100,7 @@ class Iteration:
     def wait_inputs(self, ins: Instruction) -> None:
         """Block until the receives feeding this compute op have arrived."""
         direction = semantics_of(ins.kind).reads
-        pending = self.recvs.get((direction, _key(ins.op)))
+        pending = self.recvs.get(_slot(direction, ins.op))
         if pending is not None:
             for work in pending[1]:
                 self.comm.wait(work)
@@ -90,8 +110,13 @@ class Iteration:
                 self.arrivals[pending[0]] = time.perf_counter()
 
     def take_received(self, direction: int, op: Op) -> tuple[Tensor, ...]:
+        """The input of `op` on `direction`: received, or handed off by this worker's neighbouring chunk."""
+        received = self.recvs.pop(_slot(direction, op), None)
+        if received is not None:
+            return received[2]
+        producer = op.stage - 1 if direction == _ACT else op.stage + 1
         try:
-            return self.recvs.pop((direction, _key(op)))[2]
+            return self.outgoing.pop((direction, producer, _key(op)))
         except KeyError:
             what = "RECV_ACT" if direction == _ACT else "RECV_GRAD"
             raise RuntimeSetupError(f"{op} on worker {self.worker} has no earlier {what}: the plan is malformed, "
@@ -100,7 +125,7 @@ class Iteration:
     def post_sends(self, direction: int, ins: Instruction, again: bool = False) -> None:
         """Post the sends of a produced tensor (`again`: the same tensors once more, on a new generation)."""
         assert ins.op is not None and ins.peer is not None
-        key = (direction, _key(ins.op))
+        key = _slot(direction, ins.op)
         tensors = self.sent[key] if again else tuple(t.contiguous() for t in self.outgoing.pop(key))
         if self.keep_sent:
             self.sent[key] = tensors
@@ -111,7 +136,7 @@ class Iteration:
         assert ins.op is not None and ins.peer is not None
         buffers = tuple(m.empty(self.device) for m in metas)
         works = [self.comm.irecv(b, ins.peer, self.tag(ins, part)) for part, b in enumerate(buffers)]
-        self.recvs[(direction, _key(ins.op))] = (self.index, works, buffers)
+        self.recvs[_slot(direction, ins.op)] = (self.index, works, buffers)
 
     def drop(self, lost: Iterable[Key]) -> None:
         """Forget everything held for these micro-batches (lossy recovery: they are skipped).
@@ -120,17 +145,20 @@ class Iteration:
         layers that do not defer theirs, so completing it keeps `.grad` and the ledger in step.
         """
         lost = frozenset(lost)
-        for key in self.stage.store.pending():
-            if key in lost:
-                self.stage.backward_weight(key)
-                self.count(key)
+        for stage in self.stages.values():
+            for key in stage.store.pending():
+                if key in lost:
+                    stage.backward_weight(key)
+                    self.count(key)
         for table in (self.recvs, self.outgoing, self.sent):
-            for k in [k for k in table if k[1] in lost]:
+            for k in [k for k in table if k[2] in lost]:
                 del table[k]
+        for k in [k for k in self.loaded if k[1] in lost]:
+            del self.loaded[k]
         for key in lost:
-            self.loaded.pop(key, None)
             self.losses.pop(key, None)
-            self.stage.discard(key)
+            for stage in self.stages.values():
+                stage.discard(key)
 
     def loss(self) -> Tensor | None:
         """The sum of this worker's scaled micro-batch losses (last stage; None elsewhere)."""
@@ -146,7 +174,8 @@ class Iteration:
         for work, _ in self.sends:
             self.comm.wait(work)
         self.sends.clear()
-        leftovers = len(self.recvs) + len(self.outgoing) + self.stage.in_flight() + len(self.stage.store.pending())
+        leftovers = len(self.recvs) + len(self.outgoing) + sum(
+            stage.in_flight() + len(stage.store.pending()) for stage in self.stages.values())
         if leftovers:
             raise RuntimeSetupError(f"worker {self.worker}'s stream ended with {leftovers} unconsumed tensors: "
                                     "the plan is malformed, run `schedcomp check` on it")
@@ -157,21 +186,29 @@ def _key(op: Op | None) -> Key:
     return (op.pipeline, op.microbatch)
 
 
+def _slot(direction: int, op: Op | None) -> Slot:
+    assert op is not None
+    return (direction, op.stage, (op.pipeline, op.microbatch))
+
+
 def _load(it: Iteration, ins: Instruction) -> None:
     op = ins.op
     assert op is not None
+    stage = it.stage_of(op)
     index = chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)
-    inputs = micro_batch(it.inputs, index, it.chunks) if it.stage.is_first else None
-    targets = micro_batch(it.targets, index, it.chunks) if it.stage.is_last else None
-    it.loaded[_key(op)] = (inputs, targets)
+    inputs = micro_batch(it.inputs, index, it.chunks) if stage.is_first else None
+    targets = micro_batch(it.targets, index, it.chunks) if stage.is_last else None
+    it.loaded[(op.stage, _key(op))] = (inputs, targets)
 
 
 def _recv_act(it: Iteration, ins: Instruction) -> None:
-    it.post_recvs(_ACT, ins, it.input_meta)
+    assert ins.op is not None
+    it.post_recvs(_ACT, ins, it.boundaries[ins.op.stage - 1])
 
 
 def _recv_grad(it: Iteration, ins: Instruction) -> None:
-    it.post_recvs(_GRAD, ins, tuple(m for m in it.output_meta if m.has_grad))
+    assert ins.op is not None
+    it.post_recvs(_GRAD, ins, tuple(m for m in it.boundaries[ins.op.stage] if m.has_grad))
 
 
 def _send_act(it: Iteration, ins: Instruction) -> None:
@@ -183,9 +220,11 @@ def _send_grad(it: Iteration, ins: Instruction) -> None:
 
 
 def _forward(it: Iteration, ins: Instruction) -> None:
-    op, stage = ins.op, it.stage
+    op = ins.op
     assert op is not None
-    loaded_inputs, targets = it.loaded.pop(_key(op), (None, None)) if stage.is_first or stage.is_last else (None, None)
+    stage = it.stage_of(op)
+    loaded_inputs, targets = (it.loaded.pop((op.stage, _key(op)), (None, None)) if stage.is_first or stage.is_last
+                              else (None, None))
     if stage.is_first:
         if loaded_inputs is None:
             raise RuntimeSetupError(f"{op} on worker {it.worker} runs before its LOAD: the plan is malformed")
@@ -196,7 +235,7 @@ def _forward(it: Iteration, ins: Instruction) -> None:
     if stage.is_last:
         it.losses[_key(op)] = outputs[0]
     else:
-        it.outgoing[(_ACT, _key(op))] = outputs
+        it.outgoing[_slot(_ACT, op)] = outputs
 
 
 def _count(it: Iteration, op: Op | None) -> None:
@@ -205,14 +244,15 @@ def _count(it: Iteration, op: Op | None) -> None:
 
 
 def _backward(it: Iteration, ins: Instruction, split: bool) -> None:
-    op, stage = ins.op, it.stage
+    op = ins.op
     assert op is not None
+    stage = it.stage_of(op)
     grads = () if stage.is_last else it.take_received(_GRAD, op)
     input_grads = stage.backward(_key(op), grads, split=split)
     if not split:
         _count(it, op)
     if not stage.is_first:
-        it.outgoing[(_GRAD, _key(op))] = input_grads
+        it.outgoing[_slot(_GRAD, op)] = input_grads
 
 
 def _backward_input(it: Iteration, ins: Instruction) -> None:
@@ -224,15 +264,18 @@ def _backward_fused(it: Iteration, ins: Instruction) -> None:
 
 
 def _backward_weight(it: Iteration, ins: Instruction) -> None:
-    it.stage.backward_weight(_key(ins.op))
+    assert ins.op is not None
+    it.stage_of(ins.op).backward_weight(_key(ins.op))
     _count(it, ins.op)
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
     group = it.comm.stage_group(it.plan.topology.stage_group(it.worker.stage))
-    if group is None or not it.stage.params:
+    stages = [stage for stage in it.stages.values() if stage.params]
+    if group is None or not stages:
         return  # the only live worker of its stage: its gradients are already the sum
-    flat = it.stage.flat_grads()
+    # one collective for every chunk held (a single chunk's flat gradients are not copied again)
+    flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
     if it.ledger is not None:  # the ledger rides along: the counts summed are those of the gradients summed
         flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])  # the ledger is kept on the CPU
     it.comm.wait(dist.all_reduce(flat, group=group, async_op=True))
@@ -240,14 +283,19 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
         n = flat.numel() - it.ledger.numel()
         it.ledger.copy_(flat[n:])
         flat = flat[:n]
-    it.stage.set_flat_grads(flat)
+    offset = 0
+    for stage in stages:
+        n = stage.numel
+        stage.set_flat_grads(flat[offset:offset + n])
+        offset += n
 
 
 def _step(it: Iteration, ins: Instruction) -> None:
     if it.step is not None:
         it.step(it)
     else:
-        it.stage.step()
+        for stage in it.stages.values():
+            stage.step()
 
 
 HANDLERS: dict[InstrKind, Callable[[Iteration, Instruction], None]] = {
@@ -298,7 +346,8 @@ def run_stream(it: Iteration, stream: tuple[Instruction, ...], timing: Timing | 
         run = handler(ins.kind)
         start = time.perf_counter()
         if it.meter is not None and timing is not None and ins.kind in COMPUTE_KINDS:
-            with it.meter.measure(ins.kind, _key(ins.op)):
+            assert ins.op is not None
+            with it.meter.measure(ins.kind, _key(ins.op), it.stage_of(ins.op)):
                 run(it, ins)
             it.memory[index] = (it.meter.held, it.meter.peak)
         else:

@@ -14,7 +14,7 @@ micro-batch's activations, B frees all but what W needs, W frees the rest.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -51,21 +51,29 @@ def saved_tensors() -> Iterator[list[Tensor]]:
 
 
 class MemoryMeter:
-    """One worker's activation memory, op by op: `held` after the last op, `peak` during it."""
+    """One worker's activation memory, op by op: `held` after the last op, `peak` during it.
 
-    def __init__(self, stage: Stage, device: torch.device) -> None:
-        self.stage = stage
+    `stages`: the stage, or every chunk the worker holds (virtual stages); `measure` names the
+    op's chunk (default: the first), since two chunks hold the same micro-batch at once.
+    """
+
+    def __init__(self, stages: Stage | Sequence[Stage], device: torch.device) -> None:
+        self.stages = (stages,) if isinstance(stages, Stage) else tuple(stages)
+        self.stage = self.stages[0]
         self.device = device
         self.cuda = device.type == "cuda"
-        self.params = {t.untyped_storage().data_ptr() for t in (*stage.module.parameters(), *stage.module.buffers())}
-        self.saved: dict[Key, int] = {}  # CPU: bytes F saved, per micro-batch
-        self.stashed: dict[Key, int] = {}  # CPU: bytes B left for W, per micro-batch
+        self.params = {t.untyped_storage().data_ptr() for stage in self.stages
+                       for t in (*stage.module.parameters(), *stage.module.buffers())}
+        self.saved: dict[tuple[int, Key], int] = {}  # CPU: bytes F saved, per (chunk, micro-batch)
+        self.stashed: dict[tuple[int, Key], int] = {}  # CPU: bytes B left for W, per (chunk, micro-batch)
         self.held = 0.0
         self.peak = 0.0
 
     @contextmanager
-    def measure(self, kind: InstrKind, key: Key) -> Iterator[None]:
-        """Run one compute op of micro-batch `key` inside the block and account for its memory."""
+    def measure(self, kind: InstrKind, key: Key, stage: Stage | None = None) -> Iterator[None]:
+        """Run one compute op of micro-batch `key` (of chunk `stage`) inside the block and account for its memory."""
+        stage = stage if stage is not None else self.stage
+        slot = (stage.index, key)
         before = self.held
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -80,24 +88,24 @@ class MemoryMeter:
         if kind is InstrKind.F:
             with saved_tensors() as saved:
                 yield
-            self.saved[key] = storage_bytes(saved, self.params)
-            self.held += self.saved[key]
+            self.saved[slot] = storage_bytes(saved, self.params)
+            self.held += self.saved[slot]
         else:
             yield
             if kind in (InstrKind.B, InstrKind.BW):
-                self.held -= self.saved.pop(key, 0)
+                self.held -= self.saved.pop(slot, 0)
             if kind is InstrKind.B:
-                self.stashed[key] = self._stash_bytes(key)
-                self.held += self.stashed[key]
+                self.stashed[slot] = self._stash_bytes(stage, key)
+                self.held += self.stashed[slot]
             elif kind is InstrKind.W:
-                self.held -= self.stashed.pop(key, 0)
+                self.held -= self.stashed.pop(slot, 0)
         self.peak = max(before, self.held)
 
     def _grad_bytes(self) -> int:
-        return storage_bytes(p.grad for p in self.stage.params if p.grad is not None)
+        return storage_bytes(p.grad for stage in self.stages for p in stage.params if p.grad is not None)
 
-    def _stash_bytes(self, key: Key) -> int:
-        pending = self.stage.store._pending.get(key, ())
+    def _stash_bytes(self, stage: Stage, key: Key) -> int:
+        pending = stage.store._pending.get(key, ())
         return storage_bytes((t for _, x, g in pending for t in (x, g)), self.params)
 
     def forget(self) -> None:

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from schedcomp.errors import RecoveryError
+from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
@@ -159,6 +159,9 @@ class ResilientTrainer:
         module = build_module(self.build_stage, session.me.stage, session.env.pp)
         view = session.start() if session.view is None else session.view
         plan = self.plan_for(view.topology)
+        if plan.topology.chunks > 1:  # recovery moves one stage's state per worker (snapshot, replicas, checkpoints)
+            raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: resilient jobs run one "
+                                    "stage per worker, use PipelineTrainer for virtual stages")
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,

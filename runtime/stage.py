@@ -166,6 +166,11 @@ class Stage:
             self.module.train(training)
         return tuple(TensorMeta.of(o) for o in as_tuple(out))
 
+    @property
+    def numel(self) -> int:
+        """Elements of the parameters that train (the length of `flat_grads`)."""
+        return sum(p.numel() for p in self.params)
+
     def flat_grads(self) -> Tensor:
         """Every parameter's gradient in one flat tensor (zeros where a parameter got none)."""
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])

@@ -63,7 +63,11 @@ class PipelineTrainer:
     - `build_stage`: `stage_index -> nn.Module`, or an `nn.Sequential` split by `layers_per_stage`
       (default: even). Replicas of a stage are synchronised from the lowest rank at start.
       A stage takes the previous stage's outputs as positional arguments (stage 0: the batch's
-      inputs) and returns a tensor or a tuple of tensors.
+      inputs) and returns a tensor or a tuple of tensors. With virtual stages (a plan whose
+      topology has `chunks` = v > 1) the model has pp * v stages: `build_stage` is called with
+      each virtual stage index this worker holds (`Topology.chunks_of`), and an `nn.Sequential`
+      is split into pp * v stages. `self.stages` maps each held virtual stage to its `Stage`;
+      `self.stage` is the first of them (the only one without virtual stages).
     - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
     - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
     - `profile=True` records every instruction's start and end, and the activation memory held after
@@ -85,9 +89,6 @@ class PipelineTrainer:
                  backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
                  setup_collectives: bool = True) -> None:
-        if plan.topology.chunks > 1:  # refused before any process group is made
-            raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: running virtual stages "
-                                    "is not supported yet, compile a family with one stage per worker")
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
@@ -96,12 +97,16 @@ class PipelineTrainer:
         self.rank, self.device = rank, device
         self.worker = self.ranks.worker(rank)
         self.pp, self.dp = plan.topology.pp, plan.topology.dp
-        module = build_module(build_stage, self.worker.stage, self.pp, layers_per_stage).to(device)
-        is_last = self.worker.stage == self.pp - 1
-        self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
+        self.shape = _shape(plan)
+        stages = plan.topology.stages  # virtual stages: pp * chunks
+        self.stages: dict[int, Stage] = {}
+        for s in plan.topology.chunks_of(self.worker.stage):
+            module = build_module(build_stage, s, stages, layers_per_stage).to(device)
+            self.stages[s] = Stage(s, stages, module, loss_fn if s == stages - 1 else None, make_optimizer)
+        self.stage = next(iter(self.stages.values()))
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
         self.profile = profile
-        self._meter = MemoryMeter(self.stage, device) if profile else None
+        self._meter = MemoryMeter(tuple(self.stages.values()), device) if profile else None
         self.iteration = 0
         self.step_seconds: list[float] = []
         self._history: list[tuple[int, Plan]] = []
@@ -131,9 +136,9 @@ class PipelineTrainer:
         Any plan of the same pp and dp whose workers have processes is accepted (e.g. one from a
         plan cache, re-routed around failed workers); a process without a stream idles.
         """
-        if (plan.topology.pp, plan.topology.dp) != (self.pp, self.dp):
-            raise RuntimeSetupError(f"plan is for pp={plan.topology.pp}, dp={plan.topology.dp} but this job runs "
-                                    f"pp={self.pp}, dp={self.dp}: compile the plan for this job's shape")
+        if _shape(plan) != self.shape:
+            raise RuntimeSetupError(f"plan is for {_describe(_shape(plan))} but this job runs {_describe(self.shape)}: "
+                                    "compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         self._check_same_plan(plan)
@@ -181,8 +186,9 @@ class PipelineTrainer:
         if group is None or self.worker not in workers:
             return
         src = min(self.ranks.rank(w) for w in workers)
+        modules = [stage.module for stage in self.stages.values()]
         with torch.no_grad():
-            for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
+            for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
                 self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
     def _common_origin(self) -> float:
@@ -208,13 +214,13 @@ class PipelineTrainer:
         signature = (chunks, tuple(TensorMeta.of(t) for t in first))
         if signature == self._signature:
             return
-        boundaries, metas = [], signature[1]
-        for s in range(self.pp - 1):
-            src = min(self.ranks.rank(w) for w in self.plan.topology.stage_group(s))
+        boundaries, metas, topology = [], signature[1], self.plan.topology
+        for s in range(topology.stages - 1):
+            src = min(self.ranks.rank(w) for w in topology.stage_group(topology.place_of(s)))
             buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.comm.control_device)
             if self.rank == src:
                 x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-                buffer.copy_(_encode(self.stage.output_meta(tuple(t.to(self.device) for t in x))))
+                buffer.copy_(_encode(self.stages[s].output_meta(tuple(t.to(self.device) for t in x))))
             self.comm.wait(dist.broadcast(buffer, src=src, group=self.comm.control, async_op=True))
             metas = _decode(buffer)
             if len(metas) > MAX_PARTS:
@@ -262,13 +268,12 @@ class PipelineTrainer:
     def _iteration(self, number: int, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
                    ledger: Tensor | None) -> Iteration:
         inputs, targets = batch
-        s = self.worker.stage
+        held = self.stages
         it = Iteration(
-            plan=self.plan, worker=self.worker, stage=self.stage, comm=self.comm,
-            inputs=_to(inputs, self.device) if s == 0 else inputs,
-            targets=_to(targets, self.device) if s == self.pp - 1 else targets,
-            input_meta=self._boundaries[s - 1] if s > 0 else (),
-            output_meta=self._boundaries[s] if s < self.pp - 1 else (),
+            plan=self.plan, worker=self.worker, stage=self.stage, stages=held, comm=self.comm,
+            inputs=_to(inputs, self.device) if any(stage.is_first for stage in held.values()) else inputs,
+            targets=_to(targets, self.device) if any(stage.is_last for stage in held.values()) else targets,
+            boundaries=tuple(self._boundaries),
             number=number,
             record=self.profile,
             step=step,
@@ -300,10 +305,11 @@ class PipelineTrainer:
 
     def abandon(self) -> None:
         """Forget the iteration in flight (its generation broke): activations, stashes, gradients."""
-        self.stage.discard()
+        for stage in self.stages.values():
+            stage.discard()
+            stage.optimizer.zero_grad(set_to_none=True)
         if self._meter is not None:
             self._meter.forget()
-        self.stage.optimizer.zero_grad(set_to_none=True)
 
     # ---- measurement ------------------------------------------------------------------------------
 
@@ -322,6 +328,17 @@ class PipelineTrainer:
         """Leave the job (destroys the default process group)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _shape(plan: Plan) -> tuple[int, int, int, str]:
+    """What a job's processes are built for: pp, dp, and the chunks each holds (count and placement)."""
+    topology = plan.topology
+    return (topology.pp, topology.dp, topology.chunks, topology.placement if topology.chunks > 1 else "")
+
+
+def _describe(shape: tuple[int, int, int, str]) -> str:
+    pp, dp, chunks, placement = shape
+    return f"pp={pp}, dp={dp}" + (f", {chunks} chunks per worker ({placement})" if chunks > 1 else "")
 
 
 def _to(value: Tensors, device: torch.device) -> Tensors:

@@ -21,7 +21,7 @@ from typing import Any
 from schedcomp import fileio, limits
 from schedcomp.draw.style import category
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError, SchedcompTypeError
-from schedcomp.ir import Instruction
+from schedcomp.ir import Instruction, staged_text
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
@@ -30,6 +30,12 @@ TRACE_VERSION = 1
 _STREAM_TID, _COMM_TID = 0, 1
 
 __all__ = ["load_trace", "read_chrome_trace", "to_chrome_trace", "write_chrome_trace"]
+
+
+def _text(span: Span) -> str:
+    """The instruction's text, naming its op's virtual stage where the worker's place does not (chunks)."""
+    op = span.instruction.op
+    return staged_text(span.instruction) if op is not None and op.stage != span.worker.stage else str(span.instruction)
 
 
 def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: str = "schedcomp") -> dict[str, Any]:
@@ -50,8 +56,9 @@ def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: 
         ]
     for s in spans:
         cat = category(s.instruction)
+        text = _text(s)
         events.append({
-            "name": str(s.instruction),
+            "name": text,
             "cat": cat,
             "ph": "X",
             "pid": pid[s.worker],
@@ -59,7 +66,7 @@ def to_chrome_trace(spans: Iterable[Span], seconds_per_unit: float = 1.0, name: 
             "ts": s.start * us,
             "dur": max(0.0, s.end - s.start) * us,
             "args": {"worker": str(s.worker), "iteration": s.iteration, "index": s.index,
-                     "instruction": str(s.instruction),
+                     "instruction": text,
                      **({"memory": s.memory, "memory_peak": s.memory_peak} if s.memory is not None else {})},
         })
     return {

@@ -88,7 +88,7 @@ def test_dropping_a_lost_microbatch_whose_b_ran_completes_its_w_and_counts_it() 
     module = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     stage = Stage(0, 2, module, None, lambda params: None)
     it = Iteration(plan=compile(2, 1, 2, schedule="zb-h1"), worker=Worker(0, 0), stage=stage, comm=None,
-                   inputs=None, targets=None, input_meta=(), output_meta=(),
+                   inputs=None, targets=None, boundaries=((),),
                    ledger=torch.zeros(2, dtype=torch.float64))
     (out,) = stage.forward((0, 1), (torch.randn(3, 4),))
     stage.backward((0, 1), (torch.ones_like(out),), split=True)

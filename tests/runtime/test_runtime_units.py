@@ -70,10 +70,10 @@ def test_shape_messages_round_trip() -> None:
         _encode(tuple(TensorMeta((1,) * 8, torch.float32) for _ in range(40)))
 
 
-def test_a_plan_with_virtual_stages_is_refused_before_any_process_group() -> None:
+def test_a_plan_with_virtual_stages_splits_a_sequential_into_pp_times_v_stages() -> None:
     from schedcomp.runtime.trainer import PipelineTrainer
 
-    plan = compile(2, microbatches=4, schedule="zb-v")
-    with pytest.raises(RuntimeSetupError, match="chunks per worker"):
-        PipelineTrainer(plan, nn.Sequential(nn.Linear(2, 2)), nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1),
-                        process=(0, 1, torch.device("cpu")))
+    plan = compile(2, microbatches=4, schedule="zb-v")  # pp 2, two chunks each: four stages
+    with pytest.raises(RuntimeSetupError, match="cannot split 3 layers into 4 stages"):
+        PipelineTrainer(plan, nn.Sequential(*(nn.Linear(2, 2) for _ in range(3))), nn.MSELoss(),
+                        lambda p: torch.optim.SGD(p, lr=0.1), process=(0, 2, torch.device("cpu")))
