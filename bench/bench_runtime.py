@@ -11,10 +11,13 @@ measures: "step", one step from a barrier to a barrier (the slowest rank), the m
 PyTorch's schedules: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleavedZeroBubble` with one
 stage per rank (their ZB1P), followed by `optimizer.step()`. Ours: `PipelineTrainer.step` on
 plans compiled for gpipe, 1f1b, zb-h1, zb-h2 (the optimizer step is in the plan).
+Virtual stages, two chunks per rank, each chunk one Linear + GELU (the same model, cut in 2pp):
+their `ScheduleInterleaved1F1B` and `ScheduleZBVZeroBubble` against ours, interleaved-1f1b and zb-v.
 
 Reproduce:  python bench/bench_runtime.py            (pp=4 M=8 and pp=8 M=16, H=512)
             python bench/bench_runtime.py --configs 4x8x512
 Targets (issue 4): ours 1F1B <= theirs 1F1B; ours ZB-H1 <= 0.85 x their ZB1P and < their 1F1B.
+Targets (issue 15): ours interleaved-1f1b <= their Interleaved1F1B; ours zb-v <= their ZBVZeroBubble.
 """
 
 from __future__ import annotations
@@ -30,12 +33,26 @@ import torch.distributed as dist
 from torch import nn
 
 ROWS = 16
-THEIRS = ("gpipe", "1f1b", "zb1p")
-OURS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+THEIRS = ("gpipe", "1f1b", "zb1p", "interleaved", "zbv")
+OURS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
+CHUNKS = 2  # virtual stages per rank in the interleaved and V schedules
+VIRTUAL = {"interleaved": "loop", "zbv": "v", "interleaved-1f1b": "loop", "zb-v": "v"}  # kind -> placement
 
 
 def stage_module(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+
+
+def chunk_module(hidden: int) -> nn.Module:
+    """Half a stage: the model cut into `CHUNKS` x pp virtual stages is the same model."""
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
+
+
+def held_stages(kind: str, rank: int, pp: int) -> tuple[int, ...]:
+    """The virtual stages rank holds (PyTorch's stage_to_rank: loop for interleaved, V for ZB-V)."""
+    if VIRTUAL[kind] == "v":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + k * pp for k in range(CHUNKS))
 
 
 def _sgd(params: object) -> torch.optim.Optimizer:
@@ -66,23 +83,35 @@ def theirs(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Cal
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    module = stage_module(hidden)
-    optimizer = _sgd(module.parameters())
-    stage = PipelineStage(module, rank, pp, torch.device("cpu"))
     loss = nn.functional.mse_loss
-    if kind == "zb1p":
-        schedule = ScheduleInterleavedZeroBubble([stage], microbatches, loss_fn=loss)
+    cpu = torch.device("cpu")
+    if kind in VIRTUAL:
+        held = held_stages(kind, rank, pp)
+        modules = [chunk_module(hidden) for _ in held]
+        stages = [PipelineStage(m, s, CHUNKS * pp, cpu) for m, s in zip(modules, held, strict=True)]
+        multi = ScheduleInterleaved1F1B if kind == "interleaved" else ScheduleZBVZeroBubble
+        schedule = multi(stages, microbatches, loss_fn=loss)
+        last = CHUNKS * pp - 1 in held
     else:
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stage, microbatches, loss_fn=loss)
+        modules = [stage_module(hidden)]
+        stage = PipelineStage(modules[0], rank, pp, cpu)
+        if kind == "zb1p":
+            schedule = ScheduleInterleavedZeroBubble([stage], microbatches, loss_fn=loss)
+        else:
+            schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stage, microbatches, loss_fn=loss)
+        last = rank == pp - 1
+    optimizer = _sgd([p for m in modules for p in m.parameters()])
     x, y = torch.randn(microbatches * ROWS, hidden), torch.randn(microbatches * ROWS, hidden)
 
     def step() -> None:
         if rank == 0:
-            schedule.step(x)
-        elif rank == pp - 1:
+            schedule.step(x, target=y if last else None)
+        elif last:
             schedule.step(target=y)
         else:
             schedule.step()
@@ -96,8 +125,10 @@ def ours(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Calla
     from schedcomp.compiler import compile
     from schedcomp.runtime import PipelineTrainer
 
-    plan = compile(pp, 1, microbatches=microbatches, schedule=kind)
-    trainer = PipelineTrainer(plan, lambda s: stage_module(hidden), nn.functional.mse_loss, _sgd)
+    chunked = kind in VIRTUAL
+    plan = compile(pp, 1, microbatches=microbatches, schedule=kind, chunks=CHUNKS if chunked else None)
+    module = chunk_module if chunked else stage_module
+    trainer = PipelineTrainer(plan, lambda s: module(hidden), nn.functional.mse_loss, _sgd)
     batch = (torch.randn(microbatches * ROWS, hidden), torch.randn(microbatches * ROWS, hidden))
 
     def step() -> None:
@@ -139,6 +170,8 @@ def report(pp: int, microbatches: int, hidden: int, measure: str, ms: dict[tuple
         ("ours ZB-H2 / their ZB1P", t("ours", "zb-h2") / t("theirs", "zb1p"), ""),
         ("ours GPipe / their GPipe", t("ours", "gpipe") / t("theirs", "gpipe"), ""),
         ("ours ZB-H1 / ours 1F1B", t("ours", "zb-h1") / t("ours", "1f1b"), ""),
+        ("ours interleaved / theirs", t("ours", "interleaved-1f1b") / t("theirs", "interleaved"), "<= 1.00"),
+        ("ours ZB-V / their ZBV", t("ours", "zb-v") / t("theirs", "zbv"), "<= 1.00"),
     ]
     for name, ratio, target in rows:
         print(f"  {name:26s} {ratio:5.2f}   {('target ' + target) if target else ''}")
