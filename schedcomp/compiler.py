@@ -67,9 +67,7 @@ def compile(
                                  "build one with CostModel.from_dict(...) or CostModel.load(path)")
     stages = topology.stages
     if costs is None:
-        # The unit model, each chunk 1/chunks of a stage (exactly the unit model with one chunk).
-        unit = 1.0 / chunks
-        costs = CostModel.uniform(stages, forward=unit, backward_input=unit, backward_weight=unit, activation=unit)
+        costs = unit_costs(topology)
     if costs.pp != stages:
         raise CostModelError(f"the cost model has {costs.pp} stages but pp={pp}: give one cost per stage" if chunks == 1
                              else f"the cost model has {costs.pp} stages but the model has pp x chunks = {stages} "
@@ -87,6 +85,12 @@ def compile(
     check(plan)
     log.debug("compiled %s pp=%d dp=%d M=%d", family.name, pp, dp, microbatches)
     return plan
+
+
+def unit_costs(topology: Topology) -> CostModel:
+    """The unit model, one entry per virtual stage, each chunk 1/chunks of a stage (the unit model with one chunk)."""
+    unit = 1.0 / topology.chunks
+    return CostModel.uniform(topology.stages, forward=unit, backward_input=unit, backward_weight=unit, activation=unit)
 
 
 def _chunks(schedule: str, chunks: int | None, failed: object) -> tuple[int, str]:

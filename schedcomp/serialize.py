@@ -20,8 +20,9 @@ PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only for
 `torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
 per action `{stage}{type}{microbatch}` with type F (forward), I (backward input, our B),
 W (backward weight) or B (full backward, our BW); an empty cell is an idle step. Only
-fault-free plans with one stage per rank map onto it; with dp > 1 every pipeline must run the
-same order, written once.
+fault-free plans map onto it; with dp > 1 every pipeline must run the same order, written once.
+With virtual stages a rank's row names each of its stages (`4F0`, interleaved or V placement), and
+reading such a CSV infers the chunks and placement (`schedcomp.torch_csv_virtual`).
 
 Every malformed input raises `PlanFormatError` with a one-line message.
 """
@@ -308,26 +309,24 @@ _ACTION_RE = re.compile(r"(?P<stage>\d{1,18})(?P<kind>[A-Z_]+?)(?P<mb>\d{0,18})"
 
 
 def order_to_torch_csv(order: Order) -> str:
-    """PyTorch's compute-only CSV of a fault-free, one-stage-per-rank compute order."""
+    """PyTorch's compute-only CSV of a fault-free compute order (each rank's actions name their stage)."""
     topo = order.topology
-    if topo.chunks > 1:  # the CSV itself can say it (stage index per action); the export is not written yet
-        raise PlanFormatError(f"this plan has {topo.chunks} chunks per worker: the PyTorch CSV export handles one "
-                              "stage per rank for now")
     if topo.failed:
         raise PlanFormatError(f"the PyTorch CSV format has no failed workers, but {len(topo.failed)} failed here: "
                               "export a fault-free plan")
     rows = []
     for s in range(topo.pp):
         row = None
+        held = frozenset(topo.chunks_of(s))
         for d in range(topo.dp):
             w = Worker(d, s)
             ops = order.ops.get(w, ())
             cells = []
             for op in ops:
-                if op.stage != s or op.pipeline != d:
+                if op.stage not in held or op.pipeline != d:
                     raise PlanFormatError(f"worker {w} runs {op} of pipeline {op.pipeline} at stage {op.stage}: the "
-                                          "PyTorch CSV format needs every rank to run only its own stage and pipeline")
-                cells.append(f"{s}{_TO_TORCH[op.kind]}{op.microbatch}")
+                                          "PyTorch CSV format needs every rank to run only its own stages and pipeline")
+                cells.append(f"{op.stage}{_TO_TORCH[op.kind]}{op.microbatch}")
             if row is not None and cells != row:
                 raise PlanFormatError(f"pipelines 0 and {d} run different orders at stage {s}: the PyTorch CSV format "
                                       "holds one pipeline, so export a plan whose pipelines all run the same schedule")
@@ -341,7 +340,7 @@ def order_to_torch_csv(order: Order) -> str:
 
 
 def plan_to_torch_csv(plan: Plan) -> str:
-    """PyTorch's compute-only CSV of a fault-free plan with one stage per rank (PlanFormatError otherwise)."""
+    """PyTorch's compute-only CSV of a fault-free plan (PlanFormatError otherwise)."""
     order = Order(plan.topology, plan.microbatches, {w: plan.compute_ops(w) for w in plan.streams}, plan.family)
     return order_to_torch_csv(order)
 
@@ -389,9 +388,10 @@ def order_from_torch_csv(
                 raise PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 "
                                       "or 0B1 (export the compute-only schedule, not the one with communication)")
             stage = int(m["stage"])
-            if stage != rank:
-                raise PlanFormatError(f"row {rank} column {col}: {cell!r} runs stage {stage} on rank {rank}: only "
-                                      "schedules with one stage per rank (stage = rank) are supported")
+            if stage != rank:  # several stages per rank (virtual stages): read by their own reader
+                from schedcomp.torch_csv_virtual import virtual_order_from_rows
+
+                return virtual_order_from_rows(rows, microbatches, dp, family)
             mb = int(m["mb"])
             action = (_FROM_TORCH[m["kind"]], mb)
             if cell == prefix + m["kind"] + m["mb"]:

@@ -13,7 +13,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "export-torch",
         help="write a plan as a PyTorch compute-only CSV schedule",
-        description="Write a fault-free plan with one stage per rank as the compute-only CSV that "
+        description="Write a fault-free plan as the compute-only CSV (each action names its stage, so ranks with "
+        "several stages, interleaved or V, are written too) that "
         "torch.distributed.pipelining schedules load with _load_csv. Example: "
         "schedcomp export-torch plan.json -o schedule.csv",
     )
@@ -25,11 +26,13 @@ def register(subparsers: Any) -> None:
         "import-torch",
         help="read a PyTorch compute-only CSV schedule into a plan",
         description="Read a compute-only CSV schedule (one row per rank, actions like 0F1, 0I1, 0W1, 0B1), add "
-        "communication, validate, and save the plan. Example: "
+        "communication, validate, and save the plan. A rank whose row names several stages (4F0) holds virtual "
+        "stages: the chunks and their placement (interleaved or V) are read off the CSV, and --costs then gives "
+        "one entry per virtual stage. Example: "
         "schedcomp import-torch schedule.csv --pp 4 --microbatches 8 -o plan.json",
     )
     p.add_argument("csv", help="the CSV schedule")
-    p.add_argument("--pp", type=positive_int, help="stages (default: the number of rows)")
+    p.add_argument("--pp", type=positive_int, help="ranks per pipeline (default: the number of rows)")
     p.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches (default: 1 + the largest)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines running the schedule")
     p.add_argument("--costs", metavar="FILE", help="cost model JSON for the plan (default: the unit model)")
@@ -63,7 +66,7 @@ def _emit(output: str | None, text: str, what: str) -> int:
 def _import(args: argparse.Namespace) -> str:
     """The plan JSON of the CSV schedule `args.csv`: parsed, lowered and checked."""
     from schedcomp.check import check
-    from schedcomp.costs import CostModel
+    from schedcomp.compiler import unit_costs
     from schedcomp.errors import PlanFormatError
     from schedcomp.lower import lower
     from schedcomp.serialize import order_from_torch_csv, plan_to_json
@@ -73,8 +76,7 @@ def _import(args: argparse.Namespace) -> str:
         order = order_from_torch_csv(text, pp=args.pp, microbatches=args.microbatches, dp=args.dp)
     except PlanFormatError as exc:
         raise PlanFormatError(f"{args.csv}: {exc}") from None
-    pp = order.topology.pp
-    costs = load_costs(args.costs, pp) or CostModel.uniform(pp)
+    costs = load_costs(args.costs, order.topology.stages) or unit_costs(order.topology)
     plan = lower(order, costs)
     check(plan)
     return plan_to_json(plan)

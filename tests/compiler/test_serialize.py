@@ -211,7 +211,7 @@ def test_torch_csv_import_reads_what_torch_writes():
 @pytest.mark.parametrize(("text", "kw", "pattern"), [
     ("", {}, "empty"),
     ("0F0,0SEND_F0\n", {}, "compute action"),
-    ("0F0,1F0\n1F0\n", {}, "one stage per rank"),
+    ("0F0,1F0\n1F0\n", {}, "runs on ranks 0 and 1"),
     ("0F0,0UNSHARD\n", {}, "compute action"),
     ("0F0,0B0\n", {"pp": 2}, "rows"),
     ("0F3,0B3\n", {"microbatches": 2}, "micro-batch 3"),
@@ -225,7 +225,7 @@ def test_bad_torch_csv_is_a_plan_format_error(text, kw, pattern):
         order_from_torch_csv(text, **kw)
 
 
-def test_torch_csv_export_needs_a_fault_free_one_stage_per_rank_plan():
+def test_torch_csv_export_needs_a_fault_free_plan_of_own_stages_and_pipelines():
     plan = compile(2, dp=2, microbatches=4, schedule="1f1b")
     with pytest.raises(PlanFormatError, match="fault-free"):
         plan_to_torch_csv(Plan(Topology.of(2, 2, [(1, 1)]), plan.costs, 4,
@@ -233,5 +233,5 @@ def test_torch_csv_export_needs_a_fault_free_one_stage_per_rank_plan():
     # a re-routed op (pipeline 1's micro-batch on pipeline 0) has no place in the format
     streams = dict(plan.streams)
     streams[Worker(0, 0)] = (*streams[Worker(0, 0)], Instruction.compute(Op(OpKind.F, 1, 9, 0)))
-    with pytest.raises(PlanFormatError, match="own stage and pipeline"):
+    with pytest.raises(PlanFormatError, match="own stages and pipeline"):
         plan_to_torch_csv(Plan(plan.topology, plan.costs, 4, streams))
