@@ -109,12 +109,7 @@ def theirs(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Cal
     x, y = torch.randn(microbatches * ROWS, hidden), torch.randn(microbatches * ROWS, hidden)
 
     def step() -> None:
-        if rank == 0:
-            schedule.step(x, target=y if last else None)
-        elif last:
-            schedule.step(target=y)
-        else:
-            schedule.step()
+        schedule.step(*((x,) if rank == 0 else ()), target=y if last else None)  # inputs at stage 0's rank
         optimizer.step()
         optimizer.zero_grad()
 

@@ -51,12 +51,7 @@ def run_on_torch(rank: int, outdir: str) -> None:
         order = [str(a) for a in schedule.pipeline_order[rank] if a is not None]
         x, y = batch()
         last = PP * CHUNKS - 1 in held
-        if rank == 0:
-            schedule.step(x, target=y if last else None)
-        elif last:
-            schedule.step(target=y)
-        else:
-            schedule.step()
+        schedule.step(*((x,) if rank == 0 else ()), target=y if last else None)  # inputs at stage 0's rank
         grads = {s: {n: p.grad for n, p in m.named_parameters()} for s, m in modules.items()}
         torch.save({"order": order, "grads": grads}, Path(outdir) / f"{family}.{rank}.pt")
 
