@@ -30,7 +30,7 @@ from pathlib import Path
 from schedcomp.costs import CostModel
 from schedcomp.draw.trace import load_trace, read_chrome_trace
 from schedcomp.errors import CostModelError
-from schedcomp.ir import COMPUTE_KINDS, InstrKind
+from schedcomp.ir import COMPUTE_KINDS, InstrKind, staged_text
 from schedcomp.planindex import TransferKey, transfer_key
 from schedcomp.semantics import RECV, SEND, kinds, semantics_of
 from schedcomp.timeline import Span
@@ -71,6 +71,9 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
         for s in spans:
             kind = s.instruction.kind
             if kind in _COMPUTE:
+                if s.instruction.op is not None and s.instruction.op.stage != s.worker.stage:
+                    raise CostModelError(f"{s.worker} ran {staged_text(s.instruction)}: the traces come from a plan "
+                                         "with virtual stages, which profiling does not cost per chunk yet")
                 samples[(_COMPUTE[kind], s.worker)].append(s.duration)
             elif kind is InstrKind.STEP:
                 samples[("STEP", s.worker)].append(s.duration)
