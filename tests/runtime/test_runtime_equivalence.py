@@ -252,13 +252,14 @@ def test_switch_to_rerouted_plan_matches_reference_pp2_dp3(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("pp", "dp"), [(2, 2), (4, 1)])
-def test_virtual_stage_plans_match_reference(pp: int, dp: int, tmp_path: Path) -> None:
-    """Interleaved 1F1B and ZB-V: two chunks per process, local hand-offs at the turn of the V, one
-    all-reduce over both chunks' gradients (dp 2), every chunk stepped; the same model as one process."""
-    plans = {f: compile(pp, dp, 2 * pp, schedule=f, chunks=2) for f in ("interleaved-1f1b", "zb-v")}
+def test_virtual_stage_plans_match_reference(tmp_path: Path) -> None:
+    """Interleaved 1F1B and ZB-V at pp 2 dp 2 and pp 4 dp 1 (four processes each, one launch): two chunks
+    per process, local hand-offs at the turn of the V, one all-reduce over both chunks' gradients (dp 2),
+    every chunk stepped; the same model as one process."""
+    plans = {(f, pp): compile(pp, 4 // pp, 2 * pp, schedule=f, chunks=2)
+             for f in ("interleaved-1f1b", "zb-v") for pp in (2, 4)}
     assert all(plan.topology.chunks == 2 for plan in plans.values())
-    configs = [Config(f, (plan,)) for f, plan in plans.items()]
-    configs.append(Config("traced", (plans["zb-v"],), profile=True))
-    launch(configs, pp * dp, tmp_path)
-    check_trace(plans["zb-v"], tmp_path / "traced.trace.json")
+    configs = [Config(f"{f}-pp{pp}", (plan,)) for (f, pp), plan in plans.items()]
+    configs.append(Config("traced", (plans[("zb-v", 2)],), profile=True))
+    launch(configs, 4, tmp_path)
+    check_trace(plans[("zb-v", 2)], tmp_path / "traced.trace.json")
