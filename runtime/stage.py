@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.data import Tensors, as_tuple
 from schedcomp.runtime.splitgrad import WeightGradStore, enable_split_backward
+from schedcomp.runtime.training import lr_scheduler_of
 
 LossFn = Callable[[Any, Any], Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -178,7 +179,11 @@ class Stage:
             offset += n
 
     def step(self) -> None:
+        """Apply the update, then advance the LR schedule tied to the optimizer (`training`), if any."""
         self.optimizer.step()
+        scheduler = lr_scheduler_of(self.optimizer)
+        if scheduler is not None:
+            scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def in_flight(self) -> int:

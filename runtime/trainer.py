@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -18,9 +19,18 @@ from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
+from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
+from schedcomp.runtime.training import (
+    POST,
+    GlobalCheck,
+    SchedulerFactory,
+    StepOutcome,
+    TrainingOptions,
+    attach_lr_scheduler,
+)
 from schedcomp.timeline import Span
 
 log = logging.getLogger(__name__)
@@ -39,8 +49,25 @@ class Loss:
     read it a step or more later (or at the end) to keep the pipeline full.
     """
 
-    def __init__(self, value: Tensor, work: dist.Work | None) -> None:
-        self._value, self._work = value, work
+    def __init__(self, value: Tensor, work: dist.Work | None,
+                 outcome: Callable[[], StepOutcome | None] | None = None) -> None:
+        self._value, self._work, self._outcome = value, work, outcome
+
+    @property
+    def outcome(self) -> StepOutcome | None:
+        """What the global check decided for this iteration's update (None without max_grad_norm and
+        skip_nonfinite); reading it validates the update if it is still pending (`training`)."""
+        return self._outcome() if self._outcome is not None else None
+
+    @property
+    def skipped(self) -> bool:
+        """The update was skipped on every stage (skip_nonfinite and a gradient somewhere not finite)."""
+        return self.outcome is not None and self.outcome.skipped
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The gradient norm over every stage (None without max_grad_norm and skip_nonfinite)."""
+        return self.outcome.grad_norm if self.outcome is not None else None
 
     def item(self) -> float:
         if self._work is not None:
@@ -73,6 +100,14 @@ class PipelineTrainer:
       when the generation breaks, and `setup_collectives=False` (no replica sync and no clock
       broadcast at start: a replacement receives its state from a replica instead).
 
+    - Around the optimizer step (`runtime.training`): `lr_scheduler=lambda optimizer: torch.optim.
+      lr_scheduler.X(optimizer, ...)` (stepped after each applied update, on every stage),
+      `max_grad_norm` (clip by the norm over all stages, as `clip_grad_norm_` on the whole model),
+      `skip_nonfinite` (skip the update on every stage when any gradient is inf or nan), and
+      `grad_check` ("post": each stage steps at once and undoes a wrong step when the global
+      values arrive, Zero Bubble's post-validation; "barrier": wait for them before stepping).
+      The step's result reports it (`Loss.skipped`, `Loss.grad_norm`, `Loss.outcome`).
+
     `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
     `p * microbatches + m` of `dp * microbatches` equal chunks. Each micro-batch's loss is scaled
@@ -84,7 +119,9 @@ class PipelineTrainer:
                  make_optimizer: OptimizerFactory, *, layers_per_stage: Sequence[int] | None = None,
                  backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
-                 setup_collectives: bool = True) -> None:
+                 setup_collectives: bool = True, lr_scheduler: SchedulerFactory | None = None,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST) -> None:
+        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check)
         if plan.topology.chunks > 1:  # refused before any process group is made
             raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: running virtual stages "
                                     "is not supported yet, compile a family with one stage per worker")
@@ -100,6 +137,10 @@ class PipelineTrainer:
         is_last = self.worker.stage == self.pp - 1
         self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
+        if self.options.lr_scheduler is not None:
+            attach_lr_scheduler(self.stage.optimizer, self.options.lr_scheduler)
+        self.checks = GlobalCheck(self.options, self.stage, StepSnapshot(self.stage.module, self.stage.optimizer),
+                                  lambda: self.comm, self._counts_norm) if self.options.checks_globally else None
         self.profile = profile
         self._meter = MemoryMeter(self.stage, device) if profile else None
         self.iteration = 0
@@ -185,6 +226,22 @@ class PipelineTrainer:
             for t in [*self.stage.module.parameters(), *self.stage.module.buffers()]:
                 self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
+    def _counts_norm(self) -> bool:
+        """Whether this worker's stage norm enters the global one (its stage's lowest live replica)."""
+        return self.worker == min(self.plan.topology.stage_group(self.worker.stage))
+
+    def settle(self) -> StepOutcome | None:
+        """Validate the last update now (max_grad_norm, skip_nonfinite; see `training`): parameters
+        are final after it. `run_iteration` and reading a step's result do it by themselves."""
+        return self.checks.settle() if self.checks is not None else None
+
+    def update(self, iteration: int) -> None:
+        """The update STEP applies: the optimizer step (and LR schedule), through the global check if any."""
+        if self.checks is not None:
+            self.checks.step(iteration)
+        else:
+            self.stage.step()
+
     def _common_origin(self) -> float:
         """Rank 0's `perf_counter` now: one origin for every rank's spans.
 
@@ -232,7 +289,8 @@ class PipelineTrainer:
         # On the compute device (every group serves it): moving it to the CPU would wait for the GPU.
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).to(torch.float64)
         work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
-        return Loss(loss, work)
+        checks = self.checks
+        return Loss(loss, work, functools.partial(checks.outcome, it.number) if checks is not None else None)
 
     def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[Iteration], None] | None = None,
                       ledger: Tensor | None = None, before: Callable[[int, Instruction], None] | None = None,
@@ -246,13 +304,18 @@ class PipelineTrainer:
         """
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
+        self.settle()  # the last update is validated before this iteration reads the parameters
         self._probe_shapes(batch[0])
         began = time.perf_counter()
+        if step is None and self.checks is not None:
+            step = self._update
         it = self._iteration(self.iteration, batch, step, ledger)
         if started is not None:
             started(it)
         timing: Timing | None = [] if self.profile else None
         run_stream(it, self.stream, timing, before)
+        if self.checks is not None and not self.checks.launched(it.number):
+            self.checks.contribute_nothing(it.number)  # no STEP here (an idle worker): still in the collective
         if timing is not None:
             self._timings.append((self.iteration, timing, it.arrivals, it.memory))
         self.step_seconds.append(time.perf_counter() - began)
@@ -276,6 +339,9 @@ class PipelineTrainer:
             meter=self._meter,
         )
         return it
+
+    def _update(self, it: Iteration) -> None:
+        self.update(it.number)
 
     def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
                step: Callable[[Iteration], None], ledger: Tensor, interrupted: Iteration | None = None,
@@ -319,7 +385,8 @@ class PipelineTrainer:
         return spans
 
     def close(self) -> None:
-        """Leave the job (destroys the default process group)."""
+        """Leave the job (validates the last update, destroys the default process group)."""
+        self.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
 
