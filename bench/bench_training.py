@@ -31,14 +31,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from bench_runtime import _timed, stage_module  # the same workload and timing as the runtime bench
 from torch import nn
 
 ROWS, BATCHES = 16, 4
 MODES = ("none", "post", "barrier")
-
-
-def stage_module(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
 
 
 def _sgd(params: object) -> torch.optim.Optimizer:
@@ -58,24 +55,6 @@ def trainer_for(mode: str, plan: object, hidden: int, max_norm: float, profile: 
     options = {} if mode == "none" else {"max_grad_norm": max_norm, "grad_check": mode}
     return PipelineTrainer(plan, lambda s: stage_module(hidden), nn.functional.mse_loss, _sgd, profile=profile,
                            **options)
-
-
-def _timed(step: Callable[[], None], warmup: int, steps: int) -> tuple[list[float], float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return times, (time.perf_counter() - start) / steps
 
 
 def reduce_latency(trainer: object, rounds: int = 50) -> float:

@@ -118,7 +118,7 @@ class ResilientTrainer:
       (default: re-run it, exactly the fault-free model), "lossy" (finish it without the lost
       micro-batches, rescaled; `runtime.lossy`), "restart" (restart the job from its latest
       checkpoint on every failure), or a `RecoveryPolicy` object (one per trainer: it holds state).
-    - `lr_scheduler`, `max_grad_norm`, `skip_nonfinite`: as for `PipelineTrainer` (`runtime.training`);
+    - `lr_scheduler`, `max_grad_norm`, `skip_nonfinite`, `autocast`: as for `PipelineTrainer` (`runtime.training`);
       the global check always waits before stepping here (grad_check="barrier"), so that a step
       is final when its commit is recorded; the LR schedule moves with the stage's state (rollback
       undo, transfer to a replacement, checkpoints).
@@ -132,13 +132,13 @@ class ResilientTrainer:
                  after_recovery: Callable[[int], None] | None = None,
                  checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback",
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, autocast: torch.dtype | None = None) -> None:
         self.policy = recovery_policy(policy, checkpoint)
         # the barrier: a step is final when its commit is recorded (see `training`)
-        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, BARRIER)
+        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, BARRIER, autocast)
         if self.options.checks_globally and isinstance(self.policy, LossyPolicy):
-            raise RecoveryError("max_grad_norm and skip_nonfinite need every stage's gradients of an iteration, "
-                                "which the lossy policy drops: use policy='rollback' with them")
+            raise RecoveryError("max_grad_norm, skip_nonfinite and float16 need every stage's gradients of an "
+                                "iteration, which the lossy policy drops: use policy='rollback' with them")
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
@@ -223,6 +223,9 @@ class ResilientTrainer:
             snapshot.take(i)
             if decision.apply:
                 trainer.update(i)  # the optimizer and LR schedule, through the global check if any
+                outcome = trainer.checks.outcomes.get(i) if trainer.checks is not None else None
+                if outcome is not None and self.report is not None:
+                    self.report.updates[i] = (outcome.grad_norm, outcome.clipped, outcome.skipped)
             else:
                 trainer.stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
@@ -300,7 +303,7 @@ class ResilientTrainer:
                     session.commit(decision.rerun - 1)  # a second recovery must not undo it again
                 for i in [i for i in report.ledger if i >= decision.rerun]:
                     for table in (report.ledger, report.losses, report.completed_at, report.skipped,
-                                  report.skipped_samples):
+                                  report.skipped_samples, report.updates):
                         table.pop(i, None)
                 plan = self.plan_for(view.topology)
                 trainer.regroup(plan, session.groups.rank, session.generation.new_group, self.wait)

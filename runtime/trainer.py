@@ -24,11 +24,14 @@ from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
 from schedcomp.runtime.training import (
+    LOSS_SCALER,
     POST,
     GlobalCheck,
+    LossScaler,
     SchedulerFactory,
     StepOutcome,
     TrainingOptions,
+    attach,
     attach_lr_scheduler,
 )
 from schedcomp.timeline import Span
@@ -107,6 +110,9 @@ class PipelineTrainer:
       `grad_check` ("post": each stage steps at once and undoes a wrong step when the global
       values arrive, Zero Bubble's post-validation; "barrier": wait for them before stepping).
       The step's result reports it (`Loss.skipped`, `Loss.grad_norm`, `Loss.outcome`).
+      `autocast=torch.bfloat16` runs F and the loss under `torch.autocast` with float32 master
+      weights (and float32 weight gradients); `torch.float16` also scales the loss by a dynamic
+      scale that every worker updates alike from the global overflow flag (`training.LossScaler`).
 
     `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
@@ -120,8 +126,9 @@ class PipelineTrainer:
                  backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
                  setup_collectives: bool = True, lr_scheduler: SchedulerFactory | None = None,
-                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST) -> None:
-        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check)
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST,
+                 autocast: torch.dtype | None = None) -> None:
+        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
         if plan.topology.chunks > 1:  # refused before any process group is made
             raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: running virtual stages "
                                     "is not supported yet, compile a family with one stage per worker")
@@ -139,6 +146,10 @@ class PipelineTrainer:
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
         if self.options.lr_scheduler is not None:
             attach_lr_scheduler(self.stage.optimizer, self.options.lr_scheduler)
+        self.stage.autocast = self.options.autocast
+        if self.options.scales_loss:
+            self.stage.scaler = LossScaler()
+            attach(self.stage.optimizer, LOSS_SCALER, self.stage.scaler)
         self.checks = GlobalCheck(self.options, self.stage, StepSnapshot(self.stage.module, self.stage.optimizer),
                                   lambda: self.comm, self._counts_norm) if self.options.checks_globally else None
         self.profile = profile

@@ -51,8 +51,11 @@ class TrainingOptions:
     max_grad_norm: float | None = None
     skip_nonfinite: bool = False
     grad_check: str = POST
+    autocast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        if self.autocast not in (None, torch.bfloat16, torch.float16):
+            raise RuntimeSetupError(f"autocast takes torch.bfloat16 or torch.float16, got {self.autocast!r}")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise RuntimeSetupError("lr_scheduler takes a function optimizer -> scheduler, e.g. "
                                     "lambda o: torch.optim.lr_scheduler.StepLR(o, 10)")
@@ -66,14 +69,61 @@ class TrainingOptions:
     @property
     def checks_globally(self) -> bool:
         """Whether STEP needs a value from every stage (the global norm or non-finite flag)."""
-        return self.max_grad_norm is not None or self.skip_nonfinite
+        return self.max_grad_norm is not None or self.skip_nonfinite or self.scales_loss
+
+    @property
+    def scales_loss(self) -> bool:
+        """float16 autocast: the loss is scaled, and an overflow anywhere skips the update everywhere."""
+        return self.autocast == torch.float16
+
+
+class LossScaler:
+    """float16's dynamic loss scale (GradScaler's rule), the same on every worker.
+
+    It changes only on the global non-finite flag, which every worker of the job receives alike
+    (`GlobalCheck`), so no worker ever needs another's scale: halve it on an overflow anywhere,
+    double it after `interval` updates in a row without one. Tied to the optimizer's state
+    (`attach`), so rollbacks, transfers and checkpoints keep it.
+    """
+
+    def __init__(self, scale: float = 2.0 ** 16, interval: int = 2000) -> None:
+        self.scale, self.interval, self.good = scale, interval, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.good = self.scale * 0.5, 0
+        else:
+            self.good += 1
+            if self.good == self.interval:
+                self.scale, self.good = self.scale * 2.0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "interval": self.interval, "good": self.good}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.interval, self.good = float(state["scale"]), int(state["interval"]), int(state["good"])
 
 
 # ---- LR schedules ---------------------------------------------------------------------------------
 
-# optimizer -> its scheduler. Keyed by the optimizer so that every place that moves an optimizer's
-# state (`transfer.stage_state`) moves its schedule too, without being told about it.
-_SCHEDULERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# optimizer -> what else steps with it, by name (its LR schedule, fp16's loss scaler). Keyed by the
+# optimizer so that every place that moves an optimizer's state (`transfer.stage_state`) moves
+# these too, without being told about them.
+_ATTACHED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+LR_SCHEDULER, LOSS_SCALER = "lr_scheduler", "loss_scaler"
+
+
+def attach(optimizer: Any, name: str, stateful: Any) -> None:
+    """Tie `stateful` (with `state_dict` / `load_state_dict`) to the optimizer's state under `name`."""
+    _ATTACHED.setdefault(optimizer, {})[name] = stateful
+
+
+def attached_to(optimizer: Any) -> dict[str, Any]:
+    """What is tied to this optimizer's state, by name (empty: nothing)."""
+    try:
+        return dict(_ATTACHED.get(optimizer, {}))
+    except TypeError:  # an optimizer that cannot be weakly referenced has nothing tied to it
+        return {}
 
 
 def attach_lr_scheduler(optimizer: Any, factory: SchedulerFactory) -> Any:
@@ -85,16 +135,13 @@ def attach_lr_scheduler(optimizer: Any, factory: SchedulerFactory) -> Any:
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise RuntimeSetupError("ReduceLROnPlateau steps on a metric the trainer does not have: use a schedule "
                                 "of the iteration (StepLR, LambdaLR, CosineAnnealingLR, OneCycleLR, ...)")
-    _SCHEDULERS[optimizer] = scheduler
+    attach(optimizer, LR_SCHEDULER, scheduler)
     return scheduler
 
 
 def lr_scheduler_of(optimizer: Any) -> Any | None:
     """The scheduler stepped with this optimizer (None: none)."""
-    try:
-        return _SCHEDULERS.get(optimizer)
-    except TypeError:  # an optimizer that cannot be weakly referenced has no scheduler
-        return None
+    return attached_to(optimizer).get(LR_SCHEDULER)
 
 
 # ---- global checks --------------------------------------------------------------------------------
@@ -128,7 +175,7 @@ def decide(options: TrainingOptions, iteration: int, squared_norm: float, nonfin
     """The update of an iteration from the reduced [squared norm, non-finite count]."""
     finite = nonfinite == 0 and math.isfinite(squared_norm)  # a stage with an inf or nan sends 1 and no norm
     norm = math.sqrt(squared_norm) if finite else math.nan
-    skipped = options.skip_nonfinite and not finite
+    skipped = (options.skip_nonfinite or options.scales_loss) and not finite
     clipped = (not skipped and options.max_grad_norm is not None and math.isfinite(norm)
                and clip_coefficient(norm, options.max_grad_norm) < 1.0)
     return StepOutcome(iteration, norm, clipped, skipped)
@@ -176,6 +223,8 @@ class GlobalCheck:
 
     def step(self, iteration: int) -> None:
         self.settle()  # at most one pending step
+        if self.stage.scaler is not None:
+            self.stage.scale_grads(1.0 / self.stage.scaler.scale)  # the gradients of the unscaled loss
         norm, squared, nonfinite = self.local_share()
         work, buffer = self._launch(iteration, squared, nonfinite)
         limit = self.options.max_grad_norm
@@ -204,7 +253,9 @@ class GlobalCheck:
         squared, nonfinite = pending.buffer.tolist()
         outcome = decide(self.options, pending.iteration, squared, nonfinite)
         if pending.grads is not None:
-            outcome = self._apply(pending, outcome)
+            outcome = self._apply(pending, outcome)  # may restore the snapshot: the scaler's update comes after
+        if self.stage.scaler is not None:
+            self.stage.scaler.update(overflow=not math.isfinite(outcome.grad_norm))
         self.outcomes[pending.iteration] = outcome
         return outcome
 

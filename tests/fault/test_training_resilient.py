@@ -35,5 +35,10 @@ def test_schedule_and_clipping_survive_rollback_and_rejoin(tmp_path, monkeypatch
     joined = results[str(victim)]
     assert joined["incarnation"] == 1 and joined["resumed_at"] is not None and joined["resumed_at"] > 1
     assert any(r["recoveries"] for w, r in results.items() if w != str(victim))  # a rollback happened
+    # every worker reports the same clipping decisions for every iteration it stepped, some clipped, some not
+    decisions = {i: u[1] for r in results.values() for i, u in r["updates"].items()}
+    assert all(r["updates"][i][1] == decisions[i] for r in results.values() for i in r["updates"])
+    assert sorted(map(int, results[str(Worker(1, 1))]["updates"])) == list(range(ITERATIONS))
+    assert any(decisions.values()) and not all(decisions.values())
     lr = 0.05 * 0.5 ** (ITERATIONS // 2)  # StepLR(step_size=2, gamma=0.5) after ITERATIONS steps
     assert all(r["lr"] == pytest.approx(lr, rel=1e-15) for r in results.values())

@@ -69,14 +69,14 @@ def test_a_checkpoint_restores_the_schedule_and_refuses_a_stage_without_one(tmp_
     train(stage, 1)
     assert lr(fresh) == lr(stage) and torch.equal(fresh.module.weight, stage.module.weight)
     plain = scheduled_stage(2, schedule=False)
-    with pytest.raises(RecoveryError, match="LR schedule"):
+    with pytest.raises(RecoveryError, match="lr_scheduler"):
         restore(tmp_path, 2, 0, plain.module, plain.optimizer)
 
 
 def test_a_state_without_a_schedule_is_refused_by_a_stage_with_one() -> None:
     plain, scheduled = scheduled_stage(0, schedule=False), scheduled_stage(0)
     assert "lr_scheduler" not in stage_state(plain.module, plain.optimizer)
-    with pytest.raises(RecoveryError, match="LR schedule"):
+    with pytest.raises(RecoveryError, match="lr_scheduler"):
         load_stage_state(scheduled.module, scheduled.optimizer, stage_state(plain.module, plain.optimizer))
 
 

@@ -223,7 +223,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "completed_at": {str(i): t for i, t in report.completed_at.items()},
           "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None,
           "device": str(trainer.trainer.device) if trainer.trainer is not None else None,
-          "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None})
+          "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None,
+          "updates": {str(i): u for i, u in report.updates.items()}})
     trainer.close()
 
 
