@@ -21,19 +21,10 @@ from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residua
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
+from schedcomp.runtime.result import Loss
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
-from schedcomp.runtime.training import (
-    LOSS_SCALER,
-    POST,
-    GlobalCheck,
-    LossScaler,
-    SchedulerFactory,
-    StepOutcome,
-    TrainingOptions,
-    attach,
-    attach_lr_scheduler,
-)
+from schedcomp.runtime.training import POST, GlobalCheck, SchedulerFactory, StepOutcome, TrainingOptions, prepare_stage
 from schedcomp.timeline import Span
 
 log = logging.getLogger(__name__)
@@ -41,48 +32,6 @@ log = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _META_INTS = 256
-
-
-class Loss:
-    """The mean loss of one iteration over the whole global batch, reduced in the background.
-
-    `step` starts an asynchronous all-reduce of the last stages' (already scaled) losses and
-    returns at once, so no rank waits for the others and the optimizer stays staggered. Reading
-    the value (`float(loss)`, `loss.item()`) waits until every rank has finished that iteration:
-    read it a step or more later (or at the end) to keep the pipeline full.
-    """
-
-    def __init__(self, value: Tensor, work: dist.Work | None,
-                 outcome: Callable[[], StepOutcome | None] | None = None) -> None:
-        self._value, self._work, self._outcome = value, work, outcome
-
-    @property
-    def outcome(self) -> StepOutcome | None:
-        """What the global check decided for this iteration's update (None without max_grad_norm and
-        skip_nonfinite); reading it validates the update if it is still pending (`training`)."""
-        return self._outcome() if self._outcome is not None else None
-
-    @property
-    def skipped(self) -> bool:
-        """The update was skipped on every stage (skip_nonfinite and a gradient somewhere not finite)."""
-        return self.outcome is not None and self.outcome.skipped
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The gradient norm over every stage (None without max_grad_norm and skip_nonfinite)."""
-        return self.outcome.grad_norm if self.outcome is not None else None
-
-    def item(self) -> float:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return float(self._value.item())
-
-    def __float__(self) -> float:
-        return self.item()
-
-    def __repr__(self) -> str:
-        return f"Loss({self.item():.6g})" if self._work is None else "Loss(<pending>)"
 
 
 class PipelineTrainer:
@@ -144,12 +93,7 @@ class PipelineTrainer:
         is_last = self.worker.stage == self.pp - 1
         self.stage = Stage(self.worker.stage, self.pp, module, loss_fn if is_last else None, make_optimizer)
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
-        if self.options.lr_scheduler is not None:
-            attach_lr_scheduler(self.stage.optimizer, self.options.lr_scheduler)
-        self.stage.autocast = self.options.autocast
-        if self.options.scales_loss:
-            self.stage.scaler = LossScaler()
-            attach(self.stage.optimizer, LOSS_SCALER, self.stage.scaler)
+        prepare_stage(self.stage, self.options)
         self.checks = GlobalCheck(self.options, self.stage, StepSnapshot(self.stage.module, self.stage.optimizer),
                                   lambda: self.comm, self._counts_norm) if self.options.checks_globally else None
         self.profile = profile

@@ -40,6 +40,7 @@ from schedcomp.errors import RuntimeSetupError
 SchedulerFactory = Callable[[Any], Any]  # optimizer -> a torch.optim.lr_scheduler.LRScheduler
 POST, BARRIER = "post", "barrier"
 GRAD_CHECKS = (POST, BARRIER)
+KEEP_OUTCOMES = 1024  # iterations whose outcome a worker remembers (for results read late)
 CLIP_EPS = 1e-6  # as `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + eps)
 
 
@@ -144,6 +145,16 @@ def lr_scheduler_of(optimizer: Any) -> Any | None:
     return attached_to(optimizer).get(LR_SCHEDULER)
 
 
+def prepare_stage(stage: Any, options: TrainingOptions) -> None:
+    """Give a freshly built `Stage` what the options ask for: its LR schedule, autocast, float16's loss scaler."""
+    if options.lr_scheduler is not None:
+        attach_lr_scheduler(stage.optimizer, options.lr_scheduler)
+    stage.autocast = options.autocast
+    if options.scales_loss:
+        stage.scaler = LossScaler()
+        attach(stage.optimizer, LOSS_SCALER, stage.scaler)
+
+
 # ---- global checks --------------------------------------------------------------------------------
 
 
@@ -155,7 +166,7 @@ class StepOutcome:
     grad_norm: float  # over every stage's gradients, as clip_grad_norm_ on the whole model (nan: not finite)
     clipped: bool  # the update was scaled by max_grad_norm / (grad_norm + 1e-6)
     skipped: bool  # the update was not applied (skip_nonfinite and a gradient anywhere was inf or nan)
-    redone: bool = False  # post-validation: this worker undid its optimistic step and redid it
+    redone: bool = False  # post-validation: this worker undid its optimistic step (and redid it, unless skipped)
 
 
 def grad_norm(params: Sequence[nn.Parameter]) -> Tensor:
@@ -257,6 +268,8 @@ class GlobalCheck:
         if self.stage.scaler is not None:
             self.stage.scaler.update(overflow=not math.isfinite(outcome.grad_norm))
         self.outcomes[pending.iteration] = outcome
+        if len(self.outcomes) > KEEP_OUTCOMES:  # a long run: forget the oldest (inserted first)
+            del self.outcomes[next(iter(self.outcomes))]
         return outcome
 
     def _apply(self, pending: _Pending, outcome: StepOutcome) -> StepOutcome:
