@@ -3,7 +3,7 @@
 Workload: pp = 4 processes over gloo on CPU, one thread each; each stage is 2 x (Linear(H, H) +
 GELU); M micro-batches of 16 rows; MSE loss; SGD with momentum; four global batches used in
 rotation (so gradient norms vary and clipping is due on some iterations only). Three trainers in
-the same processes, run in rotation `--repeats` times after `--warmup` steps each:
+the same processes, run in rotation `--repeats` times (each first in turn) after `--warmup` steps each:
 - "none": no clipping;
 - "post": `max_grad_norm` with Zero Bubble's post-validation (`grad_check="post"`: step at once,
   undo and redo clipped when the global norm says so);
@@ -13,9 +13,10 @@ about half of them. Measures: "steady", `--steps` steps back to back between two
 divided by `--steps` (what the staggered optimizer is for), and "step", the median of single
 steps from a barrier to a barrier.
 
-The simulator's period for the same three uses the cost model profiled from the "none" trainer's
-own trace (`schedcomp.profile.profile_costs`), the measured latency of the check's all-reduce, and
-for "post" the measured fraction of iterations a worker redid its step (`schedcomp.gradcheck`).
+The simulator's period for the same three uses the cost model profiled from a fourth, untimed
+trainer without clipping (`profile=True`, `schedcomp.profile.profile_costs`), the measured latency
+of the check's all-reduce, and for "post" the measured fraction of iterations a worker redid its
+step (`schedcomp.gradcheck`).
 
 Reproduce:  python bench/bench_training.py                 (pp=4, M=8, H=512, zb-h1)
             python bench/bench_training.py --schedule 1f1b --hidden 256
@@ -77,7 +78,7 @@ def worker(rank: int, schedule: str, microbatches: int, hidden: int, warmup: int
     probe = trainer_for("post", plan, hidden, 1e30)
     norms = [probe.step(data[i % BATCHES]).grad_norm for i in range(2 * BATCHES)]  # type: ignore[attr-defined]
     max_norm = statistics.median(n for n in norms if n is not None)
-    trainers = {mode: trainer_for(mode, plan, hidden, max_norm, profile=mode == "none") for mode in MODES}
+    trainers = {mode: trainer_for(mode, plan, hidden, max_norm) for mode in MODES}
     counters = {mode: 0 for mode in MODES}
     results: dict[str, list] = {mode: [] for mode in MODES}
 
@@ -89,8 +90,8 @@ def worker(rank: int, schedule: str, microbatches: int, hidden: int, warmup: int
 
     single: dict[str, list[float]] = {m: [] for m in MODES}
     steady: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(repeats):
-        for mode in MODES:
+    for r in range(repeats):
+        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # each goes first in turn
             one, back_to_back = _timed(stepper(mode), warmup, steps)
             single[mode] += one
             steady[mode].append(back_to_back)
@@ -98,7 +99,10 @@ def worker(rank: int, schedule: str, microbatches: int, hidden: int, warmup: int
     outcomes = [r.outcome for r in results["post"]]
     redo = sum(1 for o in outcomes if o is not None and o.redone) / max(1, len(outcomes))
     clipped = sum(1 for o in outcomes if o is not None and o.clipped) / max(1, len(outcomes))
-    trace = trainers["none"].spans()  # type: ignore[attr-defined]
+    profiled = trainer_for("none", plan, hidden, max_norm, profile=True)  # untimed: recording costs time
+    for i in range(warmup + steps):
+        profiled.step(data[i % BATCHES])  # type: ignore[attr-defined]
+    trace = profiled.spans()  # type: ignore[attr-defined]
     gathered: list = [None] * pp
     dist.all_gather_object(gathered, (trace, redo))
     if rank == 0:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -282,14 +282,14 @@ class GlobalCheck:
             self.snapshot.restore()
         if outcome.skipped:
             stage.optimizer.zero_grad(set_to_none=True)
-            return StepOutcome(**{**outcome.__dict__, "redone": redone})
+            return replace(outcome, redone=redone)
         coefficient = clip_coefficient(outcome.grad_norm, self.options.max_grad_norm) if outcome.clipped else 1.0
         assert pending.grads is not None
         with torch.no_grad():
             for p, g in zip(stage.params, pending.grads, strict=True):
                 p.grad = g.mul_(coefficient) if g is not None else None
         stage.step()
-        return StepOutcome(**{**outcome.__dict__, "redone": redone})
+        return replace(outcome, redone=redone)
 
     def outcome(self, iteration: int) -> StepOutcome | None:
         """The outcome of `iteration`'s update (settles it if it is the pending one)."""
