@@ -135,6 +135,8 @@ def report(schedule: str, microbatches: int, hidden: int, single: dict, steady: 
     for mode in MODES:
         one, back_to_back = statistics.median(single[mode]) * 1e3, statistics.median(steady[mode]) * 1e3
         print(f"  {mode:10s} {back_to_back:12.2f} {one:10.2f} {simulated[mode]:22.2f}")
+    unredone = simulate(timed, 6, grad_check=GradCheckCost("post", reduce=ms)).period
+    print(f"  post if no step were redone: simulated {unredone:.2f} ms ({unredone / simulated['none']:.3f} x none)")
     for a, b in (("post", "none"), ("barrier", "none"), ("post", "barrier")):
         print(f"  {a} / {b}: steady {statistics.median(steady[a]) / statistics.median(steady[b]):.3f}, "
               f"simulated {simulated[a] / simulated[b]:.3f}")
