@@ -20,6 +20,7 @@ BENCHES = [
     ("bench_adaptive.py", ["--quick"]),
     ("bench_runtime.py", ["--repeats", "1"]),
     ("bench_split_backward.py", []),
+    ("bench_training.py", ["--hidden", "256", "--repeats", "1"]),
     ("bench_fault.py", ["--quick"]),
     ("bench_rejoin.py", ["--quick"]),
     ("bench_goodput.py", ["--quick"]),

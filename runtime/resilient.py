@@ -71,6 +71,7 @@ from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, sen
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
+from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class ResilientTrainer:
       (default: re-run it, exactly the fault-free model), "lossy" (finish it without the lost
       micro-batches, rescaled; `runtime.lossy`), "restart" (restart the job from its latest
       checkpoint on every failure), or a `RecoveryPolicy` object (one per trainer: it holds state).
+    - `lr_scheduler`, `max_grad_norm`, `skip_nonfinite`, `autocast`: as for `PipelineTrainer` (`runtime.training`);
+      the global check always waits before stepping here (grad_check="barrier"), so that a step
+      is final when its commit is recorded; the LR schedule moves with the stage's state (rollback
+      undo, transfer to a replacement, checkpoints).
     - `checkpoint`: `CheckpointPolicy(directory, every)`: asynchronous checkpoints after STEP, resume
       from the latest complete one at start, restart the job from it when a stage is lost (`fault.restart`).
     """
@@ -125,8 +130,15 @@ class ResilientTrainer:
                  make_optimizer: OptimizerFactory, batch_for: BatchFn, *, session: FaultSession | None = None,
                  detection_time: float = 3.0, before: Hook | None = None,
                  after_recovery: Callable[[int], None] | None = None,
-                 checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback") -> None:
+                 checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback",
+                 lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
+                 skip_nonfinite: bool = False, autocast: torch.dtype | None = None) -> None:
         self.policy = recovery_policy(policy, checkpoint)
+        # the barrier: a step is final when its commit is recorded (see `training`)
+        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, BARRIER, autocast)
+        if self.options.checks_globally and isinstance(self.policy, LossyPolicy):
+            raise RecoveryError("max_grad_norm, skip_nonfinite and float16 need every stage's gradients of an "
+                                "iteration, which the lossy policy drops: use policy='rollback' with them")
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
@@ -165,7 +177,7 @@ class ResilientTrainer:
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
-                                       setup_collectives=False)
+                                       setup_collectives=False, **self.options.__dict__)
         stage = self.trainer.stage
         self.snapshot = StepSnapshot(stage.module, stage.optimizer)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -213,7 +225,10 @@ class ResilientTrainer:
                 trainer.stage.scale_grads(decision.scale)
             snapshot.take(i)
             if decision.apply:
-                trainer.stage.step()
+                trainer.update(i)  # the optimizer and LR schedule, through the global check if any
+                outcome = trainer.checks.outcomes.get(i) if trainer.checks is not None else None
+                if outcome is not None and self.report is not None:
+                    self.report.updates[i] = (outcome.grad_norm, outcome.clipped, outcome.skipped)
             else:
                 trainer.stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
@@ -291,7 +306,7 @@ class ResilientTrainer:
                     session.commit(decision.rerun - 1)  # a second recovery must not undo it again
                 for i in [i for i in report.ledger if i >= decision.rerun]:
                     for table in (report.ledger, report.losses, report.completed_at, report.skipped,
-                                  report.skipped_samples):
+                                  report.skipped_samples, report.updates):
                         table.pop(i, None)
                 plan = self.plan_for(view.topology)
                 trainer.regroup(plan, session.groups.rank, session.generation.new_group, self.wait)

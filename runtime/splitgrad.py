@@ -87,10 +87,12 @@ class WeightGradStore:
 @torch.no_grad()
 def accumulate_weight_grads(layer: nn.Linear, x: Tensor, grad_out: Tensor) -> None:
     """Add the gradients of `layer(x)` for its weight (one GEMM) and bias (one sum) to their `.grad`."""
-    g = grad_out.reshape(-1, grad_out.shape[-1])
     weight, bias = layer.weight, layer.bias
+    # under autocast the saved tensors may be in half precision: weight gradients are the master
+    # weights' own dtype (float32), as autograd would give them
+    g = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)
     if weight.requires_grad:
-        x = x.reshape(-1, x.shape[-1])
+        x = x.reshape(-1, x.shape[-1]).to(weight.dtype)
         if weight.grad is None:
             weight.grad = g.t().mm(x)
         else:
@@ -114,7 +116,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None  # autocast: half
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             if ctx.store.split:
                 ctx.store.stash(ctx.key, ctx.layer, x, grad_out)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.data import Tensors, as_tuple
 from schedcomp.runtime.splitgrad import WeightGradStore, enable_split_backward
+from schedcomp.runtime.training import LossScaler, lr_scheduler_of
 
 LossFn = Callable[[Any, Any], Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -95,6 +97,8 @@ class Stage:
         self.split_layers = enable_split_backward(module, self.store)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params)
+        self.autocast: torch.dtype | None = None  # F (and the loss) under torch.autocast (`training`)
+        self.scaler: LossScaler | None = None  # float16: the loss is multiplied by its scale
         self._saved: dict[Key, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
 
     @property
@@ -115,13 +119,17 @@ class Stage:
             for t in inputs:
                 if TensorMeta.of(t).has_grad:
                     t.requires_grad_(True)
-        with self.store.forward(key):
+        with self.store.forward(key), self._autocast():
             out = self.module(*inputs)
+            if self.is_last:
+                if self.loss_fn is None:
+                    raise RuntimeSetupError("the last stage needs a loss function: pass loss_fn to PipelineTrainer")
+                loss = self.loss_fn(out, targets) * scale
         if self.is_last:
-            if self.loss_fn is None:
-                raise RuntimeSetupError("the last stage needs a loss function: pass loss_fn to PipelineTrainer")
-            loss = self.loss_fn(out, targets) * scale
-            self._saved[key] = (inputs, (loss,))
+            if self.scaler is not None:  # backward of the scaled loss; a power of two, so dividing back is exact
+                self._saved[key] = (inputs, (loss * self.scaler.scale,))
+            else:
+                self._saved[key] = (inputs, (loss,))
             return (loss.detach(),)
         outputs = as_tuple(out)
         self._saved[key] = (inputs, outputs)
@@ -160,7 +168,7 @@ class Stage:
         training = self.module.training
         self.module.eval()
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), self._autocast():
                 out = self.module(*inputs)
         finally:
             self.module.train(training)
@@ -170,6 +178,12 @@ class Stage:
     def numel(self) -> int:
         """Elements of the parameters that train (the length of `flat_grads`)."""
         return sum(p.numel() for p in self.params)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.autocast is None:
+            return nullcontext()
+        device = self.params[0].device.type if self.params else "cpu"
+        return torch.autocast(device_type=device, dtype=self.autocast)
 
     def flat_grads(self) -> Tensor:
         """Every parameter's gradient in one flat tensor (zeros where a parameter got none)."""
@@ -183,7 +197,11 @@ class Stage:
             offset += n
 
     def step(self) -> None:
+        """Apply the update, then advance the LR schedule tied to the optimizer (`training`), if any."""
         self.optimizer.step()
+        scheduler = lr_scheduler_of(self.optimizer)
+        if scheduler is not None:
+            scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def in_flight(self) -> int:

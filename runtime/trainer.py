@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -18,9 +19,12 @@ from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
+from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
+from schedcomp.runtime.result import Loss
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
+from schedcomp.runtime.training import POST, GlobalCheck, SchedulerFactory, StepOutcome, TrainingOptions, prepare_stage
 from schedcomp.timeline import Span
 
 log = logging.getLogger(__name__)
@@ -28,31 +32,6 @@ log = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _META_INTS = 256
-
-
-class Loss:
-    """The mean loss of one iteration over the whole global batch, reduced in the background.
-
-    `step` starts an asynchronous all-reduce of the last stages' (already scaled) losses and
-    returns at once, so no rank waits for the others and the optimizer stays staggered. Reading
-    the value (`float(loss)`, `loss.item()`) waits until every rank has finished that iteration:
-    read it a step or more later (or at the end) to keep the pipeline full.
-    """
-
-    def __init__(self, value: Tensor, work: dist.Work | None) -> None:
-        self._value, self._work = value, work
-
-    def item(self) -> float:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return float(self._value.item())
-
-    def __float__(self) -> float:
-        return self.item()
-
-    def __repr__(self) -> str:
-        return f"Loss({self.item():.6g})" if self._work is None else "Loss(<pending>)"
 
 
 class PipelineTrainer:
@@ -77,6 +56,17 @@ class PipelineTrainer:
       when the generation breaks, and `setup_collectives=False` (no replica sync and no clock
       broadcast at start: a replacement receives its state from a replica instead).
 
+    - Around the optimizer step (`runtime.training`): `lr_scheduler=lambda optimizer: torch.optim.
+      lr_scheduler.X(optimizer, ...)` (stepped after each applied update, on every stage),
+      `max_grad_norm` (clip by the norm over all stages, as `clip_grad_norm_` on the whole model),
+      `skip_nonfinite` (skip the update on every stage when any gradient is inf or nan), and
+      `grad_check` ("post": each stage steps at once and undoes a wrong step when the global
+      values arrive, Zero Bubble's post-validation; "barrier": wait for them before stepping).
+      The step's result reports it (`Loss.skipped`, `Loss.grad_norm`, `Loss.outcome`).
+      `autocast=torch.bfloat16` runs F and the loss under `torch.autocast` with float32 master
+      weights (and float32 weight gradients); `torch.float16` also scales the loss by a dynamic
+      scale that every worker updates alike from the global overflow flag (`training.LossScaler`).
+
     `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
     `p * microbatches + m` of `dp * microbatches` equal chunks. Each micro-batch's loss is scaled
@@ -88,7 +78,13 @@ class PipelineTrainer:
                  make_optimizer: OptimizerFactory, *, layers_per_stage: Sequence[int] | None = None,
                  backend: str | None = None, profile: bool = False, make_group: GroupFactory | None = None,
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
-                 setup_collectives: bool = True) -> None:
+                 setup_collectives: bool = True, lr_scheduler: SchedulerFactory | None = None,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST,
+                 autocast: torch.dtype | None = None) -> None:
+        self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
+        if plan.topology.chunks > 1 and self.options.checks_globally:  # refused before any process group is made
+            raise RuntimeSetupError("max_grad_norm and skip_nonfinite run one stage per worker for now: compile a "
+                                    "family without virtual stages (chunks=1) to use them")
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
@@ -105,6 +101,10 @@ class PipelineTrainer:
             self.stages[s] = Stage(s, stages, module, loss_fn if s == stages - 1 else None, make_optimizer)
         self.stage = next(iter(self.stages.values()))
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
+        for stage in self.stages.values():
+            prepare_stage(stage, self.options)
+        self.checks = GlobalCheck(self.options, self.stage, StepSnapshot(self.stage.module, self.stage.optimizer),
+                                  lambda: self.comm, self._counts_norm) if self.options.checks_globally else None
         self.profile = profile
         self._meter = MemoryMeter(tuple(self.stages.values()), device) if profile else None
         self.iteration = 0
@@ -191,6 +191,23 @@ class PipelineTrainer:
             for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
                 self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
+    def _counts_norm(self) -> bool:
+        """Whether this worker's stage norm enters the global one (its stage's lowest live replica)."""
+        return self.worker == min(self.plan.topology.stage_group(self.worker.stage))
+
+    def settle(self) -> StepOutcome | None:
+        """Validate the last update now (max_grad_norm, skip_nonfinite; see `training`): parameters
+        are final after it. `run_iteration` and reading a step's result do it by themselves."""
+        return self.checks.settle() if self.checks is not None else None
+
+    def update(self, iteration: int) -> None:
+        """The update STEP applies: the optimizer step (and LR schedule), through the global check if any."""
+        if self.checks is not None:
+            self.checks.step(iteration)
+        else:
+            for stage in self.stages.values():
+                stage.step()
+
     def _common_origin(self) -> float:
         """Rank 0's `perf_counter` now: one origin for every rank's spans.
 
@@ -238,7 +255,8 @@ class PipelineTrainer:
         # On the compute device (every group serves it): moving it to the CPU would wait for the GPU.
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).to(torch.float64)
         work = dist.all_reduce(loss, group=self.comm.control, async_op=True)
-        return Loss(loss, work)
+        checks = self.checks
+        return Loss(loss, work, functools.partial(checks.outcome, it.number) if checks is not None else None)
 
     def run_iteration(self, batch: tuple[Tensors, Tensors], *, step: Callable[[Iteration], None] | None = None,
                       ledger: Tensor | None = None, before: Callable[[int, Instruction], None] | None = None,
@@ -252,13 +270,18 @@ class PipelineTrainer:
         """
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise RuntimeSetupError("step takes batch=(inputs, targets), each a tensor or a tuple of tensors")
+        self.settle()  # the last update is validated before this iteration reads the parameters
         self._probe_shapes(batch[0])
         began = time.perf_counter()
+        if step is None and self.checks is not None:
+            step = self._update
         it = self._iteration(self.iteration, batch, step, ledger)
         if started is not None:
             started(it)
         timing: Timing | None = [] if self.profile else None
         run_stream(it, self.stream, timing, before)
+        if self.checks is not None and not self.checks.launched(it.number):
+            self.checks.contribute_nothing(it.number)  # no STEP here (an idle worker): still in the collective
         if timing is not None:
             self._timings.append((self.iteration, timing, it.arrivals, it.memory))
         self.step_seconds.append(time.perf_counter() - began)
@@ -281,6 +304,9 @@ class PipelineTrainer:
             meter=self._meter,
         )
         return it
+
+    def _update(self, it: Iteration) -> None:
+        self.update(it.number)
 
     def resume(self, number: int, batch: tuple[Tensors, Tensors], residual: Residual,
                step: Callable[[Iteration], None], ledger: Tensor, interrupted: Iteration | None = None,
@@ -325,7 +351,8 @@ class PipelineTrainer:
         return spans
 
     def close(self) -> None:
-        """Leave the job (destroys the default process group)."""
+        """Leave the job (validates the last update, destroys the default process group)."""
+        self.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
 

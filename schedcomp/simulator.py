@@ -37,6 +37,7 @@ from typing import Any
 from schedcomp import limits
 from schedcomp.check import check, is_checked
 from schedcomp.errors import SchedcompTypeError, ValidationError
+from schedcomp.gradcheck import BARRIER, POST, GradCheckCost
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, peak_of, stream_deltas
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
@@ -109,7 +110,7 @@ class Simulation:
 
 
 def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = False, *,
-             validate: bool = True) -> Simulation:
+             validate: bool = True, grad_check: GradCheckCost | None = None) -> Simulation:
     """Run `plan` for `iterations` iterations over its cost model (see the module docstring).
 
     The plan is validated first (`schedcomp.check.check`) unless it already passed it: the engine
@@ -117,6 +118,7 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
     needs it) would get a period it can never run at. Raises ValidationError naming the broken rule.
     `validate=False` times a plan as written (to study the engine on hand-made, partial plans); the
     engine still reports deadlocks and unmatched transfers it runs into, but not every broken rule.
+    `grad_check`: time a global gradient check (clipping, non-finite skip) as `schedcomp.gradcheck` says.
     """
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"simulate needs a Plan, got {type(plan).__name__}: compile one with "
@@ -154,6 +156,14 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
     released = [0] * nw  # synchronous optimizer: the last iteration this stream may start
     queue = list(range(nw))
     queued = [True] * nw
+    # the global gradient check (`gradcheck`): who launched its share of iteration it, when
+    check_barrier = grad_check is not None and grad_check.mode == BARRIER
+    check_post = grad_check is not None and grad_check.mode == POST
+    stepping = sum(1 for st in streams if STEP in st.codes)
+    launched: dict[int, dict[int, float]] = {}
+    validated = [0] * nw  # post: the last iteration whose start waited for the previous one's check
+    redo = [grad_check.redo_time(sum(st.dur[k] for k in range(len(st.at)) if st.codes[st.at[k]] == STEP))
+            if grad_check is not None else 0.0 for st in streams]
 
     def wake(v: int) -> None:
         if waiting[v] and not queued[v]:
@@ -187,6 +197,15 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
                         clock[v] = t
                         if v != wi:
                             wake(v)
+                if check_post and validated[wi] < it:
+                    assert grad_check is not None
+                    shares = launched.get(it - 1, {})
+                    if len(shares) < stepping:
+                        clock[wi] = t
+                        blocked = True
+                        break
+                    t = max(t, max(shares.values()) + grad_check.reduce) + redo[wi]
+                    validated[wi] = it
                 iter_start[wi][it] = t
             j = at[k]
             base = it * n
@@ -208,8 +227,29 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
                     s_start[base + js], s_end[base + js] = t, t + p2p
                     arrival[pwi][it * sizes[pwi] + pj] = t + p2p
                     wake(pwi)
+            elif code == STEP and check_barrier:  # every STEP waits for every worker's share
+                assert grad_check is not None
+                reached_check = rendezvous.setdefault(("check", it), {})
+                reached_check[wi] = (t, p)
+                if len(reached_check) < stepping:
+                    blocked = True
+                    break
+                begin = max(r[0] for r in reached_check.values()) + grad_check.reduce
+                del rendezvous[("check", it)]
+                for v, (_, vp) in reached_check.items():
+                    vit, vk = divmod(vp, nbs[v])
+                    vj = vit * sizes[v] + streams[v].at[vk]
+                    start[v][vj], end[v][vj] = begin, begin + streams[v].dur[vk]
+                    if v != wi:
+                        pos[v], clock[v] = vp + 1, end[v][vj]
+                        wake(v)
+                t = begin + dur[k]
             elif code == STEP:
                 s_start[base + j], s_end[base + j] = t, t + dur[k]
+                if check_post:  # its share is sent as STEP starts; workers waiting on it may go on
+                    launched.setdefault(it, {})[wi] = t
+                    for v in range(nw):
+                        wake(v)
                 t += dur[k]
             elif code == ALLREDUCE:  # a collective over the stage's live workers
                 group = groups[wi]

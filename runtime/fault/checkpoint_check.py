@@ -109,9 +109,16 @@ def check_against_stage(manifest: Manifest, module: nn.Module, optimizer: Any) -
     """Refuse a manifest whose layout is not this stage's own (module and optimizer)."""
     what = f"checkpoint manifest {manifest.path}"
     saved = unflatten_checked(manifest)
-    if not isinstance(saved, dict) or set(saved) != {"module", "optimizer"}:
+    if not isinstance(saved, dict) or not {"module", "optimizer"} <= set(saved):
         raise RecoveryError(f"{what} does not hold a stage state (module and optimizer): {_FIX}")
     own = stage_state(module, optimizer)
+    if set(saved) != set(own):  # state tied to the optimizer (`training.attach`): an LR schedule, a loss scaler
+        missing, extra = _key_diff(saved, own)
+        raise RecoveryError(f"{what} holds other training state than this stage (missing {missing}, unexpected "
+                            f"{extra}): pass the same lr_scheduler and autocast options as the run that wrote it")
+    for name in set(saved) - {"module", "optimizer"}:
+        if any(True for _ in _specs_in(saved[name])):  # schedules and scalers are numbers: a tensor is crafted
+            raise RecoveryError(f"{what}: the {name} state holds a tensor: {_FIX}")
     _check_module(saved["module"], own["module"], what)
     if (own["optimizer"] is None) != (saved["optimizer"] is None):
         raise RecoveryError(f"{what} {'has' if own['optimizer'] is None else 'lacks'} optimizer state, this "

@@ -49,6 +49,8 @@ class Report:
     completed_at: dict[int, float] = field(default_factory=dict)  # iteration -> time.time() of its STEP
     skipped: dict[int, list[int]] = field(default_factory=dict)  # lossy: iteration -> global-batch chunks lost
     skipped_samples: dict[int, int] = field(default_factory=dict)  # lossy: iteration -> samples lost
+    # max_grad_norm / skip_nonfinite: iteration -> (global gradient norm, clipped, update skipped)
+    updates: dict[int, tuple[float, bool, bool]] = field(default_factory=dict)
     run: int = 0  # restarts of the job from a checkpoint before this run
     restored_from: int | None = None  # the checkpoint this run started from (None: none, from scratch)
     iterations_lost: int | None = None  # a restarted run: iterations the restart threw away

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from schedcomp.errors import RecoveryError
+from schedcomp.runtime.training import attached_to
 
 STATE_FORMAT = 1
 
@@ -145,16 +146,31 @@ def _is_key(k: Any) -> bool:
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Everything a replica of the stage holds that training changes."""
-    return {"module": module.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None}
+    """Everything a replica of the stage holds that training changes.
+
+    With state tied to the optimizer (`training.attach`: an LR schedule, fp16's loss scaler), that
+    too, each under its name: snapshots, transfers and checkpoints then keep it exact.
+    """
+    state = {"module": module.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None}
+    for name, stateful in attached_to(optimizer).items():
+        state[name] = stateful.state_dict()
+    return state
 
 
 def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
     """Copy `state` into the module's own tensors and the optimizer (values are copied, never aliased)."""
+    attached = attached_to(optimizer)
+    extra = set(state) - {"module", "optimizer"}
+    if extra != set(attached):
+        raise RecoveryError(f"the stage state holds {sorted(extra) or 'nothing'} besides module and optimizer, this "
+                            f"stage {sorted(attached) or 'nothing'}: give every worker the same lr_scheduler and "
+                            "autocast options")
     with torch.no_grad():
         module.load_state_dict(state["module"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
+    for name, stateful in attached.items():
+        stateful.load_state_dict(state[name])
 
 
 def to_bytes(tensors: list[Tensor], device: torch.device) -> Tensor:

@@ -39,21 +39,30 @@ def chaos_batch(iteration: int, chunks: int):
             torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64))
 
 
-def chaos_reference(pp: int, chunks: int, iterations: int) -> list[dict]:
-    """The fault-free model, trained in one process on the same global batches."""
+def chaos_reference(pp: int, chunks: int, iterations: int, schedule: str | None = None,
+                    max_norm: float | None = None) -> list[dict]:
+    """The fault-free model, trained in one process on the same global batches (with `schedule`, a
+    `training_models.SCHEDULES` LR schedule per stage; with `max_norm`, `clip_grad_norm_` on the whole model)."""
+    import torch
     import torch.nn.functional as F
-    from momentum import Momentum  # imports torch: only once the child's deadline is armed
+    from momentum import ScheduledMomentum  # imports torch: only once the child's deadline is armed
+    from training_models import SCHEDULES
 
     stages = [chaos_stage(s, pp) for s in range(pp)]
-    optimizers = [Momentum(m.parameters()) for m in stages]
+    optimizers = [ScheduledMomentum(m.parameters()) for m in stages]
+    schedulers = [SCHEDULES[schedule](o) for o in optimizers] if schedule else []
     for i in range(iterations):
         x, y = chaos_batch(i, chunks)
         for m in stages:
             x = m(x)
         F.mse_loss(x, y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for m in stages for p in m.parameters()], max_norm)
         for o in optimizers:
             o.step()
             o.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
 
 
@@ -185,9 +194,20 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
                 session.store.set("killed_at", repr(time.time()))  # for the benchmark's recovery times
             kill(iteration, index, ins)
 
+    # CHAOS_SCHEDULE (a `training_models.SCHEDULES` name), CHAOS_MAX_NORM: the training-loop options
+    schedule, max_norm = os.environ.get("CHAOS_SCHEDULE"), os.environ.get("CHAOS_MAX_NORM")
+    options = {}
+    if schedule or max_norm:
+        from momentum import ScheduledMomentum
+        from training_models import SCHEDULES
+
+        Momentum = ScheduledMomentum
+        options = {"lr_scheduler": SCHEDULES[schedule] if schedule else None,
+                   "max_grad_norm": float(max_norm) if max_norm else None}
     trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
-                               after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"))
+                               after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"),
+                               **options)
     report = trainer.run(int(iterations))
     if recovering.get(env.worker) == "end":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -202,7 +222,9 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "rejoined": report.rejoined.__dict__ if report.rejoined is not None else None,
           "completed_at": {str(i): t for i, t in report.completed_at.items()},
           "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None,
-          "device": str(trainer.trainer.device) if trainer.trainer is not None else None})
+          "device": str(trainer.trainer.device) if trainer.trainer is not None else None,
+          "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None,
+          "updates": {str(i): u for i, u in report.updates.items()}})
     trainer.close()
 
 
