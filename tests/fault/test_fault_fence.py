@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from schedcomp.runtime.fault.fence import Fence
+from schedcomp.runtime.fault.fence import WORKER_FENCED, Fence
 from schedcomp.runtime.fault.launch import main
 from schedcomp.runtime.fault.membership import FailureDetector
 from schedcomp.runtime.fault.store import serve_store
@@ -43,18 +43,30 @@ def test_a_fence_fires_once_after_the_limit_without_contact() -> None:
     assert seen.messages[0].endswith("(limit 0.3 s): it stops")
 
 
+class ManualClock:
+    """A clock the test advances: a fence's silence is then what the test says, however late its threads run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_contact_keeps_a_fence_from_firing() -> None:
-    seen = Recorder()
-    fence = Fence(0.3, "worker 1:0", action=seen).start()
+    seen, clock = Recorder(), ManualClock()
+    fence = Fence(0.3, "worker 1:0", action=seen, clock=clock).start()
     try:
-        until = time.monotonic() + 1.2  # four limits, with contact all along
-        while time.monotonic() < until:
+        for _ in range(24):  # four limits pass, with contact every 0.05 s of them
+            clock.now += 0.05
             fence.contact()
-            time.sleep(0.01)
+            time.sleep(0.005)  # the fence's thread checks in between
         assert not seen.fired.is_set()
-        assert seen.fired.wait(10.0)  # and it fires once contact stops
+        clock.now += 0.31  # then a limit without contact
+        assert seen.fired.wait(10.0)  # and it fires
     finally:
         fence.stop()
+    assert seen.messages == ["worker 1:0: no answer from the job's store for 0.3 s (limit 0.3 s): " + WORKER_FENCED]
 
 
 def test_a_stopped_fence_never_fires() -> None:
@@ -71,16 +83,32 @@ def test_a_fence_needs_a_positive_limit() -> None:
 
 
 def test_the_detector_polls_are_the_contact_and_a_dead_store_fences() -> None:
-    # A detector whose store answers keeps its fence quiet; once the store is gone, it fires.
+    # Each poll the store answers is a contact: the fence's silence restarts with every one. Once the
+    # store is gone, no poll answers and the fence fires. The fence's clock is the test's.
     server, address = serve_store()
-    seen = Recorder()
+    seen, clock = Recorder(), ManualClock()
     detector = FailureDetector(address, Worker(0, 0), detection_time=0.5, poll=0.01)
-    detector._fence.action = seen  # the real action ends the process
+    fence = detector._fence
+    fence.action, fence.clock = seen, clock  # the real action ends the process
+    contacts = threading.Semaphore(0)
+    answered = fence.contact
+
+    def contact() -> None:
+        answered()
+        contacts.release()
+
+    fence.contact = contact
     detector.start()
     try:
-        time.sleep(1.5)  # three detection times with a live store
+        for _ in range(15):  # three detection times pass, and after each 0.1 s a poll is answered
+            clock.now += 0.1
+            while contacts.acquire(blocking=False):  # contacts from before this step
+                pass
+            assert contacts.acquire(timeout=20.0)
         assert not seen.fired.is_set()
         del server  # the store goes away
+        assert detector.signal.wait(20.0)  # its poll failed: the detector stopped polling, no contact comes now
+        clock.now += 0.6
         assert seen.fired.wait(20.0)
         assert "worker 0:0: no answer from the job's store" in seen.messages[0]
     finally:
