@@ -1,0 +1,75 @@
+"""Worker processes of logging-based recovery jobs (`fault.swift`) for the tests and `bench/bench_logging.py`.
+
+Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]`
+under `python -m schedcomp.runtime.fault.launch --respawn 1 --max-restarts 1`; victims (`resilient_procs.
+parse_victims`) die in run 0, first incarnation only. Each worker prints one JSON line: its report
+and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+from fault_procs import CHILD_DEADLINE, emit, setup_logging
+from resilient_procs import chaos_batch, chaos_stage, parse_victims
+
+
+def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
+           budget: str = str(1 << 30)) -> None:
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
+
+    from schedcomp.cache import PlanCache
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.inject import kill_at
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    started = time.time()
+    setup_logging()
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
+    cache = PlanCache.load(cache_dir)
+    at, _ = parse_victims(victims)
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
+                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))
+    kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
+
+    def before(iteration: int, index: int, ins) -> None:
+        if kill is None or (iteration, index) < at[env.worker]:
+            return
+        root.compare_set("killed_at", "", repr(time.time()))
+        kill(iteration, index, ins)
+
+    logging = None if where == "none" else LoggingPolicy(where, budget_bytes=int(budget))
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+                               lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session, before=before,
+                               checkpoint=CheckpointPolicy(ckpt_dir, every=int(every)), logging=logging)
+    report = trainer.run(int(iterations))
+    emit({"worker": str(env.worker), "incarnation": env.incarnation, "run": report.run,
+          "iterations": report.iterations, "restored_from": report.restored_from,
+          "resumed_at": report.resumed_at, "replayed": report.replayed, "replay_seconds": report.replay_seconds,
+          "log_bytes": {str(i): n for i, n in report.log_bytes.items()}, "log_peak": report.log_peak,
+          "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "ledger": {str(i): v for i, v in report.ledger.items()},
+          "recoveries": [r.__dict__ for r in report.recoveries],
+          "completed_at": {str(i): t for i, t in report.completed_at.items()}, "started_at": started,
+          "killed_at": float(root.get("killed_at")) if root.check(["killed_at"]) else None})
+    trainer.close()
+
+
+if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)
+    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    worker(*sys.argv[1:])
