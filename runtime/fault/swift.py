@@ -152,20 +152,12 @@ class SwiftPolicy(RollbackPolicy):
         session, pp = host.session, host.session.env.pp
         assert session.view is not None and self.log is not None and host.trainer is not None
         me, generation = session.me, session.view.generation
-        why = None
-        if any(s + 1 in lost for s in lost):
-            why = "adjacent stages lost"
-        elif not all(self.logging.replayable(s, pp) for s in lost):
-            why = "a lost stage's boundaries are not logged"
-        proposal: dict[str, int] = {}
-        for s in lost:
-            done = [i for i in complete_iterations(self.checkpoint.directory, s) if i < rerun]
-            proposal[str(s)] = done[-1] if done else -1
+        complete = {s: complete_iterations(self.checkpoint.directory, s) for s in lost}
+        proposal, _ = replay_sources(lost, pp, self.logging, complete, rerun)
         # The first survivor's reading wins: a checkpoint completing meanwhile must not split them.
         sources = {int(s): c for s, c in json.loads(session.store.compare_set(
-            f"swift/gen{generation}/from", "", json.dumps(proposal))).items()}
-        if why is None and min(sources.values()) < 0:
-            why = "no checkpoint of a lost stage before the iteration to re-run"
+            f"swift/gen{generation}/from", "", json.dumps({str(s): c for s, c in proposal.items()}))).items()}
+        _, why = replay_sources(lost, pp, self.logging, {s: [c] for s, c in sources.items()}, rerun)
         mine = {str(s): {str(j): [list(k) for k in keys]
                          for j, keys in self.log.coverage(s, range(c + 1, rerun)).items()}
                 for s, c in sources.items() if abs(me.stage - s) == 1}
@@ -231,6 +223,23 @@ class SwiftPolicy(RollbackPolicy):
         log.warning("worker %s: rebuilt stage %d from checkpoint %d by replaying %d iterations", me, me.stage, source,
                     len(iterations))
         return rerun
+
+
+def replay_sources(lost: list[int], pp: int, logging: LoggingPolicy, complete: Mapping[int, list[int]],
+                   rerun: int) -> tuple[dict[int, int], str | None]:
+    """Each lost stage's checkpoint to replay from (-1: none), and why replay cannot go on (None: it can).
+
+    `complete[s]`: the iterations stage s has complete checkpoints of; `rerun`: the iteration the
+    survivors go on with, so each lost stage must be rebuilt to its state after `rerun - 1`.
+    """
+    sources = {s: max((i for i in complete.get(s, []) if i < rerun), default=-1) for s in lost}
+    if any(s + 1 in lost for s in lost):
+        return sources, "adjacent stages lost"
+    if not all(logging.replayable(s, pp) for s in lost):
+        return sources, "a lost stage's boundaries are not logged"
+    if min(sources.values()) < 0:
+        return sources, "no checkpoint of a lost stage before the iteration to re-run"
+    return sources, None
 
 
 def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int, pp: int, dp: int,
