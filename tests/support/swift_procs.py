@@ -3,7 +3,8 @@
 Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]`
 under `python -m schedcomp.runtime.fault.launch --respawn 1 --max-restarts 1`; victims (`resilient_procs.
 parse_victims`) die in run 0, first incarnation only. Each worker prints one JSON line: its report
-and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart.
+and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart;
+HIDDEN: the chaos model's width (default 8; the benchmark's larger model).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from resilient_procs import chaos_batch, chaos_stage, parse_victims
 
 
 def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
-           budget: str = str(1 << 30)) -> None:
+           budget: str = str(1 << 30), hidden: str = "8") -> None:
     import functools
 
+    import resilient_procs
     import torch
     import torch.nn.functional as F
     from momentum import Momentum  # imports torch: only once the child's deadline is armed
@@ -35,6 +37,7 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     from schedcomp.runtime.resilient import ResilientTrainer
 
     started = time.time()
+    resilient_procs.H = int(hidden)  # read by chaos_stage and chaos_batch when called
     setup_logging()
     torch.set_num_threads(1)
     env = WorkerEnv.from_env()
@@ -58,6 +61,7 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     report = trainer.run(int(iterations))
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "run": report.run,
           "iterations": report.iterations, "restored_from": report.restored_from,
+          "iterations_lost": report.iterations_lost,
           "resumed_at": report.resumed_at, "replayed": report.replayed, "replay_seconds": report.replay_seconds,
           "log_bytes": {str(i): n for i, n in report.log_bytes.items()}, "log_peak": report.log_peak,
           "state": {k: v.tolist() for k, v in trainer.state().items()},
