@@ -10,13 +10,12 @@ HIDDEN: the chaos model's width (default 8; the benchmark's larger model).
 from __future__ import annotations
 
 import faulthandler
-import os
 import signal
 import sys
 import time
 
-from fault_procs import CHILD_DEADLINE, emit, setup_logging
-from resilient_procs import chaos_batch, chaos_stage, parse_victims
+from fault_procs import CHILD_DEADLINE, emit
+from resilient_procs import chaos_batch, chaos_stage, restarting_worker
 
 
 def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
@@ -24,29 +23,16 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     import functools
 
     import resilient_procs
-    import torch
     import torch.nn.functional as F
     from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
-    from schedcomp.cache import PlanCache
     from schedcomp.runtime.fault.boundary_log import LoggingPolicy
-    from schedcomp.runtime.fault.inject import kill_at
     from schedcomp.runtime.fault.restart import CheckpointPolicy
-    from schedcomp.runtime.fault.session import FaultSession
-    from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv
     from schedcomp.runtime.resilient import ResilientTrainer
 
     started = time.time()
     resilient_procs.H = int(hidden)  # read by chaos_stage and chaos_batch when called
-    setup_logging()
-    torch.set_num_threads(1)
-    env = WorkerEnv.from_env()
-    root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
-    cache = PlanCache.load(cache_dir)
-    at, _ = parse_victims(victims)
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
-                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))
-    kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
+    env, root, cache, at, session, kill = restarting_worker(cache_dir, victims)
 
     def before(iteration: int, index: int, ins) -> None:
         if kill is None or (iteration, index) < at[env.worker]:
