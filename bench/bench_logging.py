@@ -20,8 +20,9 @@ the same job runs twice with the same death:
 - `replayed`: iterations the replacement replayed (`replay s`: how long, of `logging s`);
   `lost`: iterations every worker re-ran after the restart.
 - `step ms` (no logging / logging): median time between consecutive iterations' STEP on each
-  worker before the death; `overhead`: their ratio - 1. `log B/it`: boundary bytes the whole job
-  logs per iteration (each worker's `Report.log_bytes`, summed).
+  worker, without logging in the restarted run, with logging before the death; `overhead`:
+  their ratio - 1 (noisy on a loaded machine: a few iterations of a few milliseconds each).
+  `log B/it`: boundary bytes the whole job logs per iteration (each worker's `Report.log_bytes`, summed).
 
 Both recovery times include process start-up of the replacement (logging) or of every worker
 (restart): on this machine the start-up (importing torch) dominates restart, and replay is short
@@ -62,10 +63,10 @@ def until(results: dict[str, dict], iteration: int) -> float:
     return max(r["completed_at"][str(iteration)] for r in results.values()) - killed
 
 
-def step_seconds(results: dict[str, dict], before: int) -> float:
-    """Median time between consecutive STEPs of the iterations before `before`, over every worker."""
+def step_seconds(results: dict[str, dict], iterations: range) -> float:
+    """Median time between consecutive STEPs of `iterations` on each worker, over every worker."""
     gaps = [r["completed_at"][str(i)] - r["completed_at"][str(i - 1)] for r in results.values()
-            for i in range(1, before) if str(i) in r["completed_at"] and str(i - 1) in r["completed_at"]]
+            for i in iterations if str(i) in r["completed_at"] and str(i - 1) in r["completed_at"]]
     return statistics.median(gaps)
 
 
@@ -93,7 +94,8 @@ def main() -> None:
                 rebuilt = logged[f"0:{LOST}"]
                 ours, theirs = until(logged, at), until(plain, at)
                 lost = next(iter(plain.values()))["iterations_lost"]
-                with_log, without = step_seconds(logged, at), step_seconds(plain, at)
+                # without logging: the restarted run's iterations (the only ones it reports), none after a death
+                with_log, without = step_seconds(logged, range(1, at)), step_seconds(plain, range(1, at + 2))
                 per_it = statistics.mean(sum(r["log_bytes"].get(str(i), 0) for r in logged.values())
                                          for i in range(at))
                 print(f"{hidden:>6} {every:>5} {ours:>9.3f} {len(rebuilt['replayed']):>8} "

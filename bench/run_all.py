@@ -22,6 +22,7 @@ BENCHES = [
     ("bench_split_backward.py", []),
     ("bench_fault.py", ["--quick"]),
     ("bench_rejoin.py", ["--quick"]),
+    ("bench_logging.py", ["--quick"]),
     ("bench_goodput.py", ["--quick"]),
     ("bench_checkpoint.py", ["--quick"]),
     ("bench_checkpoint_checks.py", ["--quick"]),
