@@ -32,8 +32,8 @@ Exactness: the replacement sums the gradients of all the stage's micro-batches i
 original replicas summed theirs and all-reduced: the same values up to summation order (1e-10 in
 float64, as rollback). The random state is restored per home pipeline and iteration, and each
 pipeline's micro-batches are replayed in order, as every family's fault-free plan runs them.
-Replay runs on the replacement of each lost replica (each rebuilds the whole stage; SWIFT's
-parallel replay over idle peers is not done).
+The replacements of a stage's replicas replay in parallel (SWIFT's parallel recovery): each its
+share of the pipelines, summing their gradients before each step; other idle workers do not help.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
@@ -137,8 +138,8 @@ class SwiftPolicy(RollbackPolicy):
         host.roll_back(decision)
         me = session.me
         for s, c in sources.items():
-            if abs(me.stage - s) != 1:
-                continue
+            if abs(me.stage - s) != 1 or c + 1 >= rerun:
+                continue  # not a neighbour, or nothing to replay (the replacement expects nothing)
             entries = self.log.entries(s, range(c + 1, rerun))
             for w in sorted(joiners):
                 if w.stage == s:
@@ -214,9 +215,22 @@ class SwiftPolicy(RollbackPolicy):
         states = {(p, j): store.get(_rng_key(Worker(p, me.stage), j))
                   for j in iterations for p in range(session.env.dp)
                   if store.check([_rng_key(Worker(p, me.stage), j)])}
+        # SWIFT's parallel replay: the stage's replacements split its pipelines and sum their gradients.
+        peers = sorted(w for w in joiners if w.stage == me.stage)
+        group = trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage))
+        pipelines = range(session.env.dp)
+        reduce = None
+        if group is not None and sorted(trainer.plan.topology.stage_group(me.stage)) == peers:
+            pipelines = range(peers.index(me), session.env.dp, len(peers))
+
+            def reduce(stage: Stage) -> None:
+                flat = stage.flat_grads()
+                host.wait(dist.all_reduce(flat, group=group, async_op=True))
+                stage.set_flat_grads(flat)
+
         began = time.perf_counter()
         replay(stage, iterations, inputs, grads, states, host.batch_for, session.env.dp, trainer.plan.microbatches,
-               trainer.device, me.pipeline)
+               trainer.device, me.pipeline, pipelines, reduce)
         report.replayed = list(iterations)
         report.replay_seconds = time.perf_counter() - began
         report.restored_from = source
@@ -276,18 +290,22 @@ def _set_rng(data: bytes) -> None:
 
 
 def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, rng: Mapping[tuple[int, int], bytes],
-           batch_for, dp: int, microbatches: int, device: torch.device, own: int = 0) -> None:
+           batch_for, dp: int, microbatches: int, device: torch.device, own: int = 0,
+           pipelines: Iterable[int] | None = None, reduce: Callable[[Stage], None] | None = None) -> None:
     """Run `iterations` of `stage` alone: every chunk's forward and backward from the logs, then the optimizer step.
 
     `inputs[j][chunk]`: what the previous stage sent (unused at stage 0, which reads the batch);
     `grads[j][chunk]`: the gradients the next stage sent back (unused at the last stage, which has
     the loss); `rng[(pipeline, j)]`: that pipeline's random state at the start of iteration j.
     The random state left is pipeline `own`'s after the last iteration, as if that replica had run it.
+    `pipelines`: the home pipelines whose chunks to replay here (default: all); `reduce(stage)` then
+    sums the gradients with the workers replaying the others, before each step.
     """
     chunks, after = dp * microbatches, None
+    mine = list(range(dp) if pipelines is None else pipelines)
     for j in iterations:
         x_all, y_all = batch_for(j)
-        for p in range(dp):
+        for p in mine:
             if (p, j) in rng:
                 _set_rng(rng[(p, j)])
             for m in range(microbatches):
@@ -301,6 +319,8 @@ def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logge
                 stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
             if p == own and (p, j) in rng:
                 after = _rng_bytes()
+        if reduce is not None:
+            reduce(stage)
         stage.step()
     if after is not None:
         _set_rng(after)

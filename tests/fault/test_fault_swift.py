@@ -272,3 +272,53 @@ def test_adjacent_lost_stages_fall_back_to_a_restart(tmp_path: Path) -> None:
     _assert_fault_free(results, 3, 1, 5)
     assert all(r["run"] == 1 and r["restored_from"] is not None for r in results.values())
 
+
+
+def test_replacements_replay_in_parallel_each_its_pipelines() -> None:
+    import threading
+
+    pp, dp, microbatches, lost = 3, 2, 2, 1
+    chunks = dp * microbatches
+    stages = _stages(pp, noisy=-1)
+    inputs: dict = {}
+    grads: dict = {}
+    for j in range(3):  # the fault-free job in one process, logging what stage 1 receives
+        x_all, y_all = chaos_batch(j, chunks)
+        for p in range(dp):
+            for m in range(microbatches):
+                key, index = (p, m), chunk_index(p, m, microbatches)
+                x = (micro_batch(x_all, index, chunks),)
+                for stage in stages:
+                    if stage.index == lost:
+                        inputs.setdefault(j, {})[key] = x
+                    y = micro_batch(y_all, index, chunks) if stage.is_last else None
+                    x = stage.forward(key, tuple(t.clone() for t in x), y, scale=1.0 / chunks)
+                g = ()
+                for stage in reversed(stages):
+                    if stage.index == lost:
+                        grads.setdefault(j, {})[key] = g
+                    g = stage.backward(key, g, split=False)
+        for stage in stages:
+            stage.step()
+    replicas = [_stages(pp, noisy=-1)[lost] for _ in range(dp)]
+    barrier, shared = threading.Barrier(dp), [None] * dp
+
+    def reducer(p: int):
+        def reduce(stage: Stage) -> None:  # an all-reduce of two threads: each adds up both
+            shared[p] = stage.flat_grads()
+            barrier.wait()
+            total = sum(shared)
+            barrier.wait()
+            stage.set_flat_grads(total)
+        return reduce
+
+    threads = [threading.Thread(target=replay, args=(replicas[p], range(3), inputs, grads, {},
+                                                     lambda j: chaos_batch(j, chunks), dp, microbatches,
+                                                     torch.device("cpu"), p, [p], reducer(p))) for p in range(dp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for replica in replicas:
+        for name, value in stages[lost].module.state_dict().items():
+            assert (replica.module.state_dict()[name] - value).abs().max().item() <= TOLERANCE, name
