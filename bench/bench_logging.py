@@ -73,10 +73,12 @@ def step_seconds(results: dict[str, dict], iterations: range) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="hidden 8 only, every 2 and 4")
+    parser.add_argument("--sizes", type=int, nargs="+", help="model widths (default 8 512)")
     args = parser.parse_args()
     from schedcomp.cache import precompile
 
     sizes, intervals = ([8], [2, 4]) if args.quick else ([8, 512], [2, 4, 8])
+    sizes = args.sizes or sizes
     print(f"pp={PP} dp={DP} (stage {LOST} lost), {MICROBATCHES} micro-batches: death -> the iteration in flight "
           "completed on every worker")
     print(f"{'hidden':>6} {'every':>5} {'logging s':>9} {'replayed':>8} {'replay s':>8} {'restart s':>9} "

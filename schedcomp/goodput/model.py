@@ -78,8 +78,9 @@ class LoggingCosts:
 
 
 LOGGING = LoggingCosts()
-"""Defaults: `python bench/bench_logging.py` measures the step-time overhead of logging in host memory
-on CPU/gloo (a few percent for the small models there: a copy of each boundary tensor's reference)."""
+"""Defaults, assumed: 2 % step-time overhead (SWIFT reports a few percent for logging to host memory;
+`python bench/bench_logging.py` measures ours, but on the shared CPU machine its step times are too
+noisy to pin a figure); replay as fast as the original compute of the stage."""
 
 
 def replay_seconds(costs: CostModel, dp: int, microbatches: int, period: float, iteration_s: float,

@@ -50,7 +50,8 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
           "iterations_lost": report.iterations_lost,
           "resumed_at": report.resumed_at, "replayed": report.replayed, "replay_seconds": report.replay_seconds,
           "log_bytes": {str(i): n for i, n in report.log_bytes.items()}, "log_peak": report.log_peak,
-          "state": {k: v.tolist() for k, v in trainer.state().items()},
+          # a wide model's state would be megabytes of JSON in one write to a pipe: the benchmark needs none
+          "state": {k: v.tolist() for k, v in trainer.state().items()} if int(hidden) <= 64 else {},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries],
           "completed_at": {str(i): t for i, t in report.completed_at.items()}, "started_at": started,
