@@ -37,6 +37,7 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     def before(iteration: int, index: int, ins) -> None:
         if kill is None or (iteration, index) < at[env.worker]:
             return
+        trainer.last_resort.close()  # its checkpoint in flight completes first: what recovery finds is not a race
         root.compare_set("killed_at", "", repr(time.time()))
         kill(iteration, index, ins)
 
