@@ -4,6 +4,7 @@ Reproduce (about 15 minutes on a 2-core machine; `--quick`: one model size, two 
 
     python bench/bench_logging.py
     python bench/bench_logging.py --quick
+    python bench/bench_logging.py --overhead     # only Table 2
 
 The job: pp = 4, dp = 1 (4 processes, so every death loses a whole stage), 4 micro-batches, the
 chaos-test model of `tests/support/resilient_procs.py` at two widths (hidden 8 and 512: 0.6 KB and
@@ -23,6 +24,11 @@ the same job runs twice with the same death:
   worker, without logging in the restarted run, with logging before the death; `overhead`:
   their ratio - 1 (noisy on a loaded machine: a few iterations of a few milliseconds each).
   `log B/it`: boundary bytes the whole job logs per iteration (each worker's `Report.log_bytes`, summed).
+
+Table 2 (`--overhead`, in one process, seconds): what logging adds to one worker's iteration, the
+part the end-to-end step times above cannot resolve: `BoundaryLog.add` of a middle stage's sends
+(4 micro-batches of 2 x hidden float64 each way) and the pruning, in host memory and on local disk,
+plus the random state's write to the job's TCPStore; median of 200 iterations.
 
 Both recovery times include process start-up of the replacement (logging) or of every worker
 (restart): on this machine the start-up (importing torch) dominates restart, and replay is short
@@ -70,12 +76,57 @@ def step_seconds(results: dict[str, dict], iterations: range) -> float:
     return statistics.median(gaps)
 
 
+def overhead(sizes: list[int], repeats: int = 200) -> None:
+    """Table 2: milliseconds logging adds to one worker's iteration (see the module docstring)."""
+    import time
+
+    import torch
+
+    from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
+    from schedcomp.runtime.fault.store import serve_store
+    from schedcomp.runtime.fault.swift import _rng_bytes
+    from schedcomp.semantics import ACT, GRAD
+    from schedcomp.topology import Worker
+
+    print("\nTable 2: logging's cost per worker and iteration (middle stage, 4 micro-batches), median ms")
+    print(f"{'hidden':>6} {'memory ms':>9} {'disk ms':>8} {'rng ms':>7} {'bytes/it':>9}")
+    _server, address = serve_store()
+    store = address.connect()
+    for hidden in sizes:
+        sent = {(d, (0, m)): (torch.randn(2, hidden, dtype=torch.float64),) for d in (ACT, GRAD) for m in range(4)}
+        row = []
+        with tempfile.TemporaryDirectory(prefix="schedcomp-log-") as folder:
+            for where in ("memory", folder):
+                log = BoundaryLog(LoggingPolicy(where), Worker(0, 1))
+                times = []
+                for i in range(repeats):
+                    began = time.perf_counter()
+                    log.add(i, sent)
+                    log.prune(0, i - 4)
+                    log.prune(2, i - 4)
+                    times.append(time.perf_counter() - began)
+                row.append(statistics.median(times))
+        times = []
+        for i in range(repeats):
+            began = time.perf_counter()
+            store.set(f"swift/rng/0:1/{i}", _rng_bytes())
+            times.append(time.perf_counter() - began)
+        nbytes = sum(t.numel() * t.element_size() for ts in sent.values() for t in ts)
+        print(f"{hidden:>6} {1e3 * row[0]:>9.3f} {1e3 * row[1]:>8.3f} {1e3 * statistics.median(times):>7.3f} "
+              f"{nbytes:>9}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="hidden 8 only, every 2 and 4")
     parser.add_argument("--sizes", type=int, nargs="+", help="model widths (default 8 512)")
+    parser.add_argument("--overhead", action="store_true", help="only Table 2 (in one process, seconds)")
     args = parser.parse_args()
     from schedcomp.cache import precompile
+
+    if args.overhead:
+        overhead(args.sizes or [8, 512])
+        return
 
     sizes, intervals = ([8], [2, 4]) if args.quick else ([8, 512], [2, 4, 8])
     sizes = args.sizes or sizes
@@ -104,6 +155,7 @@ def main() -> None:
                       f"{rebuilt['replay_seconds']:>8.4f} {theirs:>9.3f} {lost:>4} {ours / theirs:>11.3f} "
                       f"{1e3 * without:>7.2f} {1e3 * with_log:>7.2f} {with_log / without - 1:>8.1%} {per_it:>9.0f}",
                       flush=True)
+    overhead(sizes)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ class LoggingCosts:
 
 
 LOGGING = LoggingCosts()
-"""Defaults, assumed: 2 % step-time overhead (SWIFT reports a few percent for logging to host memory;
-`python bench/bench_logging.py` measures ours, but on the shared CPU machine its step times are too
-noisy to pin a figure); replay as fast as the original compute of the stage."""
+"""Defaults, assumed: 2 % step-time overhead, conservative (`python bench/bench_logging.py --overhead`
+measures tens of microseconds per CPU iteration for logging in host memory; a GPU job also copies each
+boundary tensor to the host); replay as fast as the original compute of the stage."""
 
 
 def replay_seconds(costs: CostModel, dp: int, microbatches: int, period: float, iteration_s: float,
