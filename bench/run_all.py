@@ -23,6 +23,7 @@ BENCHES = [
     ("bench_training.py", ["--hidden", "256", "--repeats", "1"]),
     ("bench_fault.py", ["--quick"]),
     ("bench_rejoin.py", ["--quick"]),
+    ("bench_logging.py", ["--quick"]),
     ("bench_goodput.py", ["--quick"]),
     ("bench_checkpoint.py", ["--quick"]),
     ("bench_checkpoint_checks.py", ["--quick"]),

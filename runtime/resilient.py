@@ -60,13 +60,16 @@ from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import Evicted
+from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
 from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
+from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
@@ -82,11 +85,18 @@ BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
 
 
-def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None) -> RecoveryPolicy:
-    """The policy object `ResilientTrainer(policy=..., checkpoint=...)` runs: a name maps to a fresh one.
+def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None,
+                    logging: LoggingPolicy | None = None) -> RecoveryPolicy:
+    """The policy object `ResilientTrainer(policy=..., checkpoint=..., logging=...)` runs: a name maps to a fresh one.
 
-    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`.
+    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`; `logging`
+    makes the default policy logging-based recovery (`fault.swift.SwiftPolicy`).
     """
+    if logging is not None:
+        if policy != "rollback" or checkpoint is None or checkpoint.on_failure == RESTART:
+            raise RecoveryError("logging-based recovery replays from checkpoints and rolls back otherwise: pass "
+                                "checkpoint=CheckpointPolicy(...) (on_failure='replan') and no other policy")
+        return SwiftPolicy(logging, checkpoint)
     if checkpoint is not None and checkpoint.on_failure == RESTART:
         if not isinstance(policy, (str, RestartPolicy)):
             raise RecoveryError(f"on_failure='restart' restarts on every failure, so recovery policy {policy!r} "
@@ -124,6 +134,9 @@ class ResilientTrainer:
       undo, transfer to a replacement, checkpoints).
     - `checkpoint`: `CheckpointPolicy(directory, every)`: asynchronous checkpoints after STEP, resume
       from the latest complete one at start, restart the job from it when a stage is lost (`fault.restart`).
+    - `logging`: `LoggingPolicy(where, budget_bytes, boundaries)`: log boundary tensors and rebuild a
+      stage that lost every replica by replay instead of restarting the job (`fault.swift`; needs
+      `checkpoint` and launching with `--respawn`).
     """
 
     def __init__(self, plans: Any, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
@@ -132,13 +145,17 @@ class ResilientTrainer:
                  after_recovery: Callable[[int], None] | None = None,
                  checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback",
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = False, autocast: torch.dtype | None = None) -> None:
-        self.policy = recovery_policy(policy, checkpoint)
+                 skip_nonfinite: bool = False, autocast: torch.dtype | None = None,
+                 logging: LoggingPolicy | None = None) -> None:
+        self.policy = recovery_policy(policy, checkpoint, logging)
         # the barrier: a step is final when its commit is recorded (see `training`)
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, BARRIER, autocast)
         if self.options.checks_globally and isinstance(self.policy, LossyPolicy):
             raise RecoveryError("max_grad_norm, skip_nonfinite and float16 need every stage's gradients of an "
                                 "iteration, which the lossy policy drops: use policy='rollback' with them")
+        if self.options.checks_globally and logging is not None:
+            raise RecoveryError("max_grad_norm, skip_nonfinite and float16 are not replayed by logging-based recovery "
+                                "yet (a replayed step needs its iteration's global norm): drop logging= to use them")
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
@@ -183,6 +200,14 @@ class ResilientTrainer:
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
         if session.env.rejoining:
             donor = session.donor_for(session.me.stage)
+            rebuild = getattr(self.policy, "rebuild", None)  # logging-based recovery replays the stage
+            if donor is None and rebuild is not None:
+                start = rebuild(self)
+                self.report.resumed_at = start
+                session.commit(start - 1)
+                self.trainer.iteration = self.iteration = start
+                self.policy.on_start(self, start)
+                return start
             if donor is None:
                 raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
                                     "restart the job from a checkpoint")
@@ -300,17 +325,7 @@ class ResilientTrainer:
                 if kept:  # the policy declined to finish it: roll back instead
                     self._drop()
                     kept = False
-                undone = session.me in decision.undo
-                if undone:
-                    self.snapshot.restore()
-                    session.commit(decision.rerun - 1)  # a second recovery must not undo it again
-                for i in [i for i in report.ledger if i >= decision.rerun]:
-                    for table in (report.ledger, report.losses, report.completed_at, report.skipped,
-                                  report.skipped_samples, report.updates):
-                        table.pop(i, None)
-                plan = self.plan_for(view.topology)
-                trainer.regroup(plan, session.groups.rank, session.generation.new_group, self.wait)
-                self._hand_over(decision.rerun)
+                undone = self.roll_back(decision)
                 report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
                                                   decision.rerun, undone, agreed, time.perf_counter() - noticed))
                 return decision.rerun
@@ -319,6 +334,24 @@ class ResilientTrainer:
                 session.report(e)
                 self._drop()
                 kept = False
+
+    def roll_back(self, decision: Rollback) -> bool:
+        """Undo this worker's step of `decision.rerun` if it made one (returns whether), forget what the
+        report says of the iterations to re-run, and switch to the current generation's plan."""
+        session, trainer, report = self.session, self.trainer, self.report
+        assert trainer is not None and self.snapshot is not None and report is not None and session.view is not None
+        undone = session.me in decision.undo
+        if undone:
+            self.snapshot.restore()
+            session.commit(decision.rerun - 1)  # a second recovery must not undo it again
+        for i in [i for i in report.ledger if i >= decision.rerun]:
+            for table in (report.ledger, report.losses, report.completed_at, report.skipped, report.skipped_samples,
+                          report.updates, report.log_bytes):
+                table.pop(i, None)
+        trainer.regroup(self.plan_for(session.view.topology), session.groups.rank, session.generation.new_group,
+                        self.wait)
+        self._hand_over(decision.rerun)
+        return undone
 
     def _hand_over(self, resume_at: int) -> None:
         """After a change of generation: the donor of this stage sends its state to each replacement."""

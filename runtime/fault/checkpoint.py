@@ -148,6 +148,17 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
     return None
 
 
+def complete_iterations(directory: str | Path, stage: int) -> list[int]:
+    """The iterations stage `stage` has a complete checkpoint of, oldest first (logging-based recovery)."""
+    root = Path(directory)
+    try:
+        names = [p.name for p in root.iterdir()] if root.is_dir() else []
+    except OSError:  # a directory being written or removed: nothing known to be complete
+        return []
+    done = (int(m.group(1)) for name in names if (m := _ITER_RE.fullmatch(name)))
+    return sorted(i for i in done if (checkpoint_dir(root, i, stage) / MANIFEST).is_file())
+
+
 def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module,
             optimizer: torch.optim.Optimizer) -> None:
     """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled).

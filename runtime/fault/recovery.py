@@ -33,7 +33,8 @@ returns None). `Report.recoveries[k].method` names the policy that finished the 
 
 `finish` runs after the agreement, on the new generation's groups; `host` (`RecoveryHost`, the
 trainer) is the narrow surface it may use: the session, the `PipelineTrainer`, the step
-snapshot, the report, and five calls (`batch_for`, `plan_for`, `wait`, `step_for`, `record`).
+snapshot, the report, and six calls (`batch_for`, `plan_for`, `wait`, `step_for`, `record`,
+`roll_back`).
 A policy's state is its own: it keeps what it needs from `on_iteration` (the `Iteration`
 objects), never edits the trainer's.
 
@@ -42,6 +43,9 @@ Policies here:
   exactly the fault-free one. Every hook is a no-op: subclass it and override what you need.
 - `RestartPolicy`: restart the whole job from its latest checkpoint on every failure, without
   re-planning (plain checkpoint-restart, for comparison; needs `checkpoint=CheckpointPolicy(...)`).
+- `fault.swift.SwiftPolicy` (`ResilientTrainer(logging=LoggingPolicy(...))`): roll back, except
+  that a stage that lost every replica is rebuilt from its checkpoint by replaying its
+  neighbours' logged boundary tensors, instead of restarting the whole job.
 - `runtime.lossy.LossyPolicy`: keep the iteration in flight and finish it on the survivors without
   the lost micro-batches, rescaling each stage's update (`on_step`).
 
@@ -107,6 +111,8 @@ class RecoveryHost(Protocol):
     def step_for(self, iteration: int, checkpoint: bool = True) -> Callable[[Iteration], None]: ...
 
     def record(self, iteration: int, it: Iteration) -> None: ...  # the iteration is done here: report it
+
+    def roll_back(self, decision: Rollback) -> bool: ...  # undo if stepped, forget the re-run, switch plans
 
 
 @runtime_checkable

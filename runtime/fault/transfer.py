@@ -242,21 +242,35 @@ def send_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     wait_abortable`), so that a recipient dying mid-transfer does not hold the sender for the
     group timeout.
     """
-    device = device or torch.device("cpu")
-    skeleton, tensors = flatten(stage_state(module, optimizer))
-    text = encode_header(skeleton, tensors, info or {})
-    header = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
-    payload = to_bytes(tensors, device)
-    sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
-    for rank in dst:
-        for t in (sizes, header, payload):
-            (wait or _block)(dist.isend(t, dst=rank, group=group))
-    return payload.numel()
+    return send_tree(stage_state(module, optimizer), group, dst, device, info, wait)
 
 
 def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup,
                      src: int, device: torch.device | None = None, wait: Wait | None = None) -> Received:
     """Receive a stage state from rank `src` of `group` into `module`, `optimizer` (`wait`: see `send_stage_state`)."""
+    state, got = recv_tree(group, src, device, wait)
+    load_stage_state(module, optimizer, state)
+    return got
+
+
+def send_tree(obj: Any, group: dist.ProcessGroup, dst: Iterable[int], device: torch.device | None = None,
+              info: dict[str, Any] | None = None, wait: Wait | None = None) -> int:
+    """Send any nest `flatten` accepts to the ranks `dst` of `group` (see `send_stage_state`); returns its bytes."""
+    device = device or torch.device("cpu")
+    skeleton, tensors = flatten(obj)
+    text = encode_header(skeleton, tensors, info or {})
+    header = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+    payload = to_bytes(tensors, device)
+    sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=device)
+    for rank in dst:
+        for t in (sizes, header, payload) if payload.numel() else (sizes, header):  # an empty nest: no bytes
+            (wait or _block)(dist.isend(t, dst=rank, group=group))
+    return payload.numel()
+
+
+def recv_tree(group: dist.ProcessGroup, src: int, device: torch.device | None = None,
+              wait: Wait | None = None) -> tuple[Any, Received]:
+    """Receive what `send_tree` sent from rank `src` of `group`: the nest, its size and the sender's `info`."""
     device = device or torch.device("cpu")
     wait = wait or _block
     sizes = torch.zeros(2, dtype=torch.int64, device=device)
@@ -264,10 +278,10 @@ def recv_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
     wait(dist.irecv(header, src=src, group=group))
     payload = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-    wait(dist.irecv(payload, src=src, group=group))
+    if payload.numel():
+        wait(dist.irecv(payload, src=src, group=group))
     skeleton, specs, info = decode_header(header.cpu().numpy().tobytes())
-    load_stage_state(module, optimizer, unflatten(skeleton, from_bytes(payload, specs)))
-    return Received(payload.numel(), info)
+    return unflatten(skeleton, from_bytes(payload, specs)), Received(payload.numel(), info)
 
 
 # ---- undoing a step --------------------------------------------------------------------------------

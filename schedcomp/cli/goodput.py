@@ -9,8 +9,8 @@ from typing import Any
 from schedcomp.cli.common import load_costs, positive_float, positive_int, print_json
 from schedcomp.cli.progress import ProgressBar
 
-STRATEGIES = ("adaptive", "lossy", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline", "oobleck",
-              "bamboo")
+STRATEGIES = ("adaptive", "lossy", "logging", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline",
+              "oobleck", "bamboo")
 """`schedcomp.goodput.STRATEGIES`, repeated so building the parser imports no solver (a test checks)."""
 DEFAULTS = {"days": 30.0, "repair_hours": 4.0, "checkpoint_seconds": 60.0, "restart_seconds": 600.0}
 

@@ -10,7 +10,11 @@ says what a failure costs:
   pipelines that lost a worker (their share of the iteration's samples is lost, not its time),
   after the same pause;
 - "restart" (checkpoint-restart): back to the last checkpoint, `restart_s` to restart on spares
-  (with `spares=False` the job waits until every failed worker is repaired, then restarts).
+  (with `spares=False` the job waits until every failed worker is repaired, then restarts);
+- "replay" (logging-based recovery, SWIFT): as rollback, but a stage that lost every replica is
+  rebuilt on spares: the job stops for the pause, `restart_s` (the replacements start) and
+  `replay_s` per iteration trained since the last checkpoint, then runs fault-free; only two
+  adjacent lost stages go back to the checkpoint. Logging slows every iteration by `slowdown`.
 
 A rollback or lossy strategy that cannot go on (`relative` is 0: e.g. a stage lost every replica)
 goes back to its last checkpoint, waits for repairs until it can run, and restarts (`restart_s`).
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from schedcomp.goodput.failures import Failure
 from schedcomp.topology import Worker
 
-RECOVERIES = ("rollback", "lossy", "restart")
+RECOVERIES = ("rollback", "lossy", "restart", "replay")
 _EPS = 1e-9
 
 
@@ -45,6 +49,8 @@ class Policy:
     pause_s: float = 0.0
     rejoin_s: float = 0.0
     spares: bool = True
+    replay_s: float = 0.0  # "replay": seconds to replay one iteration of a lost stage
+    slowdown: float = 1.0  # "replay": iteration time with logging over without
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Outcome:
     useful: float
     stops: int
     series: tuple[tuple[float, float], ...]
+    replays: int = 0  # "replay": lost stages rebuilt by replay (no stop)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ def run(failures: Sequence[Failure], relative: Callable[[frozenset[Worker]], flo
             series.append((e.time, job.useful))
     job.advance(duration_s)
     series.append((duration_s, job.useful))
-    return Outcome(job.useful, job.stops, tuple(series) if samples else ())
+    return Outcome(job.useful, job.stops, tuple(series) if samples else (), job.replays)
 
 
 class _Job:
@@ -104,6 +111,7 @@ class _Job:
         self.failed: Counter[Worker] = Counter()
         self.stopped = False
         self.stops = 0
+        self.replays = 0
         self.current = self._rate()  # iterations per second now (kept: the failed set changes rarely)
 
     @property
@@ -114,7 +122,7 @@ class _Job:
         down = frozenset(self.failed)
         if self.policy.recovery == "restart":
             return 0.0 if down and not self.policy.spares else 1.0 / self.iteration_s
-        return self.relative(down) / self.iteration_s
+        return self.relative(down) / (self.iteration_s * self.policy.slowdown)
 
     def advance(self, to: float) -> None:
         p = self.policy
@@ -162,6 +170,8 @@ class _Job:
             self.current = self._rate()
         if self.stopped:
             return  # already back at its checkpoint, waiting for repairs
+        if p.recovery == "replay" and self.current == 0 and self._replay():
+            return
         if p.recovery == "restart" or self.current == 0:
             self._back_to_checkpoint()
             if p.recovery == "restart" and p.spares:
@@ -176,6 +186,23 @@ class _Job:
             self.progress = math.floor(self.progress + _EPS)  # the iteration in flight is re-run
         self.writing, self.since_checkpoint = 0.0, 0.0  # a checkpoint being written is abandoned
         self.busy_until = max(self.busy_until, self.t) + p.pause_s
+
+    def _replay(self) -> bool:
+        """Rebuild the stages that lost every replica on spares by replay; False when two lost stages are adjacent."""
+        per_stage = Counter(w.stage for w in self.failed)
+        lost = {s for s, n in per_stage.items() if n >= self.dp}
+        if any(s + 1 in lost for s in lost):
+            return False
+        redo = max(0.0, self.progress - self.saved[0])  # iterations since the checkpoint, replayed by the stage
+        self.replays += 1
+        for w in [w for w in self.failed if w.stage in lost]:
+            del self.failed[w]  # replaced: their repair later changes nothing
+        self.current = self._rate()
+        self.progress = math.floor(self.progress + _EPS)  # the iteration in flight is re-run
+        self.writing, self.since_checkpoint = 0.0, 0.0
+        p = self.policy
+        self.busy_until = max(self.busy_until, self.t) + p.pause_s + p.restart_s + p.replay_s * redo
+        return True  # every stage has a live worker again
 
     def repair(self, workers: tuple[Worker, ...]) -> None:
         if not self.tracks_failures:

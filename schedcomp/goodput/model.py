@@ -12,6 +12,11 @@ failure set); `engine.run` walks the run in time. Strategies:
   cost S; without spares it waits for the repair), checkpointing at the Young/Daly interval
   sqrt(2 C M) for the system MTBF M; checkpoint-restart-best: at the best interval of a sweep
   (2^(k/4) times Young/Daly, k = -12..12) on the same failures.
+- logging: as adaptive, but a stage that lost every replica is rebuilt on spares from its checkpoint
+  by replaying its neighbours' logs (SWIFT, `runtime.fault.swift`) instead of restarting the job:
+  the pause, `restart_s` for the replacements to start, then `replay_s` per iteration since the
+  checkpoint (one stage's share of an iteration, all its micro-batches, from the cost model); every
+  iteration costs `LoggingCosts.overhead` more. Two adjacent lost stages restart as adaptive does.
 - drop-pipeline, oobleck, bamboo: `schedcomp.baselines`' models, recovering as adaptive does (the
   same measured pause: in their favour, as none of them was measured here).
 
@@ -34,10 +39,10 @@ from schedcomp.goodput.failures import HOUR, Failure
 from schedcomp.goodput.rates import Rates
 from schedcomp.topology import Topology, Worker
 
-STRATEGIES = ("adaptive", "lossy", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline", "oobleck",
-              "bamboo")
-_SOURCE = {"adaptive": "adaptive", "lossy": "adaptive", "drop-pipeline": "drop-pipeline", "oobleck": "oobleck",
-           "bamboo": "bamboo"}
+STRATEGIES = ("adaptive", "lossy", "logging", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline",
+              "oobleck", "bamboo")
+_SOURCE = {"adaptive": "adaptive", "lossy": "adaptive", "logging": "adaptive", "drop-pipeline": "drop-pipeline",
+           "oobleck": "oobleck", "bamboo": "bamboo"}
 SWEEP = tuple(2 ** (k / 4) for k in range(-12, 13))
 """Checkpoint intervals tried by checkpoint-restart-best, as multiples of the Young/Daly interval."""
 
@@ -58,6 +63,34 @@ class Recovery:
 MEASURED = Recovery(detection_s=0.041, agreement_s=0.047, switch_s=0.008)
 """Measured by `python bench/bench_fault.py --quick` (Table 1, 4 processes on CPU/gloo, death notice
 path): broken 0.041 s, agreed 0.088 s, working on the new generation 0.096 s after the death."""
+
+
+@dataclass(frozen=True)
+class LoggingCosts:
+    """Logging-based recovery's terms: the step-time overhead of logging (a fraction) and replay's speed.
+
+    `replay_speed`: replaying an iteration of a stage takes its compute share (every micro-batch's
+    F, B and W and its optimizer step, from the cost model) divided by this.
+    """
+
+    overhead: float = 0.02
+    replay_speed: float = 1.0
+
+
+LOGGING = LoggingCosts()
+"""Defaults, assumed: 2 % step-time overhead, conservative (`python bench/bench_logging.py --overhead`
+measures tens of microseconds per CPU iteration for logging in host memory; a GPU job also copies each
+boundary tensor to the host); replay as fast as the original compute of the stage."""
+
+
+def replay_seconds(costs: CostModel, dp: int, microbatches: int, period: float, iteration_s: float,
+                   speed: float = 1.0) -> float:
+    """Seconds to replay one iteration of the slowest stage alone: all `dp x microbatches` micro-batches."""
+    def stage(s: int) -> float:
+        step = costs.optimizer[s] if costs.optimizer else 0.0
+        return dp * microbatches * (costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]) + step
+
+    return max(stage(s) for s in range(costs.pp)) * iteration_s / period / speed
 
 
 @dataclass(frozen=True)
@@ -108,7 +141,7 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
             checkpoint_s: float, restart_s: float, system_mtbf_s: float, costs: CostModel | None = None,
             iteration_s: float | None = None, recovery: Recovery = MEASURED, spares: bool = True,
             strategies: Sequence[str] = STRATEGIES, fidelity: str = "auto", samples: int = 0,
-            progress: Callable[[int, int, str], None] | None = None) -> GoodputResult:
+            progress: Callable[[int, int, str], None] | None = None, logging: LoggingCosts = LOGGING) -> GoodputResult:
     """Simulate each strategy over `duration_s` seconds of `failures` (see the module docstring).
 
     `iteration_s`: seconds per fault-free iteration (default: the fault-free plan's period, i.e. the
@@ -128,14 +161,19 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
     if costs.pp != pp:
         raise SchedcompError(f"the cost model has {costs.pp} stages but pp is {pp}: give one entry per stage")
     rates = Rates(pp, dp, microbatches, costs, fidelity, {_SOURCE[s] for s in strategies if s in _SOURCE})
+    period = rates.fault_free_period()
     if iteration_s is None:
-        iteration_s = rates.fault_free_period()
+        iteration_s = period
     _check_seconds(iteration_s=iteration_s, positive=True)
+    if not (0 <= logging.overhead < math.inf and logging.replay_speed > 0):
+        raise SchedcompError(f"logging overhead must be >= 0 and replay speed > 0, got {logging}")
+    replay_s = replay_seconds(costs, dp, microbatches, period, iteration_s, logging.replay_speed)
     runs = []
     for name in strategies:
         outcome, interval = _strategy(name, failures, rates, recovery, duration_s=duration_s,
                                       checkpoint_s=checkpoint_s, restart_s=restart_s, mtbf_s=system_mtbf_s,
-                                      iteration_s=iteration_s, spares=spares, samples=samples)
+                                      iteration_s=iteration_s, spares=spares, samples=samples,
+                                      replay=(replay_s, 1.0 + logging.overhead))
         fault_free = duration_s / iteration_s  # iterations the fault-free job would deliver
         runs.append(StrategyRun(
             strategy=name, goodput=outcome.useful * HOUR / duration_s, relative_goodput=outcome.useful / fault_free,
@@ -151,7 +189,7 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
 
 def _strategy(name: str, failures: Sequence[Failure], rates: Rates, recovery: Recovery, *, duration_s: float,
               checkpoint_s: float, restart_s: float, mtbf_s: float, iteration_s: float, spares: bool,
-              samples: int) -> tuple[Outcome, float]:
+              samples: int, replay: tuple[float, float] = (0.0, 1.0)) -> tuple[Outcome, float]:
     """One strategy's run and the checkpoint interval it used."""
     def simulate(policy: Policy, n: int = 0) -> Outcome:
         return run(failures, relative, policy, duration_s=duration_s, iteration_s=iteration_s, dp=rates.dp,
@@ -171,12 +209,14 @@ def _strategy(name: str, failures: Sequence[Failure], rates: Rates, recovery: Re
         policies = [Policy("restart", t, checkpoint_s, restart_s, spares=spares) for t in tries]
         best = max(policies, key=lambda p: simulate(p).useful)
         return simulate(best, samples), best.interval
-    kind = "lossy" if name == "lossy" else "rollback"
-    policy = Policy(kind, math.inf, checkpoint_s, restart_s, recovery.pause_s, recovery.switch_s)
-    stops = simulate(policy).stops
+    kind = {"lossy": "lossy", "logging": "replay"}.get(name, "rollback")
+    extra = {"replay_s": replay[0], "slowdown": replay[1]} if kind == "replay" else {}
+    policy = Policy(kind, math.inf, checkpoint_s, restart_s, recovery.pause_s, recovery.switch_s, **extra)
+    first = simulate(policy)
+    stops = first.stops + first.replays  # a replay's cost, like a restart's, grows with the checkpoint interval
     if stops:
         policy = Policy(kind, interval(duration_s / stops), checkpoint_s, restart_s, recovery.pause_s,
-                        recovery.switch_s)
+                        recovery.switch_s, **extra)
     return simulate(policy, samples), policy.interval
 
 

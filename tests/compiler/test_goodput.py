@@ -229,3 +229,36 @@ def test_cli_json_and_png(capsys, tmp_path):
                  "--strategies", "adaptive", "checkpoint-restart"]) == 0
     out = capsys.readouterr().out
     assert "adaptive" in out and "checkpoint-restart" in out and "bamboo" not in out
+
+
+# ---- logging-based recovery (issue 13) ---------------------------------------------------------------------
+
+
+def test_logging_rebuilds_a_lost_stage_by_replay_by_hand():
+    from schedcomp.goodput.engine import Policy, run
+
+    # dp = 1, T = 1 s, checkpoint every 100 s costing 10 s: the checkpoint after 200 s of training
+    # holds 200 iterations (done at 220 s). Stage 0 dies at 250 s: 230 iterations done, 30 to replay
+    # at 0.5 s each after a 1 s pause and a 30 s start of the replacement: training again at 296 s,
+    # from iteration 230 (nothing rolled back), fault-free: 6 cycles of 110 s + 44 s to 1000 s.
+    def alive(failed):
+        return 0.0 if failed else 1.0
+
+    replay = Policy("replay", 100.0, 10.0, 30.0, pause_s=1.0, replay_s=0.5)
+    out = run((Failure(250.0, (Worker(0, 0),), 400.0),), alive, replay, duration_s=1000.0, iteration_s=1.0, dp=1)
+    assert out.useful == pytest.approx(230 + 600 + 44) and (out.stops, out.replays) == (0, 1)
+    # Logging 10 % slower: the fault-free run delivers 1/1.1 of the iterations.
+    slow = Policy("replay", math.inf, 0.0, 0.0, slowdown=1.1)
+    assert run((), alive, slow, duration_s=1000.0, iteration_s=1.0, dp=1).useful == pytest.approx(1000 / 1.1)
+    # Two adjacent stages lost: back to the checkpoint and wait for the repair, as rollback does.
+    both = (Failure(250.0, (Worker(0, 0), Worker(0, 1)), 400.0),)
+    fallback = run(both, alive, replay, duration_s=1000.0, iteration_s=1.0, dp=1)
+    assert (fallback.stops, fallback.replays) == (1, 0) and fallback.useful < out.useful
+
+
+def test_logging_strategy_in_goodput_replays_where_adaptive_stops():
+    fails = (Failure(5000.0, (Worker(0, 1),), 20000.0),)
+    rows = _rows(goodput(4, 1, 4, fails, duration_s=50000.0, checkpoint_s=10.0, restart_s=60.0, system_mtbf_s=1e5,
+                         iteration_s=1.0, recovery=NO_PAUSE, strategies=("adaptive", "logging")))
+    assert rows["adaptive"].stops == 1 and rows["logging"].stops == 0
+    assert rows["logging"].relative_goodput > rows["adaptive"].relative_goodput

@@ -228,6 +228,28 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     trainer.close()
 
 
+def restarting_worker(cache_dir: str, victims: str):
+    """What a worker of a job with restarts sets up: its environment, the store shared by every run
+    (`root`), the plan cache, the victims' points, its session, and its `kill_at` hook (run 0 only)."""
+    import torch
+
+    from schedcomp.cache import PlanCache
+    from schedcomp.runtime.fault.inject import kill_at
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv
+
+    setup_logging()
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_env()
+    root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
+    cache = PlanCache.load(cache_dir)
+    at, _ = parse_victims(victims)
+    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
+                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
+    kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
+    return env, root, cache, at, session, kill
+
+
 def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, on_failure: str = "replan",
                      settle: str = "0") -> None:
     """One worker of a job with checkpoints every iteration (`fault.restart`); victims die in run 0 only.
@@ -239,27 +261,15 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
     """
     import functools
 
-    import torch
     import torch.nn.functional as F
     from momentum import Momentum  # imports torch: only once the child's deadline is armed
 
-    from schedcomp.cache import PlanCache
-    from schedcomp.runtime.fault.inject import kill_at
     from schedcomp.runtime.fault.restart import CheckpointPolicy
-    from schedcomp.runtime.fault.session import FaultSession
-    from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, get_int
+    from schedcomp.runtime.fault.store import Keys, get_int
     from schedcomp.runtime.resilient import ResilientTrainer
 
     started = time.time()  # the process is up and torch imported (the benchmark's relaunch time)
-    setup_logging()
-    torch.set_num_threads(1)
-    env = WorkerEnv.from_env()
-    root = StoreAddress(env.store.host, env.store.port).connect()  # keys shared by every run
-    cache = PlanCache.load(cache_dir)
-    at, _ = parse_victims(victims)
-    session = FaultSession(env, detection_time=15.0, group_timeout=30.0, agree_timeout=90.0,
-                           backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
-    kill = kill_at(at, env.worker, env.incarnation) if env.run == 0 else None
+    env, root, cache, at, session, kill = restarting_worker(cache_dir, victims)
 
     def before(iteration: int, index: int, ins) -> None:
         if kill is None or (iteration, index) < at[env.worker]:

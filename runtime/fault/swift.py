@@ -1,0 +1,327 @@
+"""Logging-based recovery (SWIFT, PPoPP 2023): rebuild a stage that lost every replica, not the whole job.
+
+    trainer = ResilientTrainer(..., checkpoint=CheckpointPolicy("ckpt/", every=10),
+                               logging=LoggingPolicy(where="memory", budget_bytes=1 << 30))
+
+launched with `--respawn N` so that the launcher starts replacements. Without logging, losing
+every replica of a stage restarts every worker from the last checkpoint (`fault.restart`) and
+recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
+
+1. Logging (`fault.boundary_log`): each worker keeps the tensors it sent across stage boundaries
+   since its neighbours' checkpoints, and each worker's random state at the start of each
+   iteration sits in the store (a few KB), so a replacement can replay random layers too.
+2. Recovery: the survivors agree on the next generation as for any failure and the commit
+   records give the iteration to re-run, r (`rollback`). Then, in `finish`:
+   - each lost stage's source is its newest complete checkpoint c <= r - 1 (first survivor's
+     reading wins); every neighbour publishes which chunks it logged for that stage in
+     c + 1 .. r - 1, and all check that together they cover every chunk in both directions;
+   - they wait for the lost stage's replacements, admit them at once, and switch back to the
+     fault-free plan: only the interrupted iteration r is dropped (a worker that stepped it
+     restores its step snapshot), nothing before it is redone on any survivor;
+   - each neighbour sends its log of c + 1 .. r - 1 to each replacement, which restores c and
+     replays those iterations alone (`replay`: forward on the logged inputs, backward on the
+     logged output gradients, one optimizer step per iteration, in order), then starts r with
+     the others. The survivors go straight on with r and wait at the first transfer that needs
+     the rebuilt stage.
+3. Fallback: when two lost stages are adjacent, a lost stage's boundaries are not logged, it has
+   no checkpoint at or before r - 1, a log has a gap (budget, or a neighbour that is itself a
+   recent replacement), or no replacement shows up within the agreement timeout, `finish`
+   declines and the trainer restarts the job from its checkpoints as without logging.
+
+Exactness: the replacement sums the gradients of all the stage's micro-batches itself, where the
+original replicas summed theirs and all-reduced: the same values up to summation order (1e-10 in
+float64, as rollback). The random state is restored per home pipeline and iteration, and each
+pipeline's micro-batches are replayed in order, as every family's fault-free plan runs them.
+The replacements of a stage's replicas replay in parallel (SWIFT's parallel recovery): each its
+share of the pipelines, summing their gradients before each step; other idle workers do not help.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
+from schedcomp.runtime.executor import Iteration
+from schedcomp.runtime.fault.agreement import pending_joins, propose_switch
+from schedcomp.runtime.fault.boundary_log import BoundaryLog, Key, LoggingPolicy
+from schedcomp.runtime.fault.checkpoint import complete_iterations, restore
+from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.recovery import RecoveryHost, RollbackPolicy
+from schedcomp.runtime.fault.restart import CheckpointPolicy
+from schedcomp.runtime.fault.rollback import Rollback
+from schedcomp.runtime.fault.transfer import recv_tree, send_tree
+from schedcomp.runtime.lossy import _exchange
+from schedcomp.runtime.stage import Stage
+from schedcomp.runtime.trainer import _to
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+Logged = dict[int, dict[Key, tuple[Tensor, ...]]]  # iteration -> chunk -> tensors received by the lost stage
+
+
+def lost_stages(topology: Topology) -> list[int]:
+    """Stages with no live worker."""
+    return [s for s in range(topology.pp) if not topology.stage_group(s)]
+
+
+def _rng_key(worker: Worker, iteration: int) -> str:
+    return f"swift/rng/{worker}/{iteration}"
+
+
+class SwiftPolicy(RollbackPolicy):
+    """Rollback for ordinary failures; a stage that lost every replica is rebuilt by replay (module docstring)."""
+
+    name = "swift"
+
+    def __init__(self, logging: LoggingPolicy, checkpoint: CheckpointPolicy) -> None:
+        self.logging, self.checkpoint = logging, checkpoint
+        self.host: RecoveryHost | None = None
+        self.log: BoundaryLog | None = None
+        self._rng_from = 0  # the oldest iteration whose random state this worker left in the store
+
+    # ---- logging ---------------------------------------------------------------------------------
+
+    def on_start(self, host: RecoveryHost, start: int) -> None:
+        self.host = host
+        self.log = BoundaryLog(self.logging, host.session.me)
+        self._rng_from = start
+
+    def on_iteration(self, it: Iteration) -> None:
+        it.keep_sent = True  # logged in `on_completed`
+        assert self.host is not None
+        self.host.session.store.set(_rng_key(it.worker, it.number), _rng_bytes())
+
+    def on_completed(self, it: Iteration) -> None:
+        assert self.host is not None and self.log is not None and self.host.report is not None
+        report, me = self.host.report, it.worker
+        report.log_bytes[it.number] = self.log.add(it.number, it.sent)
+        for neighbour in (me.stage - 1, me.stage + 1):
+            done = complete_iterations(self.checkpoint.directory, neighbour) if 0 <= neighbour < it.plan.topology.pp \
+                else []
+            if len(done) >= 2:  # see `boundary_log`: the log reaches back to the second newest
+                self.log.prune(neighbour, done[-2])
+        done = complete_iterations(self.checkpoint.directory, me.stage)
+        if len(done) >= 2:
+            for j in range(self._rng_from, done[-2] + 1):
+                self.host.session.store.delete_key(_rng_key(me, j))
+            self._rng_from = max(self._rng_from, done[-2] + 1)
+        report.log_peak = self.log.peak
+
+    # ---- recovery on the survivors --------------------------------------------------------------
+
+    def finish(self, host: RecoveryHost, decision: Rollback) -> int | None:
+        """Rebuild lost stages by replay and return the iteration to run next (None: not a lost stage, or fall back)."""
+        session = host.session
+        assert session.view is not None and self.log is not None and host.report is not None
+        lost = lost_stages(session.view.topology)
+        if not lost:
+            return None  # a replica is left everywhere: rollback and re-planning
+        sources = self._sources(host, lost, decision.rerun)
+        if sources is None:
+            return None
+        joiners = self._replacements(host, lost)
+        if joiners is None:
+            return None
+        rerun = decision.rerun
+        session.admit(propose_switch(session.store, session.view, rerun, joiners))
+        session.store.compare_set(f"swift/gen{session.view.generation}", "",
+                                  json.dumps({"rerun": rerun, "from": {str(s): c for s, c in sources.items()}}))
+        self.log.discard_from(rerun)  # re-run, logged again
+        host.roll_back(decision)
+        me = session.me
+        for s, c in sources.items():
+            if abs(me.stage - s) != 1 or c + 1 >= rerun:
+                continue  # not a neighbour, or nothing to replay (the replacement expects nothing)
+            entries = self.log.entries(s, range(c + 1, rerun))
+            for w in sorted(joiners):
+                if w.stage == s:
+                    send_tree(entries, session.groups.world, [session.groups.rank_of(w)], wait=host.wait)
+        log.warning("worker %s: stage(s) %s rebuilt by replay from checkpoint(s) %s; going on with iteration %d",
+                    me, lost, sources, rerun)
+        return rerun
+
+    def _sources(self, host: RecoveryHost, lost: list[int], rerun: int) -> dict[int, int] | None:
+        """Each lost stage's checkpoint to replay from, once all agree the logs cover it (None: fall back)."""
+        session, pp = host.session, host.session.env.pp
+        assert session.view is not None and self.log is not None and host.trainer is not None
+        me, generation = session.me, session.view.generation
+        complete = {s: complete_iterations(self.checkpoint.directory, s) for s in lost}
+        proposal, _ = replay_sources(lost, pp, self.logging, complete, rerun)
+        # The first survivor's reading wins: a checkpoint completing meanwhile must not split them.
+        sources = {int(s): c for s, c in json.loads(session.store.compare_set(
+            f"swift/gen{generation}/from", "", json.dumps({str(s): c for s, c in proposal.items()}))).items()}
+        _, why = replay_sources(lost, pp, self.logging, {s: [c] for s, c in sources.items()}, rerun)
+        mine = {str(s): {str(j): [list(k) for k in keys]
+                         for j, keys in self.log.coverage(s, range(c + 1, rerun)).items()}
+                for s, c in sources.items() if abs(me.stage - s) == 1}
+        records = _exchange(host, f"swift/gen{generation}/coverage", mine)
+        if why is None:
+            why = _gap(records, sources, rerun, pp, session.env.dp, host.trainer.plan.microbatches)
+        if why is not None:
+            log.warning("worker %s: stage(s) %s lost, cannot replay (%s): restarting from checkpoints", me, lost, why)
+            return None
+        return sources
+
+    def _replacements(self, host: RecoveryHost, lost: list[int]) -> frozenset[Worker] | None:
+        """Wait until a replacement of every worker of the lost stages has announced itself (None: timed out)."""
+        session = host.session
+        view = session.view
+        assert view is not None
+        needed = frozenset(w for w in view.failed if w.stage in lost)
+        deadline = time.monotonic() + session.agree_timeout
+        while pending_joins(session.store, view) & needed != needed:
+            if time.monotonic() > deadline:
+                log.warning("worker %s: no replacement of stage(s) %s came: restarting from checkpoints",
+                            session.me, lost)
+                return None
+            if session.signal.wait(0.005):
+                raise GenerationAborted("a member failed while waiting for replacements: agree again")
+        return needed
+
+    # ---- recovery on a replacement -------------------------------------------------------------------
+
+    def rebuild(self, host: RecoveryHost) -> int:
+        """A replacement of a lost stage: restore its checkpoint, replay the logs; returns the iteration to run next."""
+        session, trainer, report = host.session, host.trainer, host.report
+        assert session.view is not None and trainer is not None and report is not None
+        me, view, store = session.me, session.view, session.store
+        key = f"swift/gen{view.generation}"
+        while not store.check([key]):
+            if session.signal.wait(0.005):
+                raise GenerationAborted("a member failed before the survivors said what to replay")
+        record = json.loads(store.get(key))
+        rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
+        stage = trainer.stage
+        restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer)
+        joiners = set(session.joiners())
+        inputs: Logged = {}
+        grads: Logged = {}
+        for w in sorted(w for w in view.members if abs(w.stage - me.stage) == 1 and w not in joiners):
+            if source + 1 >= rerun:
+                break  # nothing to replay: nothing was sent
+            entries, _ = recv_tree(session.groups.world, session.groups.rank_of(w), wait=host.wait)
+            table = inputs if w.stage < me.stage else grads
+            for j, p, m, tensors in entries:
+                table.setdefault(int(j), {})[(int(p), int(m))] = tuple(tensors)
+        iterations = range(source + 1, rerun)
+        states = {(p, j): store.get(_rng_key(Worker(p, me.stage), j))
+                  for j in iterations for p in range(session.env.dp)
+                  if store.check([_rng_key(Worker(p, me.stage), j)])}
+        # SWIFT's parallel replay: the stage's replacements split its pipelines and sum their gradients.
+        peers = sorted(w for w in joiners if w.stage == me.stage)
+        group = trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage))
+        pipelines = range(session.env.dp)
+        reduce = None
+        if group is not None and sorted(trainer.plan.topology.stage_group(me.stage)) == peers:
+            pipelines = range(peers.index(me), session.env.dp, len(peers))
+
+            def reduce(stage: Stage) -> None:
+                flat = stage.flat_grads()
+                host.wait(dist.all_reduce(flat, group=group, async_op=True))
+                stage.set_flat_grads(flat)
+
+        began = time.perf_counter()
+        replay(stage, iterations, inputs, grads, states, host.batch_for, session.env.dp, trainer.plan.microbatches,
+               trainer.device, me.pipeline, pipelines, reduce)
+        report.replayed = list(iterations)
+        report.replay_seconds = time.perf_counter() - began
+        report.restored_from = source
+        log.warning("worker %s: rebuilt stage %d from checkpoint %d by replaying %d iterations", me, me.stage, source,
+                    len(iterations))
+        return rerun
+
+
+def replay_sources(lost: list[int], pp: int, logging: LoggingPolicy, complete: Mapping[int, list[int]],
+                   rerun: int) -> tuple[dict[int, int], str | None]:
+    """Each lost stage's checkpoint to replay from (-1: none), and why replay cannot go on (None: it can).
+
+    `complete[s]`: the iterations stage s has complete checkpoints of; `rerun`: the iteration the
+    survivors go on with, so each lost stage must be rebuilt to its state after `rerun - 1`.
+    """
+    sources = {s: max((i for i in complete.get(s, []) if i < rerun), default=-1) for s in lost}
+    if any(s + 1 in lost for s in lost):
+        return sources, "adjacent stages lost"
+    if not all(logging.replayable(s, pp) for s in lost):
+        return sources, "a lost stage's boundaries are not logged"
+    if min(sources.values()) < 0:
+        return sources, "no checkpoint of a lost stage before the iteration to re-run"
+    return sources, None
+
+
+def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int, pp: int, dp: int,
+         microbatches: int) -> str | None:
+    """What the neighbours' logs miss of the iterations to replay (None: nothing)."""
+    every = {(p, m) for p in range(dp) for m in range(microbatches)}
+    for s, c in sources.items():
+        for neighbour in (n for n in (s - 1, s + 1) if 0 <= n < pp):
+            for j in range(c + 1, rerun):
+                held = {tuple(k) for w, r in records.items() if w.stage == neighbour
+                        for k in r.get(str(s), {}).get(str(j), [])}
+                if held != every:
+                    return f"stage {neighbour} holds {len(held)} of the {len(every)} chunks it sent stage {s} " \
+                           f"in iteration {j}"
+    return None
+
+
+def _rng_bytes() -> bytes:
+    state = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state.append(torch.cuda.get_rng_state())
+    return b"".join(len(t).to_bytes(8, "little") + t.numpy().tobytes() for t in state)
+
+
+def _set_rng(data: bytes) -> None:
+    states, pos = [], 0
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 8], "little")
+        states.append(torch.frombuffer(bytearray(data[pos + 8:pos + 8 + n]), dtype=torch.uint8))
+        pos += 8 + n
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
+def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, rng: Mapping[tuple[int, int], bytes],
+           batch_for, dp: int, microbatches: int, device: torch.device, own: int = 0,
+           pipelines: Iterable[int] | None = None, reduce: Callable[[Stage], None] | None = None) -> None:
+    """Run `iterations` of `stage` alone: every chunk's forward and backward from the logs, then the optimizer step.
+
+    `inputs[j][chunk]`: what the previous stage sent (unused at stage 0, which reads the batch);
+    `grads[j][chunk]`: the gradients the next stage sent back (unused at the last stage, which has
+    the loss); `rng[(pipeline, j)]`: that pipeline's random state at the start of iteration j.
+    The random state left is pipeline `own`'s after the last iteration, as if that replica had run it.
+    `pipelines`: the home pipelines whose chunks to replay here (default: all); `reduce(stage)` then
+    sums the gradients with the workers replaying the others, before each step.
+    """
+    chunks, after = dp * microbatches, None
+    mine = list(range(dp) if pipelines is None else pipelines)
+    for j in iterations:
+        x_all, y_all = batch_for(j)
+        for p in mine:
+            if (p, j) in rng:
+                _set_rng(rng[(p, j)])
+            for m in range(microbatches):
+                key, index = (p, m), chunk_index(p, m, microbatches)
+                if stage.is_first:
+                    x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
+                else:
+                    x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
+                y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
+                stage.forward(key, x, y, scale=1.0 / chunks)
+                stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
+            if p == own and (p, j) in rng:
+                after = _rng_bytes()
+        if reduce is not None:
+            reduce(stage)
+        stage.step()
+    if after is not None:
+        _set_rng(after)
+

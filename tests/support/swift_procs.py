@@ -1,0 +1,67 @@
+"""Worker processes of logging-based recovery jobs (`fault.swift`) for the tests and `bench/bench_logging.py`.
+
+Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]`
+under `python -m schedcomp.runtime.fault.launch --respawn 1 --max-restarts 1`; victims (`resilient_procs.
+parse_victims`) die in run 0, first incarnation only. Each worker prints one JSON line: its report
+and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart;
+HIDDEN: the chaos model's width (default 8; the benchmark's larger model).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+import time
+
+from fault_procs import CHILD_DEADLINE, emit
+from resilient_procs import chaos_batch, chaos_stage, restarting_worker
+
+
+def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
+           budget: str = str(1 << 30), hidden: str = "8") -> None:
+    import functools
+
+    import resilient_procs
+    import torch.nn.functional as F
+    from momentum import Momentum  # imports torch: only once the child's deadline is armed
+
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    started = time.time()
+    resilient_procs.H = int(hidden)  # read by chaos_stage and chaos_batch when called
+    env, root, cache, at, session, kill = restarting_worker(cache_dir, victims)
+
+    def before(iteration: int, index: int, ins) -> None:
+        if kill is None or (iteration, index) < at[env.worker]:
+            return
+        trainer.last_resort.close()  # its checkpoint in flight completes first: what recovery finds is not a race
+        root.compare_set("killed_at", "", repr(time.time()))
+        kill(iteration, index, ins)
+
+    logging = None if where == "none" else LoggingPolicy(where, budget_bytes=int(budget))
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+                               lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session, before=before,
+                               checkpoint=CheckpointPolicy(ckpt_dir, every=int(every)), logging=logging)
+    report = trainer.run(int(iterations))
+    emit({"worker": str(env.worker), "incarnation": env.incarnation, "run": report.run,
+          "iterations": report.iterations, "restored_from": report.restored_from,
+          "iterations_lost": report.iterations_lost,
+          "resumed_at": report.resumed_at, "replayed": report.replayed, "replay_seconds": report.replay_seconds,
+          "log_bytes": {str(i): n for i, n in report.log_bytes.items()}, "log_peak": report.log_peak,
+          # a wide model's state would be megabytes of JSON in one write to a pipe: the benchmark needs none
+          "state": {k: v.tolist() for k, v in trainer.state().items()} if int(hidden) <= 64 else {},
+          "ledger": {str(i): v for i, v in report.ledger.items()},
+          "recoveries": [r.__dict__ for r in report.recoveries],
+          "completed_at": {str(i): t for i, t in report.completed_at.items()}, "started_at": started,
+          "killed_at": float(root.get("killed_at")) if root.check(["killed_at"]) else None})
+    trainer.close()
+
+
+if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)
+    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    worker(*sys.argv[1:])
