@@ -90,12 +90,13 @@ class BoundaryLog:
     def held(self) -> int:
         return sum(self.sizes.values())
 
-    def add(self, iteration: int, sent: Mapping[tuple[int, Key], tuple[Tensor, ...]]) -> int:
-        """Log what this worker sent in `iteration` (`Iteration.sent`); returns the bytes logged."""
+    def add(self, iteration: int, sent: Mapping[tuple[int, int, Key], tuple[Tensor, ...]]) -> int:
+        """Log what this worker sent in `iteration` (`Iteration.sent`: (channel, sending stage, micro-batch)
+        -> tensors); returns the bytes logged."""
         by_stage: dict[int, dict[Key, tuple[Tensor, ...]]] = {}
-        for (direction, key), tensors in sent.items():
-            to = self.me.stage + 1 if direction == ACT else self.me.stage - 1
-            if self.policy.logs(min(to, self.me.stage)):
+        for (direction, stage, key), tensors in sent.items():
+            to = stage + 1 if direction == ACT else stage - 1
+            if self.policy.logs(min(to, stage)):
                 by_stage.setdefault(to, {})[key] = tuple(t.detach().to("cpu") for t in tensors)
         logged = 0
         for to, entry in by_stage.items():

@@ -66,9 +66,9 @@ def _sent(iteration: int, stage: int, chunks: int = 2) -> dict:
     """What worker (0, stage) sends in one iteration: activations onward, gradients back (8 float64 each)."""
     out = {}
     for m in range(chunks):
-        out[(ACT, (0, m))] = (torch.full((8,), float(100 * iteration + m), dtype=torch.float64),)
+        out[(ACT, stage, (0, m))] = (torch.full((8,), float(100 * iteration + m), dtype=torch.float64),)
         if stage > 0:
-            out[(GRAD, (0, m))] = (torch.full((8,), -float(100 * iteration + m), dtype=torch.float64),)
+            out[(GRAD, stage, (0, m))] = (torch.full((8,), -float(100 * iteration + m), dtype=torch.float64),)
     return out
 
 
