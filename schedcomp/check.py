@@ -351,14 +351,17 @@ class _Checker(OrderRules):
             op_kinds, step, channel = rows[ins.kind]
             if opk not in op_kinds or not 0 <= op.stage + step < ns:
                 self.fail(w, i, SEMANTICS[ins.kind].rule)
-            if peer is w or peer == w:
+            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
+            # Stream keys are distinct workers: a peer that is its consumer's key but not `w` differs from `w`,
+            # which settles both peer rules in the common case without `Worker.__eq__` (a Python call).
+            to_consumer = target is not None and target[0] is peer and peer is not w
+            if not to_consumer and (peer is w or peer == w):
                 self.fail(w, i, "sends to its own worker: a tensor between two chunks of one worker is handed off "
                                 "locally, drop the SEND and its RECV")
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
-            if target is None or (target[0] is not peer and target[0] != peer):
+            if not to_consumer and (target is None or target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
             tensor = slot * 2 + channel
