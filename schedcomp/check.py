@@ -159,10 +159,12 @@ class _Checker(OrderRules):
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        streams, events, by_rank, stops = self.plan.streams, self.events, self.by_rank, self.order_stops
+        events, tail, stops = self.events, self.tail, self.order_stops
         for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
             ev, e = events[r], stops[n]
-            stops[n] = ev[e][0] if e < len(ev) else len(streams[by_rank[r]])  # type: ignore[index]
+            # Past its last event a worker runs to its end: one past its STEP, the last instruction (`tails`).
+            stops[n] = ev[e][0] if e < len(ev) else tail[r][1][0] + 1
+        streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
                          self.order_ranks, stops, streams, self.plan.costs, self.ns)
 
