@@ -371,16 +371,18 @@ def order_from_torch_csv(
     per_stage: list[list[tuple[OpKind, int]]] = []
     largest = -1
     # Rows repeat the same actions after their stage prefix: parse "F3" once (a 200k-row CSV has
-    # ~10^6 cells). Only text the full parse below accepted is ever cached, so the result is the same.
+    # ~10^6 cells). Only text the full parse below accepted is ever cached, so the result is the same,
+    # and the largest micro-batch is among the parsed ones (every hit repeats one).
     parsed: dict[str, tuple[OpKind, int]] = {}
     for rank, row in enumerate(rows):
         actions = []
         prefix = str(rank)
+        cut = len(prefix)
         for col, cell in enumerate(row):
             cell = cell.strip()
             if not cell:
                 continue  # an idle step
-            hit = parsed.get(cell[len(prefix):]) if cell.startswith(prefix) else None
+            hit = parsed.get(cell[cut:]) if cell.startswith(prefix) else None
             if hit is not None:
                 actions.append(hit)
                 continue
@@ -393,11 +395,11 @@ def order_from_torch_csv(
                 raise PlanFormatError(f"row {rank} column {col}: {cell!r} runs stage {stage} on rank {rank}: only "
                                       "schedules with one stage per rank (stage = rank) are supported")
             mb = int(m["mb"])
+            largest = max(largest, mb)
             action = (_FROM_TORCH[m["kind"]], mb)
             if cell == prefix + m["kind"] + m["mb"]:
                 parsed[m["kind"] + m["mb"]] = action
             actions.append(action)
-        largest = max([largest, *(mb for _, mb in actions)])
         per_stage.append(actions)
     if microbatches is None:
         microbatches = largest + 1
