@@ -221,7 +221,8 @@ class _Checker(OrderRules):
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
-            deltas, held = (stage_deltas(plan.costs, ws) if top != _INF else _NO_DELTAS), 0.0  # only with a limit
+            limited = top != _INF  # memory is tracked only under a limit
+            deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
             # With virtual stages each chunk has its own activation size: its deltas, by its stage.
             chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
@@ -250,14 +251,14 @@ class _Checker(OrderRules):
                 elif role == ROLE_RECV:
                     recvs.append((w, i, ins, slot))
                 elif role == ROLE_COMPUTE:
-                    cid = slot * 4 + kid[op.kind]
-                    first = comp.get(cid)
-                    if first is not None:
+                    here = (w, i)
+                    first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place
+                    if first is not here:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
-                    comp[cid] = (w, i)
-                    held += chunk_deltas[os][kind] if chunked and top != _INF else deltas[kind]
-                    if held > top and w not in self.over:
-                        self.over[w] = (i, held)
+                    if limited:
+                        held += chunk_deltas[os][kind] if chunked else deltas[kind]
+                        if held > top and w not in self.over:
+                            self.over[w] = (i, held)
                 elif role == ROLE_LOAD:
                     if op.kind is not OpKind.F or 0 < os < ns - 1:
                         self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
@@ -366,10 +367,10 @@ class _Checker(OrderRules):
             if not to_consumer and (target is None or target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = slot * 2 + channel
-            if tensor in sent:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor] & _LOW}): keep one")
-            sent[tensor] = rank << 32 | i
+            tensor, here = slot * 2 + channel, rank << 32 | i
+            first = sent.setdefault(tensor, here)  # one lookup: where the tensor is first sent
+            if first != here:
+                self.fail(w, i, f"sends the same tensor twice (first at instruction {first & _LOW}): keep one")
             key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
             queue = out.get(key)
             if queue is None:
@@ -396,10 +397,10 @@ class _Checker(OrderRules):
             if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = (slot + step) * 2 + channel
-            if tensor in received:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor] & _LOW})")
-            received[tensor] = rank << 32 | j
+            tensor, here = (slot + step) * 2 + channel, rank << 32 | j
+            first = received.setdefault(tensor, here)
+            if first != here:
+                self.fail(w, j, f"receives the same tensor twice (first at instruction {first & _LOW})")
             consumed[tensor] = consumer[1]
             key = (peer.pipeline * pp + peer.stage) * nw + rank
             queue = into.get(key)
