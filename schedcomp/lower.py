@@ -196,8 +196,8 @@ def _stream(
     LOAD, last_stage = InstrKind.LOAD, pp - 1
     # Receives are posted one op early (they overlap the op before their consumer): before op j, post
     # what op j + 1 needs, and before op 0 what op 0 needs. Inlined, not a helper: millions of calls.
-    for j in range(-1, len(ops)):
-        tensor = needs[j + 1] if j + 1 < len(ops) else None
+    needs.append(None)  # after the last op: nothing
+    for j, tensor in enumerate(needs, -1):  # tensor: what op j + 1 needs
         if tensor is not None:
             x = consumer[tensor][1]
             upto = position.get(tensor)
