@@ -139,7 +139,7 @@ class _Checker(OrderRules):
         self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
         # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
         self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
-        self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
+        self.into: dict[int, list[int]] = {}  # channel -> tensors in receive order
         # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
         self.events: list[list[tuple[int, int, int]]] = []
@@ -405,9 +405,9 @@ class _Checker(OrderRules):
             key = (peer.pipeline * pp + peer.stage) * nw + rank
             queue = into.get(key)
             if queue is None:
-                into[key] = [(tensor, j)]
+                into[key] = [tensor]
             else:
-                queue.append((tensor, j))
+                queue.append(tensor)
             ev.append((consumer[1], 0, tensor))
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
