@@ -6,6 +6,7 @@ Reproduce (from the repository root):
     python bench/bench_validate.py                 # both sweeps and the 200k-row import
     python bench/bench_validate.py --max-rows 50000 # a quicker run
     python bench/bench_validate.py --import-only    # only the 200k-row import
+    python bench/bench_validate.py --import-only --phases  # and its phases' CPU seconds
 
 Two sweeps, doubling the plan each step, so linear time shows as a constant time per instruction
 and a ratio near 2 between neighbouring rows (quadratic would show 4):
@@ -68,6 +69,7 @@ def main_(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-rows", type=int, default=200_000)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--import-only", action="store_true", help="only the 200k-row import row")
+    ap.add_argument("--phases", action="store_true", help="also time the import's phases one by one")
     args = ap.parse_args(argv)
 
     rows = [r for r in (12_500, 25_000, 50_000, 100_000, 200_000) if r <= args.max_rows]
@@ -75,6 +77,8 @@ def main_(argv: list[str] | None = None) -> None:
     if not args.import_only:
         sweeps(rows, args.repeat)
     import_row(args.max_rows)
+    if args.phases:
+        import_phases(args.max_rows)
 
 
 def by_stages(rows: int) -> object:
@@ -100,6 +104,25 @@ def import_row(rows: int) -> None:
         print(f"\nimport-torch of a {rows:,}-row CSV: exit {code}, {wall:.2f} s wall, {cpu:.2f} s CPU "
               f"(target < 10 s; wall exceeds CPU when other processes share the cores), "
               f"plan {out.stat().st_size / 1e6:.1f} MB")
+
+
+def import_phases(rows: int) -> None:
+    """The import's stages one by one, CPU seconds each (the garbage collector paused, as the CLI does)."""
+    from schedcomp.gcpause import paused_gc
+    from schedcomp.serialize import plan_to_json
+
+    text = gpipe_csv(rows)
+    with paused_gc():
+        c0 = time.process_time()
+        order = order_from_torch_csv(text)
+        c1 = time.process_time()
+        plan = lower(order, CostModel.uniform(order.topology.pp))
+        c2 = time.process_time()
+        check(plan)
+        c3 = time.process_time()
+        plan_to_json(plan)
+        c4 = time.process_time()
+    print(f"  phases (CPU s): parse {c1 - c0:.2f}, lower {c2 - c1:.2f}, check {c3 - c2:.2f}, JSON {c4 - c3:.2f}")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class _Checker(OrderRules):
         self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
         # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
         self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
-        self.into: dict[int, list[tuple[int, int]]] = {}  # channel -> (tensor, receive index) in order
+        self.into: dict[int, list[int]] = {}  # channel -> tensors in receive order
         # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
         # for its ALLREDUCE.
         self.events: list[list[tuple[int, int, int]]] = []
@@ -159,10 +159,12 @@ class _Checker(OrderRules):
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        streams, events, by_rank, stops = self.plan.streams, self.events, self.by_rank, self.order_stops
+        events, tail, stops = self.events, self.tail, self.order_stops
         for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
             ev, e = events[r], stops[n]
-            stops[n] = ev[e][0] if e < len(ev) else len(streams[by_rank[r]])  # type: ignore[index]
+            # Past its last event a worker runs to its end: one past its STEP, the last instruction (`tails`).
+            stops[n] = ev[e][0] if e < len(ev) else tail[r][1][0] + 1
+        streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
                          self.order_ranks, stops, streams, self.plan.costs, self.ns)
 
@@ -219,7 +221,8 @@ class _Checker(OrderRules):
         for w in self.workers:
             ws = w.stage
             top = tops[ws]
-            deltas, held = (stage_deltas(plan.costs, ws) if top != _INF else _NO_DELTAS), 0.0  # only with a limit
+            limited = top != _INF  # memory is tracked only under a limit
+            deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
             # With virtual stages each chunk has its own activation size: its deltas, by its stage.
             chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
@@ -248,14 +251,14 @@ class _Checker(OrderRules):
                 elif role == ROLE_RECV:
                     recvs.append((w, i, ins, slot))
                 elif role == ROLE_COMPUTE:
-                    cid = slot * 4 + kid[op.kind]
-                    first = comp.get(cid)
-                    if first is not None:
+                    here = (w, i)
+                    first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place
+                    if first is not here:
                         self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
-                    comp[cid] = (w, i)
-                    held += chunk_deltas[os][kind] if chunked and top != _INF else deltas[kind]
-                    if held > top and w not in self.over:
-                        self.over[w] = (i, held)
+                    if limited:
+                        held += chunk_deltas[os][kind] if chunked else deltas[kind]
+                        if held > top and w not in self.over:
+                            self.over[w] = (i, held)
                 elif role == ROLE_LOAD:
                     if op.kind is not OpKind.F or 0 < os < ns - 1:
                         self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
@@ -351,20 +354,23 @@ class _Checker(OrderRules):
             op_kinds, step, channel = rows[ins.kind]
             if opk not in op_kinds or not 0 <= op.stage + step < ns:
                 self.fail(w, i, SEMANTICS[ins.kind].rule)
-            if peer is w or peer == w:
+            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
+            # Stream keys are distinct workers: a peer that is its consumer's key but not `w` differs from `w`,
+            # which settles both peer rules in the common case without `Worker.__eq__` (a Python call).
+            to_consumer = target is not None and target[0] is peer and peer is not w
+            if not to_consumer and (peer is w or peer == w):
                 self.fail(w, i, "sends to its own worker: a tensor between two chunks of one worker is handed off "
                                 "locally, drop the SEND and its RECV")
             producer = comp.get(slot * 4 + kid[opk])
             if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
                 self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
-            if target is None or (target[0] is not peer and target[0] != peer):
+            if not to_consumer and (target is None or target[0] != peer):
                 expect = "nobody" if target is None else target[0]
                 self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor = slot * 2 + channel
-            if tensor in sent:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {sent[tensor] & _LOW}): keep one")
-            sent[tensor] = rank << 32 | i
+            tensor, here = slot * 2 + channel, rank << 32 | i
+            first = sent.setdefault(tensor, here)  # one lookup: where the tensor is first sent
+            if first != here:
+                self.fail(w, i, f"sends the same tensor twice (first at instruction {first & _LOW}): keep one")
             key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
             queue = out.get(key)
             if queue is None:
@@ -391,17 +397,17 @@ class _Checker(OrderRules):
             if source is None or (source[0] is not peer and source[0] != peer):
                 expect = "nobody" if source is None else source[0]
                 self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor = (slot + step) * 2 + channel
-            if tensor in received:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {received[tensor] & _LOW})")
-            received[tensor] = rank << 32 | j
+            tensor, here = (slot + step) * 2 + channel, rank << 32 | j
+            first = received.setdefault(tensor, here)
+            if first != here:
+                self.fail(w, j, f"receives the same tensor twice (first at instruction {first & _LOW})")
             consumed[tensor] = consumer[1]
             key = (peer.pipeline * pp + peer.stage) * nw + rank
             queue = into.get(key)
             if queue is None:
-                into[key] = [(tensor, j)]
+                into[key] = [tensor]
             else:
-                queue.append((tensor, j))
+                queue.append(tensor)
             ev.append((consumer[1], 0, tensor))
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots

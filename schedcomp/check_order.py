@@ -34,7 +34,7 @@ class OrderRules:
     events: list[list[tuple[int, int, int]]]
     tail: list[Any]
     out: dict[int, list[int]]
-    into: dict[int, list[tuple[int, int]]]
+    into: dict[int, list[int]]
     sent: dict[int, int]
     received: dict[int, int]
     consumer: Any
@@ -78,12 +78,13 @@ class OrderRules:
         nw = topo.dp * topo.pp
         # Compare every channel in one comparison each; only when some disagree, report the first of them
         # in (sender, receiver) order (sorting all channels up front cost more than comparing them).
-        bad = [key for key, got in into.items() if [t for t, _ in got] != out[key][: len(got)]]
+        bad = [key for key, got in into.items() if got != out[key][: len(got)]]
         for key in sorted(bad):
             got, expected = into[key], out[key]
             x, y = topo.worker_of_rank(key // nw), topo.worker_of_rank(key % nw)
-            for n, (tensor, j) in enumerate(got):
+            for n, tensor in enumerate(got):
                 if expected[n] != tensor:
+                    j = self.received[tensor] & _LOW
                     send = self.plan.streams[x][self.sent[expected[n]] & _LOW]
                     self.fail(y, j, f"is receive #{n} from {x}, but {x}'s send #{n} to {y} is {send}: "
                                     "post receives in the order the peer sends")

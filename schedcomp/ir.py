@@ -15,7 +15,7 @@ Text forms (they round-trip through `parse`):
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,16 +129,8 @@ class Instruction:
         return self.kind in COMPUTE_KINDS or (self.kind not in _FORM and semantics_of(self.kind).is_compute)
 
     def __str__(self) -> str:
-        # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
-        kind, op = self.kind, self.op
-        if op is None:
-            return _TEXT[kind] if kind in _TEXT else str(getattr(kind, "value", kind))
-        o = f"{_TEXT[op.kind]}{op.microbatch}.{op.pipeline}"
-        form = _FORM[kind] if kind in _FORM else _form(kind)
-        if form == 0:
-            return o
-        p = self.peer
-        return f"{_TEXT[kind]}[{o}{'>' if form == 2 else '<'}{p.pipeline}:{p.stage}]" if p else f"{_TEXT[kind]}[{o}]"
+        op = self.op
+        return _instruction_text(self.kind, None if op is None else str(op), self.peer)
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Instruction:
@@ -160,6 +152,34 @@ class Instruction:
                 raise PlanFormatError(f"bad instruction {text!r}: sends use '>PEER', receives '<PEER', LOAD no peer")
             return cls(kind, op, peer)
         return cls.compute(Op.parse(text, stage))
+
+
+def _instruction_text(kind: Any, op_text: str | None, peer: Worker | None) -> str:
+    """The text of an instruction given its op's (`F3.1`): the one format, for `str` and `stream_texts`."""
+    # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
+    if op_text is None:
+        return _TEXT[kind] if kind in _TEXT else str(getattr(kind, "value", kind))
+    form = _FORM[kind] if kind in _FORM else _form(kind)
+    if form == 0:
+        return op_text
+    if peer:
+        return f"{_TEXT[kind]}[{op_text}{'>' if form == 2 else '<'}{peer.pipeline}:{peer.stage}]"
+    return f"{_TEXT[kind]}[{op_text}]"
+
+
+def stream_texts(stream: Sequence[Instruction]) -> list[str]:
+    """`[str(ins) for ins in stream]`, for writers of whole plans: a lowered stream names an op in neighbouring
+    instructions (LOAD, compute, SEND), so each run of them formats the op's text once."""
+    texts: list[str] = []
+    append, text = texts.append, _instruction_text
+    last: Op | None = None
+    op_text: str | None = None
+    for ins in stream:
+        op = ins.op
+        if op is not last:
+            last, op_text = op, None if op is None else str(op)
+        append(text(ins.kind, op_text, ins.peer))
+    return texts
 
 
 def staged_text(ins: Instruction) -> str:

@@ -27,8 +27,10 @@ from schedcomp.gcpause import paused_gc
 from schedcomp.ir import InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.topology import Worker
 
-Tensor = tuple[str, int, int, int]
-"""A tensor crossing a stage boundary: ("act" | "grad", pipeline, microbatch, producing stage)."""
+Tensor = int
+"""A tensor crossing a stage boundary: `producing slot * 2 + (0 activation | 1 input gradient)`, where the
+slot of (pipeline d, micro-batch m, stage s) is `(d * microbatches + m) * stages + s`. Ints, not tuples:
+a 200k-row plan looks tensors up millions of times, and an int hashes in one step."""
 
 _COMPUTE = {kind: InstrKind(kind.value) for kind in OpKind}
 _ALLREDUCE = Instruction(InstrKind.ALLREDUCE)
@@ -53,15 +55,19 @@ def _lower(
 ) -> Plan:
     topology = order.topology
     pp = topology.stages  # virtual stages: the model's stages, whichever workers hold them
+    mbs = order.microbatches
     # Workers are numbered by their place in `order.ops` and every per-worker table below is a list
     # indexed by that number: hashing the `Worker` dataclass per op cost more than the lowering itself.
     workers = list(order.ops)
-    runner: dict[tuple[int, int, int], int] = {}  # (pipeline, micro-batch, stage) -> the worker running its F
+    runner: dict[int, int] = {}  # slot (see `Tensor`) -> the worker running its F
     F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for x, ops in enumerate(order.ops.values()):
         for op in ops:
+            if not (0 <= op.microbatch < mbs and 0 <= op.stage < pp):  # slots are distinct only in range
+                raise ScheduleError(f"{workers[x]} runs {op} of stage {op.stage}, outside micro-batches 0..{mbs - 1} "
+                                    f"and stages 0..{pp - 1}: give ops of this job only")
             if op.kind is F:
-                runner[(op.pipeline, op.microbatch, op.stage)] = x
+                runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage] = x
 
     # Every op sends at most one tensor: per worker, per op index, (tensor, receiver) or None.
     sends: list[list[tuple[Tensor, int] | None]] = []
@@ -71,17 +77,18 @@ def _lower(
         out: list[tuple[Tensor, int] | None] = []
         sends.append(out)
         for op in ops:
-            kind, d, m, s = op.kind, op.pipeline, op.microbatch, op.stage
+            kind, s = op.kind, op.stage
+            slot = (op.pipeline * mbs + op.microbatch) * pp + s
             if kind is F and s < pp - 1:
-                tensor, to = ("act", d, m, s), (d, m, s + 1)
+                tensor, to = slot * 2, slot + 1
             elif (kind is B or kind is BW) and s > 0:
-                tensor, to = ("grad", d, m, s), (d, m, s - 1)
+                tensor, to = slot * 2 + 1, slot - 1
             else:
                 out.append(None)
                 continue
             y = runner.get(to)
             if y is None:
-                raise _missing(*to)
+                raise _missing(to, mbs, pp)
             if y == x:  # the next chunk runs here too: a local hand-off
                 out.append(None)
                 continue
@@ -93,7 +100,7 @@ def _lower(
                 lst.append(tensor)
 
     streams = {
-        w: _stream(x, ops, pp, runner, workers, sends[x], inbound[x])
+        w: _stream(x, ops, pp, mbs, runner, workers, sends[x], inbound[x])
         for x, (w, ops) in enumerate(order.ops.items())
     }
     return Plan(
@@ -108,31 +115,39 @@ def _lower(
     )
 
 
-def _missing(d: int, m: int, stage: int) -> ScheduleError:
+def _slot_key(slot: int, mbs: int, pp: int) -> tuple[int, int, int]:
+    """(pipeline, micro-batch, stage) of a slot id."""
+    rest, stage = divmod(slot, pp)
+    return (*divmod(rest, mbs), stage)
+
+
+def _missing(slot: int, mbs: int, pp: int) -> ScheduleError:
+    d, m, stage = _slot_key(slot, mbs, pp)
     return ScheduleError(
         f"the order has no F for micro-batch {m} of pipeline {d} at stage {stage}, which a neighbouring "
         "stage sends to or receives from: give every (pipeline, micro-batch, stage) an F"
     )
 
 
-def _not_sent(w: Worker, op: Op, runner: Worker, t: Tensor) -> ScheduleError:
-    what = "activation" if t[0] == "act" else "gradient"
+def _not_sent(w: Worker, op: Op, runner: Worker, t: Tensor, mbs: int, pp: int) -> ScheduleError:
+    what = "activation" if t & 1 == 0 else "gradient"
     return ScheduleError(
-        f"{w} runs {op} of stage {op.stage}, but {runner}, which runs stage {t[3]}'s F of it, does not send "
-        f"it the {what} it needs: give every (pipeline, micro-batch, stage) exactly one F and one B or BW, run "
-        "on one worker"
+        f"{w} runs {op} of stage {op.stage}, but {runner}, which runs stage {_slot_key(t >> 1, mbs, pp)[2]}'s F of "
+        f"it, does not send it the {what} it needs: give every (pipeline, micro-batch, stage) exactly one F and one "
+        "B or BW, run on one worker"
     )
 
 
-_RECV = {"act": InstrKind.RECV_ACT, "grad": InstrKind.RECV_GRAD}
-_SEND = {"act": InstrKind.SEND_ACT, "grad": InstrKind.SEND_GRAD}
+_RECV = (InstrKind.RECV_ACT, InstrKind.RECV_GRAD)  # by a tensor's low bit
+_SEND = (InstrKind.SEND_ACT, InstrKind.SEND_GRAD)
 
 
 def _stream(
     me: int,
     ops: tuple[Op, ...],
     pp: int,
-    runner: Mapping[tuple[int, int, int], int],
+    mbs: int,
+    runner: Mapping[int, int],
     workers: list[Worker],
     sends: list[tuple[Tensor, int] | None],
     inbound: Mapping[int, list[Tensor]],
@@ -146,16 +161,18 @@ def _stream(
     needs: list[Tensor | None] = []
     F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for op in ops:
-        kind, d, m, s = op.kind, op.pipeline, op.microbatch, op.stage
+        kind, s = op.kind, op.stage
         tensor: Tensor | None = None
         if kind is F and s > 0:
-            tensor = ("act", d, m, s - 1)
+            source = (op.pipeline * mbs + op.microbatch) * pp + s - 1
+            tensor = source * 2
         elif (kind is B or kind is BW) and s < pp - 1:
-            tensor = ("grad", d, m, s + 1)
+            source = (op.pipeline * mbs + op.microbatch) * pp + s + 1
+            tensor = source * 2 + 1
         if tensor is not None:
-            x = runner.get(tensor[1:])
+            x = runner.get(source)
             if x is None:
-                raise _missing(*tensor[1:])
+                raise _missing(source, mbs, pp)
             if x == me:  # produced here, by another chunk: a local hand-off, nothing to receive
                 tensor = None
             else:
@@ -166,10 +183,11 @@ def _stream(
         for i, t in enumerate(tensors):
             position[t] = i
             if t not in consumer:
-                what = "F" if t[0] == "act" else "B or BW"
-                stage = t[3] + 1 if t[0] == "act" else t[3] - 1
+                what = "F" if t & 1 == 0 else "B or BW"
+                d, m, stage = _slot_key(t >> 1, mbs, pp)
+                stage += 1 if t & 1 == 0 else -1
                 raise ScheduleError(
-                    f"{workers[x]} sends {w} a tensor of micro-batch {t[2]} of pipeline {t[1]} but {w} runs no {what} "
+                    f"{workers[x]} sends {w} a tensor of micro-batch {m} of pipeline {d} but {w} runs no {what} "
                     f"for it at stage {stage}: run F, B and W of a (pipeline, micro-batch, stage) on one worker"
                 )
     out: list[Instruction] = []
@@ -178,18 +196,18 @@ def _stream(
     LOAD, last_stage = InstrKind.LOAD, pp - 1
     # Receives are posted one op early (they overlap the op before their consumer): before op j, post
     # what op j + 1 needs, and before op 0 what op 0 needs. Inlined, not a helper: millions of calls.
-    for j in range(-1, len(ops)):
-        tensor = needs[j + 1] if j + 1 < len(ops) else None
+    needs.append(None)  # after the last op: nothing
+    for j, tensor in enumerate(needs, -1):  # tensor: what op j + 1 needs
         if tensor is not None:
             x = consumer[tensor][1]
             upto = position.get(tensor)
             if upto is None or x not in inbound:
-                raise _not_sent(w, ops[j + 1], workers[x], tensor)
+                raise _not_sent(w, ops[j + 1], workers[x], tensor, mbs, pp)
             done = posted.get(x, 0)
             if upto >= done:
                 peer = workers[x]
                 for t in inbound[x][done : upto + 1]:  # earlier-sent tensors first: FIFO per channel
-                    append(make(_RECV[t[0]], consumer[t][0], peer))
+                    append(make(_RECV[t & 1], consumer[t][0], peer))
                 posted[x] = upto + 1
         if j < 0:
             continue
@@ -200,6 +218,6 @@ def _stream(
         append(make(_COMPUTE[kind], op, None))
         sent = sends[j]
         if sent is not None:
-            append(make(_SEND[sent[0][0]], op, workers[sent[1]]))
+            append(make(_SEND[sent[0] & 1], op, workers[sent[1]]))
     out += [_ALLREDUCE, _STEP]
     return tuple(out)

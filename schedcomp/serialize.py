@@ -41,7 +41,7 @@ from schedcomp import fileio, limits
 from schedcomp.costs import CostModel
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text
+from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
 from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
@@ -211,14 +211,19 @@ def _string(text: str) -> str:
     return f'"{text}"' if _PLAIN.fullmatch(text) else _dumps(text)
 
 
-def _text_of(plan: Plan) -> Callable[[Instruction], str]:
-    """How the plan's instructions are written: with each op's virtual stage when workers hold several."""
-    return staged_text if plan.topology.chunks > 1 else str
+def _text_of(plan: Plan) -> Callable[[Sequence[Instruction]], list[str]]:
+    """How a stream of the plan is written: with each op's virtual stage when workers hold several."""
+    return _staged_texts if plan.topology.chunks > 1 else stream_texts
 
 
-def _string_list(stream: Sequence[Instruction], sep: str, text: Callable[[Instruction], str] = str) -> str:
-    """`json.dumps([text(i) for i in stream], separators=(sep, ...))`, fast for plain texts."""
-    texts = list(map(text, stream))
+def _staged_texts(stream: Sequence[Instruction]) -> list[str]:
+    return list(map(staged_text, stream))
+
+
+def _string_list(stream: Sequence[Instruction], sep: str,
+                 text: Callable[[Sequence[Instruction]], list[str]] = stream_texts) -> str:
+    """`json.dumps(text(stream), separators=(sep, ...))`, fast for plain texts."""
+    texts = text(stream)
     if not _PLAIN.fullmatch("".join(texts)):
         return _dumps(texts, separators=(sep, ":"))
     return '["' + f'"{sep}"'.join(texts) + '"]' if texts else "[]"
@@ -249,7 +254,7 @@ def plan_to_text(plan: Plan) -> str:
     lines = [_dumps(_header(plan), separators=(",", ":"))]
     text = _text_of(plan)
     for w in sorted(plan.streams):
-        lines.append(f"{w}: " + " ".join(map(text, plan.streams[w])))
+        lines.append(f"{w}: " + " ".join(text(plan.streams[w])))
     return "\n".join(lines) + "\n"
 
 
@@ -370,16 +375,18 @@ def order_from_torch_csv(
     per_stage: list[list[tuple[OpKind, int]]] = []
     largest = -1
     # Rows repeat the same actions after their stage prefix: parse "F3" once (a 200k-row CSV has
-    # ~10^6 cells). Only text the full parse below accepted is ever cached, so the result is the same.
+    # ~10^6 cells). Only text the full parse below accepted is ever cached, so the result is the same,
+    # and the largest micro-batch is among the parsed ones (every hit repeats one).
     parsed: dict[str, tuple[OpKind, int]] = {}
     for rank, row in enumerate(rows):
         actions = []
         prefix = str(rank)
+        cut = len(prefix)
         for col, cell in enumerate(row):
             cell = cell.strip()
             if not cell:
                 continue  # an idle step
-            hit = parsed.get(cell[len(prefix):]) if cell.startswith(prefix) else None
+            hit = parsed.get(cell[cut:]) if cell.startswith(prefix) else None
             if hit is not None:
                 actions.append(hit)
                 continue
@@ -393,11 +400,11 @@ def order_from_torch_csv(
 
                 return virtual_order_from_rows(rows, microbatches, dp, family)
             mb = int(m["mb"])
+            largest = max(largest, mb)
             action = (_FROM_TORCH[m["kind"]], mb)
             if cell == prefix + m["kind"] + m["mb"]:
                 parsed[m["kind"] + m["mb"]] = action
             actions.append(action)
-        largest = max([largest, *(mb for _, mb in actions)])
         per_stage.append(actions)
     if microbatches is None:
         microbatches = largest + 1

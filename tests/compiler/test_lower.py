@@ -144,6 +144,8 @@ def test_incomplete_order_is_an_error() -> None:
         # for a gradient from 0:2, which sends it nothing (was a KeyError).
         ([["F0", "BW0"], ["F0", "BW0"], ["F0@1", "F0", "BW0"]],
          ["0:0 runs BW0.0 of stage 0, but 0:2", "does not send"]),
+        # Micro-batch 1 of a one-micro-batch job: refused before it could share another op's slot id.
+        ([["F0", "BW0"], ["F1", "BW1"]], ["0:1 runs F1.0 of stage 1, outside micro-batches 0..0 and stages 0..1"]),
     ],
 )
 def test_an_op_whose_input_nobody_sends_is_a_schedule_error(rows: list[list[str]], words: list[str]) -> None:
