@@ -43,8 +43,9 @@ class FastTimer:
         self.problem = problem
         self.iterations = iterations
         self.synchronous = synchronous
-        pp, nk, costs = problem.pp, len(problem.kinds), problem.costs
+        stages, nk, costs = problem.stages, len(problem.kinds), problem.costs
         self.nk = nk
+        self.snk = stages * nk  # op % snk = stage * nk + kind: the key of a worker's op times
         n_ops = problem.n_slots * nk
         self.n_ops = n_ops
         self.pred1 = [-1] * n_ops
@@ -53,27 +54,27 @@ class FastTimer:
         self.lat2 = [0.0] * n_ops
         for op in range(n_ops):
             slot, k = divmod(op, nk)
-            s = slot % pp
+            s = slot % stages
             if k == 0:
                 if s > 0:
                     self.pred1[op], self.lat1[op] = (slot - 1) * nk, costs.p2p
             elif k == 1:
                 self.pred1[op] = slot * nk
-                if s < pp - 1:
+                if s < stages - 1:
                     self.pred2[op], self.lat2[op] = (slot + 1) * nk + 1, costs.p2p
             else:
                 self.pred1[op] = slot * nk + 1
         self.live = [problem.worker_id(w) for w in problem.topology.live_workers]
-        self.dur = {wid: [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds] for wid in self.live}
+        self.dur = {wid: [t for row in problem.durations(wid) for t in row] for wid in self.live}
         self.allreduce = problem.allreduce_times
         self.step = {wid: problem.step_time(wid) for wid in self.live}
-        deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
-        self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
-        self.limits = [lim * (1 + 1e-9) + 1e-12 for lim in costs.stage_limits]
+        deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
+        self.delta = [deltas[(op // nk) % stages][op % nk] for op in range(n_ops)]
+        self.limits = {wid: problem.limit_of(wid) * (1 + 1e-9) + 1e-12 for wid in self.live}
 
     def memory_ok(self, wid: int, seq: Sequence[int]) -> bool:
         """Whether worker `wid` running `seq` stays within its stage's memory limit."""
-        held, delta, limit = 0.0, self.delta, self.limits[wid % self.problem.pp]
+        held, delta, limit = 0.0, self.delta, self.limits[wid]
         for op in seq:
             held += delta[op]
             if held > limit:
@@ -82,10 +83,11 @@ class FastTimer:
 
     def score(self, seqs: Mapping[int, Sequence[int]]) -> tuple[float, float]:
         """(period, makespan); (inf, inf) when the sequences deadlock."""
-        pp, nk = self.problem.pp, self.nk
+        pp, snk = self.problem.pp, self.snk
         pred1, pred2, lat1, lat2 = self.pred1, self.pred2, self.lat1, self.lat2
         done = [-1] * self.n_ops
         endt = [0.0] * self.n_ops
+        who = [-1] * self.n_ops  # the worker that ran each op: a hand-off on one worker has no latency
         base = dict.fromkeys(self.live, 0.0)
         ends: list[float] = []
         total = sum(len(seqs.get(w, ())) for w in self.live)
@@ -109,7 +111,7 @@ class FastTimer:
                         if done[p] != it:
                             waiting.setdefault(p, []).append(w)
                             break
-                        a = endt[p] + lat1[op]
+                        a = endt[p] + lat1[op] if who[p] != w else endt[p]
                         if a > t:
                             t = a
                         p = pred2[op]
@@ -117,11 +119,12 @@ class FastTimer:
                             if done[p] != it:
                                 waiting.setdefault(p, []).append(w)
                                 break
-                            a = endt[p] + lat2[op]
+                            a = endt[p] + lat2[op] if who[p] != w else endt[p]
                             if a > t:
                                 t = a
-                    t += dur[op % nk]
+                    t += dur[op % snk]
                     endt[op] = t
+                    who[op] = w
                     done[op] = it
                     finished += 1
                     i += 1
@@ -167,10 +170,11 @@ def improve(
     rng = random.Random(seed)
     cur = {w: list(v) for w, v in seqs.items()}
     best = timer.score(cur)
-    nk, pp = timer.nk, problem.pp
+    nk = timer.nk
     workers = [w for w in timer.live if cur.get(w)]
     peers = {s: [problem.worker_id(w) for w in group] for s, group in enumerate(problem.survivors)}
-    orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[slot % pp]) > 1]
+    place = [problem.place[slot % problem.stages] for slot in range(problem.n_slots)]
+    orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[place[slot]]) > 1]
     where = {op // nk: w for w, ops in cur.items() for op in ops}
     budget = work_of(time_budget) if work is None else work
     cost = timer.n_ops * iterations  # ops timed by one `score`
@@ -186,7 +190,7 @@ def improve(
         if kind == "reroute":
             slot = rng.choice(orphans)
             src = where[slot]
-            dst = rng.choice([p for p in peers[slot % pp] if p != src])
+            dst = rng.choice([p for p in peers[place[slot]] if p != src])
             old_src, old_dst = cur[src], cur[dst]
             mine = [op for op in old_src if op // nk == slot]
             pos = [i / max(1, len(old_src)) for i, op in enumerate(old_src) if op // nk == slot]

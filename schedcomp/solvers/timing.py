@@ -1,16 +1,16 @@
 """Op-level timing of per-worker compute sequences over several iterations (the solvers' own clock).
 
-Same semantics as the plan simulator (docs/design.md), on the compute graph alone: each worker runs its ops
-in order; an op starts when its worker is free and its inputs have arrived (a transfer between workers
-takes `costs.p2p`; F -> B -> W of a slot are local); after its last op a worker joins its stage's
-all-reduce, which starts when every live worker of the stage has arrived, then steps; with a staggered
-optimizer the worker starts its next iteration right after its own stage's step, with a synchronous one
-after every stage's step (an all-reduce over one worker is free; a step is divided by the worker's
-speed factor; the period is the mean time between iteration ends over the second half of the run, as
-in `schedcomp.timeline`). Sequences are lists of op ids (see `problem.py`), so the solvers can score
-candidates without building `Order`s. The graph is timed level by level (nodes of one topological level
-are independent) with numpy, so one iteration of a 100k-op schedule takes milliseconds.
-"""
+Same semantics as the plan simulator (docs/design.md), on the compute graph alone: each worker runs its
+ops in order; an op starts when its worker is free and its inputs have arrived (a transfer between
+workers takes `costs.p2p`; F -> B -> W of a slot are local, as is a hand-off between two chunks of one
+worker); after its last op a worker joins its stage's all-reduce, which starts when every live worker of
+the stage has arrived, then steps; with a staggered optimizer the worker starts its next iteration right
+after its own stage's step, with a synchronous one after every stage's step (an all-reduce over one
+worker is free; a step is divided by the worker's speed factor; the period is the mean time between
+iteration ends over the second half of the run, as in `schedcomp.timeline`). Sequences are lists of op
+ids (see `problem.py`), so the solvers can score candidates without building `Order`s. The graph is
+timed level by level (nodes of one topological level are independent) with numpy, so one iteration of a
+100k-op schedule takes milliseconds. """
 
 from __future__ import annotations
 
@@ -56,13 +56,13 @@ DEADLOCK = Timing(INF, INF, ())
 def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[int, float]:
     """The most activation memory each worker (id) holds running its sequence (memory depends on the
     order only)."""
-    nk, pp = len(problem.kinds), problem.pp
-    table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(pp))])
+    nk, stages = len(problem.kinds), problem.stages
+    table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(stages))])
     peaks = {}
     for wid, seq in seqs.items():
         if len(seq):
             ops = np.asarray(seq, dtype=np.int64)
-            peaks[wid] = float(np.cumsum(table[(ops // nk) % pp, ops % nk]).max())
+            peaks[wid] = float(np.cumsum(table[(ops // nk) % stages, ops % nk]).max())
     return peaks
 
 
@@ -73,9 +73,7 @@ def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
 
 def within_limits(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> bool:
     """Whether every worker stays within its stage's memory limit (with the validator's tolerance)."""
-    costs = problem.costs
-    return all(peak <= costs.limit_at(wid % problem.pp) * (1 + 1e-9)
-               for wid, peak in worker_peaks(problem, seqs).items())
+    return all(peak <= problem.limit_of(wid) * (1 + 1e-9) for wid, peak in worker_peaks(problem, seqs).items())
 
 
 def time_sequences(
@@ -108,30 +106,28 @@ def time_sequences(
     prev[firsts] = base_at[lens > 0]
     kind = ops % nk
     slot = ops // nk
-    stage = slot % pp
+    stage = slot % problem.stages
     p1 = np.full(n, none)
     p2 = np.full(n, none)
     l1 = np.zeros(n)
     l2 = np.zeros(n)
     f = (kind == 0) & (stage > 0)
     p1[f] = node_of[(slot[f] - 1) * nk]
-    l1[f] = costs.p2p
+    # A tensor between two chunks of one worker is handed off locally: no transfer latency.
+    l1[f] = np.where(owner[p1[f]] == owner[f], 0.0, costs.p2p)
     b = kind == 1
     p1[b] = node_of[slot[b] * nk]
-    b2 = b & (stage < pp - 1)
+    b2 = b & (stage < problem.stages - 1)
     p2[b2] = node_of[(slot[b2] + 1) * nk + 1]
-    l2[b2] = costs.p2p
+    l2[b2] = np.where(owner[p2[b2]] == owner[b2], 0.0, costs.p2p)
     w = kind == 2
     p1[w] = node_of[slot[w] * nk + 1]
     levels = _levels(n, prev, p1, p2)
     if levels is None:
         return DEADLOCK
 
-    durations = np.zeros((len(live), nk))
-    for i, wid in enumerate(live):
-        worker = problem.worker_of(wid)
-        durations[i] = [problem.duration(k, worker) for k in problem.kinds]
-    dur = durations[owner, kind]
+    durations = np.array([problem.durations(wid) for wid in live]).reshape(len(live), problem.stages, nk)
+    dur = durations[owner, stage, kind]
     wstage = np.array([wid % pp for wid in live], dtype=np.int64)
     last_of = starts_at + lens - 1
     has_ops = lens > 0

@@ -1,0 +1,54 @@
+"""The plain construction with virtual stages: the fault-free family of the placement (interleaved-1f1b
+for "loop", zb-v for "v") run as one pipeline over every pipeline's micro-batches, each worker keeping
+the ops of the micro-batches it holds.
+
+Think of the job as a single pipeline of dp x M micro-batches (micro-batch m of pipeline d is unit
+m dp + d) whose place p is shared by the live workers at p: a unit runs at p on its home worker, or, when
+that one failed, on the peer `route.assign_orphans` names (all chunks of a micro-batch at a place go to one
+peer). Each worker runs the family's order for place p restricted to its units. That cannot deadlock:
+its dependency graph is the fault-free single pipeline's with some stream-order edges removed, and
+removing edges keeps a graph acyclic. Nor does it hold more memory than that pipeline at p, since every
+micro-batch's held activation is never negative (F comes before its B and W). A peer then interleaves its
+own and re-routed micro-batches as the family would a longer batch, so a zero-bubble family such as ZB-V
+stays close to zero-bubble on the busiest peer, as if the failed pipeline's work had been dealt over the
+others; the greedy solver times it next to the list scheduler (as `solvers.plain` with one chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from schedcomp.errors import ScheduleError
+from schedcomp.ir import OpKind
+from schedcomp.memory import reference_family
+from schedcomp.schedules import get_family
+from schedcomp.solvers.problem import Problem
+
+
+def merged_sequences(problem: Problem, assignment: Mapping[int, int]) -> dict[int, list[int]]:
+    """Worker id -> op ids of the merged family order (see the module docstring)."""
+    pp, dp, nk, topology = problem.pp, problem.dp, len(problem.kinds), problem.topology
+    units = dp * problem.microbatches
+    family = get_family(reference_family(topology))
+    try:
+        orders = family.orders(pp, units, topology.chunks)
+    except ScheduleError:  # interleaved-1f1b runs equal rounds: pad with units nobody runs (a subgraph still)
+        orders = family.orders(pp, -(-units // pp) * pp, topology.chunks)
+    index = {kind: i for i, kind in enumerate(problem.kinds)}
+    seqs: dict[int, list[int]] = {problem.worker_id(w): [] for w in topology.live_workers}
+    for ops in orders:
+        for op in ops:
+            if op.microbatch >= units:
+                continue
+            m, d = divmod(op.microbatch, dp)
+            slot = problem.slot_id(d, m, op.stage)
+            home = problem.home_of(slot)
+            out = seqs[home] if home in seqs else seqs[assignment[slot]]
+            if op.kind is OpKind.BW and nk == 3:  # a fused family, split backward: B then W at once
+                out += [slot * nk + index[OpKind.B], slot * nk + index[OpKind.W]]
+            elif op.kind in (OpKind.B, OpKind.W) and nk == 2:  # a split family, fused backward: BW at B
+                if op.kind is OpKind.B:
+                    out.append(slot * nk + index[OpKind.BW])
+            else:
+                out.append(slot * nk + index[op.kind])
+    return seqs

@@ -1,0 +1,108 @@
+"""Adaptive re-routing with virtual stages: a failed worker's micro-batches at every chunk it held run on
+live workers holding the same chunks; the plans validate and simulate, never lose to dropping the
+broken pipelines, and stay within the bound, the memory limit and the solver's own clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from schedcomp.adaptive import solve
+from schedcomp.check import peak_memory
+from schedcomp.compiler import compile
+from schedcomp.costs import CostModel
+from schedcomp.errors import ScheduleError
+from schedcomp.lower import lower
+from schedcomp.memory import family_stage_peaks
+from schedcomp.simulator import simulate
+from schedcomp.solvers.bounds import work_bound
+from schedcomp.solvers.problem import Problem
+from schedcomp.topology import LOOP, Topology, V, Worker
+
+FAST = 0.2  # seconds of nominal solver time: a small, fixed amount of local search
+
+CASES = [  # (family, pp, dp, failed, M): M such that the dropped job's batch is a valid one for the family
+    ("interleaved-1f1b", 2, 2, [(0, 1)], 4),
+    ("interleaved-1f1b", 4, 2, [(1, 0)], 4),
+    ("interleaved-1f1b", 3, 4, [(1, 0), (2, 2)], 3),
+    ("interleaved-1f1b", 4, 3, [(2, 3)], 8),
+    ("interleaved-1f1b", 2, 3, [(0, 1), (0, 0)], 4),
+    ("zb-v", 2, 2, [(0, 1)], 4),
+    ("zb-v", 4, 2, [(1, 0)], 4),
+    ("zb-v", 3, 4, [(1, 0), (2, 2)], 3),
+    ("zb-v", 4, 3, [(0, 0), (1, 3)], 4),
+    ("zb-v", 2, 3, [(2, 1)], 2),
+]
+
+
+@pytest.mark.parametrize(("family", "pp", "dp", "failed", "m"), CASES)
+def test_rerouted_plans_run_every_chunk_on_a_holder_and_beat_dropping_the_pipelines(
+    family: str, pp: int, dp: int, failed: list[tuple[int, int]], m: int
+) -> None:
+    plan = compile(pp, dp, m, failed=failed, schedule=family, time_limit=10.0)  # compile runs check
+    topo = plan.topology
+    assert topo.chunks == 2 and topo.placement == (V if family == "zb-v" else LOOP)
+    orphans = 0
+    for worker in plan.workers:
+        ops = plan.compute_ops(worker)
+        assert all(topo.place_of(op.stage) == worker.stage for op in ops)  # only chunks it holds
+        orphans += sum(Worker(op.pipeline, worker.stage) in topo.failed for op in ops)
+    assert orphans == len(failed) * m * topo.chunks * 3  # every failed slot's F, B and W ran somewhere
+    period = simulate(plan).period
+    assert plan.lower_bound is not None and plan.lower_bound <= period * (1 + 1e-9)
+    broken = len({d for d, _ in failed})
+    dropped = compile(pp, dp - broken, math.ceil(dp * m / (dp - broken)), schedule=family)
+    assert period <= simulate(dropped).period * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(("family", "pp", "dp", "failed", "m", "period"), [
+    ("zb-v", 4, 2, [(1, 0)], 4, 24.0),  # the merged ZB-V keeps the busiest peer bubble-free
+    ("interleaved-1f1b", 2, 2, [(0, 1)], 8, 48.0),
+    ("interleaved-1f1b", 3, 2, [(0, 2)], 8, 48.0),
+])
+def test_the_solver_reaches_the_work_bound(
+    family: str, pp: int, dp: int, failed: list[tuple[int, int]], m: int, period: float
+) -> None:
+    """Unit model, chunks of 1/2 a stage: the peer of a failed worker runs 2M micro-batches of 3 units of
+    work (F + B + W over its two chunks), which is the work bound and what the solver reaches."""
+    plan = compile(pp, dp, m, failed=failed, schedule=family, time_limit=FAST)
+    assert plan.lower_bound == period == 2 * m * 3.0
+    assert simulate(plan).period == pytest.approx(period, abs=1e-9)
+
+
+def test_the_work_bound_with_chunks_of_unequal_cost_is_the_fractional_water_level() -> None:
+    """Place 0 holds chunks 0 and 2 (a slot costs 3 and 4): two peers share the failed worker's 2 x 2 slots;
+    any split leaves one peer at least half the re-routed work, 14 / 2, on top of its own 2 x (3 + 4)."""
+    costs = CostModel.from_dict({"forward": [1, 1, 2, 1], "backward_input": [1] * 4, "backward_weight": [1] * 4})
+    problem = Problem(Topology.of(2, 3, [(2, 0)], chunks=2), 2, costs)
+    assert work_bound(problem) == 14 + 7
+    solution = solve(problem, solver="greedy", time_limit=FAST)
+    assert solution.bound == 21 and solution.period >= 21
+
+
+@pytest.mark.parametrize("placement", [LOOP, V])
+def test_the_solvers_clock_is_the_simulators_with_local_hand_offs(placement: str) -> None:
+    costs = CostModel.uniform(8, forward=0.5, backward_input=0.5, backward_weight=0.5, activation=0.5, p2p=0.25)
+    problem = Problem(Topology.of(4, 2, [(1, 0), (0, 3)], chunks=2, placement=placement), 6, costs)
+    solution = solve(problem, solver="greedy", time_limit=FAST)
+    assert simulate(lower(solution.order(), costs)).period == pytest.approx(solution.period, abs=1e-9)
+
+
+@pytest.mark.parametrize("family", ["interleaved-1f1b", "zb-v"])
+def test_memory_limits_hold_per_worker_over_its_chunks(family: str) -> None:
+    default = compile(4, 2, 8, failed=[(1, 1)], schedule=family, time_limit=FAST)
+    # By default no worker holds more than the fault-free family of the same placement does.
+    reference = max(family_stage_peaks(family, 4, 8, default.costs))
+    assert default.costs.memory_limit == reference
+    assert max(peak_memory(default).values()) <= reference * (1 + 1e-9)
+    tight = compile(4, 2, 8, failed=[(1, 1)], schedule=family, time_limit=FAST, memory_limit=1.5)
+    assert max(peak_memory(tight).values()) <= 1.5 * (1 + 1e-9)
+    assert simulate(tight).period >= simulate(default).period - 1e-9  # less memory never buys time here
+
+
+def test_adaptive_takes_chunks_without_failures_and_cpsat_is_refused_with_them() -> None:
+    plan = compile(4, 2, 8, schedule="adaptive", chunks=2, time_limit=FAST)
+    assert plan.topology.chunks == 2 and plan.topology.placement == LOOP
+    with pytest.raises(ScheduleError, match="one stage per worker"):
+        compile(4, 2, 8, failed=[(1, 1)], schedule="zb-v", solver="cpsat")
