@@ -9,7 +9,7 @@ import math
 import pytest
 
 from schedcomp.adaptive import solve
-from schedcomp.check import peak_memory
+from schedcomp.check import check, peak_memory
 from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
@@ -106,3 +106,42 @@ def test_adaptive_takes_chunks_without_failures_and_cpsat_is_refused_with_them()
     assert plan.topology.chunks == 2 and plan.topology.placement == LOOP
     with pytest.raises(ScheduleError, match="one stage per worker"):
         compile(4, 2, 8, failed=[(1, 1)], schedule="zb-v", solver="cpsat")
+
+
+# ---- the CLI and the plan cache -------------------------------------------------------------------
+
+
+def test_cli_compiles_and_shows_rerouted_chunks(capsys, tmp_path) -> None:
+    import json
+
+    from schedcomp.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = ["--pp", "4", "--dp", "2", "--chunks", "2", "-m", "8", "--fail", "1:0", "--time-limit", "0.4"]
+    assert main(["compile", *argv, "--json", "-o", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["chunks"], summary["placement"], summary["failed"]) == (2, "loop", ["1:0"])
+    assert summary["lower_bound"] == 48.0 and summary["period"] >= 48.0
+    assert main(["show", str(out)]) == 0
+    drawn = capsys.readouterr().out
+    assert "failed" in drawn and "F0.1@4" in drawn  # pipeline 1's micro-batch 0 at chunk 4 ran on 0:0
+    assert main(["show", "--schedule", "zb-v", "--pp", "4", "--dp", "2", "-m", "8", "--fail", "1:0",
+                 "--time-limit", "0.4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["placement"] == "v"
+    assert main(["compile", *argv, "--placement", "v", "--schedule", "interleaved-1f1b"]) == 2
+    assert "places its chunks 'loop', not 'v'" in capsys.readouterr().err
+
+
+def test_the_plan_cache_keys_carry_chunks_and_placement(tmp_path) -> None:
+    from schedcomp.cache import PlanCache, precompile
+    from schedcomp.errors import RecoveryError
+
+    precompile(2, 2, 2, 1, directory=tmp_path, time_limit=FAST, chunks=2, placement=V)
+    again = PlanCache.load(tmp_path)
+    assert (again.chunks, again.placement, len(again)) == (2, V, 3)  # none failed, 0:0, 0:1
+    plan = again.lookup([(1, 1)])
+    assert plan.topology == Topology.of(2, 2, [(1, 1)], chunks=2, placement=V)
+    assert Worker(1, 1) not in plan.streams and Worker(0, 1) in plan.streams  # the stored 0:1 plan, renamed
+    check(plan)
+    with pytest.raises(RecoveryError, match="chunks=2 placement=v"):
+        again.lookup(Topology.of(2, 2, [(1, 1)], chunks=2))
