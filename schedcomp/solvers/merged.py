@@ -12,6 +12,7 @@ micro-batch's held activation is never negative (F comes before its B and W). A 
 own and re-routed micro-batches as the family would a longer batch, so a zero-bubble family such as ZB-V
 stays close to zero-bubble on the busiest peer, as if the failed pipeline's work had been dealt over the
 others; the greedy solver times it next to the list scheduler (as `solvers.plain` with one chunk).
+Without failures no place is shared and each pipeline runs the family on its own micro-batches.
 """
 
 from __future__ import annotations
@@ -27,28 +28,35 @@ from schedcomp.solvers.problem import Problem
 
 def merged_sequences(problem: Problem, assignment: Mapping[int, int]) -> dict[int, list[int]]:
     """Worker id -> op ids of the merged family order (see the module docstring)."""
-    pp, dp, nk, topology = problem.pp, problem.dp, len(problem.kinds), problem.topology
+    pp, nk, topology = problem.pp, len(problem.kinds), problem.topology
+    # Without failures every pipeline runs the family on its own (no place is shared).
+    dp = problem.dp if topology.failed else 1
     units = dp * problem.microbatches
     family = get_family(reference_family(topology))
     try:
         orders = family.orders(pp, units, topology.chunks)
     except ScheduleError:  # interleaved-1f1b runs equal rounds: pad with units nobody runs (a subgraph still)
         orders = family.orders(pp, -(-units // pp) * pp, topology.chunks)
-    index = {kind: i for i, kind in enumerate(problem.kinds)}
     seqs: dict[int, list[int]] = {problem.worker_id(w): [] for w in topology.live_workers}
-    for ops in orders:
-        for op in ops:
-            if op.microbatch >= units:
-                continue
-            m, d = divmod(op.microbatch, dp)
-            slot = problem.slot_id(d, m, op.stage)
-            home = problem.home_of(slot)
-            out = seqs[home] if home in seqs else seqs[assignment[slot]]
-            if op.kind is OpKind.BW and nk == 3:  # a fused family, split backward: B then W at once
-                out += [slot * nk + index[OpKind.B], slot * nk + index[OpKind.W]]
-            elif op.kind in (OpKind.B, OpKind.W) and nk == 2:  # a split family, fused backward: BW at B
-                if op.kind is OpKind.B:
-                    out.append(slot * nk + index[OpKind.BW])
-            else:
-                out.append(slot * nk + index[op.kind])
+    for copy in range(problem.dp // dp):  # (one pass over the merged pipeline, or one per pipeline)
+        for ops in orders:
+            for op in ops:
+                if op.microbatch < units:
+                    m, d = divmod(op.microbatch, dp)
+                    _append(problem, seqs, assignment, problem.slot_id(d + copy, m, op.stage), op.kind, nk)
     return seqs
+
+
+def _append(problem: Problem, seqs: dict[int, list[int]], assignment: Mapping[int, int], slot: int,
+            kind: OpKind, nk: int) -> None:
+    """Append the op ids of `kind` at `slot` to the sequence of the worker that runs the slot."""
+    index = {k: i for i, k in enumerate(problem.kinds)}
+    home = problem.home_of(slot)
+    out = seqs[home] if home in seqs else seqs[assignment[slot]]
+    if kind is OpKind.BW and nk == 3:  # a fused family, split backward: B then W at once
+        out += [slot * nk + index[OpKind.B], slot * nk + index[OpKind.W]]
+    elif kind in (OpKind.B, OpKind.W) and nk == 2:  # a split family, fused backward: BW at B
+        if kind is OpKind.B:
+            out.append(slot * nk + index[OpKind.BW])
+    else:
+        out.append(slot * nk + index[kind])

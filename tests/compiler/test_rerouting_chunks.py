@@ -145,3 +145,16 @@ def test_the_plan_cache_keys_carry_chunks_and_placement(tmp_path) -> None:
     check(plan)
     with pytest.raises(RecoveryError, match="chunks=2 placement=v"):
         again.lookup(Topology.of(2, 2, [(1, 1)], chunks=2))
+
+
+def test_compare_keeps_the_chunks_for_the_schedulers_and_folds_them_for_1f1b_baselines() -> None:
+    from schedcomp.baselines import compare, one_stage_view
+
+    outcomes = {o.strategy: o for o in compare(4, 2, 8, [(1, 0)], chunks=2, placement=V, time_limit=FAST)}
+    assert outcomes["fault-free"].period == 24.0  # fault-free ZB-V's, not 1F1B's
+    assert outcomes["adaptive"].period <= outcomes["drop-pipeline"].period
+    assert all(math.isfinite(o.period) for o in outcomes.values())
+    topo = Topology.of(2, 1, chunks=2, placement=V)
+    folded_topo, folded = one_stage_view(topo, CostModel.from_dict({"forward": [1, 2, 3, 4], "backward_input": [1] * 4,
+                                                                    "backward_weight": [1] * 4}))
+    assert folded_topo.chunks == 1 and folded.forward == (1 + 4, 2 + 3)  # place 0 holds stages 0 and 3
