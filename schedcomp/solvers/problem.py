@@ -166,9 +166,11 @@ class Problem:
         Any schedule must hold one micro-batch's activation at a stage while its forward runs, so the
         least workable limit is the largest per-stage activation; one micro-batch at a time always fits.
         """
+        if self.topology.chunks > 1:
+            self._check_chunk_memory()
+            return
         costs = self.costs
-        # (with virtual stages a limit is one number for every worker, so `limit_at(stage)` is it)
-        short = [s for s in range(self.stages) if costs.activation[s] > costs.limit_at(s) * (1 + 1e-9)]
+        short = [s for s in range(self.pp) if costs.activation[s] > costs.limit_at(s) * (1 + 1e-9)]
         if short:
             from schedcomp.memory import show_memory
 
@@ -181,6 +183,23 @@ class Problem:
             raise MemoryLimitError(
                 f"memory limit {have} is below the {need} one micro-batch's activations need at stage {s}: "
                 f"raise {least} (or split the model into more stages)"
+            )
+
+    def _check_chunk_memory(self) -> None:
+        """`check_memory` with virtual stages: a micro-batch keeps its activation at a worker's chunk until
+        that chunk's B, which waits for its later chunks there, so each worker holds one micro-batch's
+        activations of all its chunks at once."""
+        from schedcomp.memory import show_memory
+
+        costs, held = self.costs, self.topology.chunks_of
+        need = [sum(costs.activation[c] for c in held(p)) for p in range(self.pp)]
+        p = max(range(self.pp), key=lambda q: need[q] - costs.limit_at(q))
+        if need[p] > costs.limit_at(p) * (1 + 1e-9):
+            raise MemoryLimitError(
+                f"memory limit {show_memory(costs.limit_at(p), costs, unit=False)} is below the "
+                f"{show_memory(need[p], costs)} one micro-batch's activations need on a worker at place {p}, which "
+                f"holds them for its chunks {', '.join(map(str, held(p)))} at once: raise the limit to at least "
+                f"{show_memory(max(need), costs, unit=False)} (or split the model into more stages)"
             )
 
 

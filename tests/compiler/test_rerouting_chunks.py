@@ -158,3 +158,11 @@ def test_compare_keeps_the_chunks_for_the_schedulers_and_folds_them_for_1f1b_bas
     folded_topo, folded = one_stage_view(topo, CostModel.from_dict({"forward": [1, 2, 3, 4], "backward_input": [1] * 4,
                                                                     "backward_weight": [1] * 4}))
     assert folded_topo.chunks == 1 and folded.forward == (1 + 4, 2 + 3)  # place 0 holds stages 0 and 3
+
+
+def test_a_limit_below_one_micro_batch_over_a_workers_chunks_is_refused() -> None:
+    from schedcomp.errors import MemoryLimitError
+
+    # Each chunk's 0.5 fits under 0.75, but a worker holds both of its chunks' activations at once.
+    with pytest.raises(MemoryLimitError, match="place 0, which holds them for its chunks 0, 3 at once"):
+        compile(2, 2, 4, failed=[(1, 0)], schedule="zb-v", memory_limit=0.75)
