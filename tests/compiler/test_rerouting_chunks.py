@@ -166,3 +166,11 @@ def test_a_limit_below_one_micro_batch_over_a_workers_chunks_is_refused() -> Non
     # Each chunk's 0.5 fits under 0.75, but a worker holds both of its chunks' activations at once.
     with pytest.raises(MemoryLimitError, match="place 0, which holds them for its chunks 0, 3 at once"):
         compile(2, 2, 4, failed=[(1, 0)], schedule="zb-v", memory_limit=0.75)
+
+
+def test_rerouted_chunk_plans_are_deterministic() -> None:
+    """Every rank may compile the plan on its own: the same inputs give the same plan."""
+    def once() -> str:
+        return compile(4, 3, 4, failed=[(0, 0), (1, 3)], schedule="zb-v", time_limit=FAST).to_json()
+
+    assert once() == once()
