@@ -152,31 +152,31 @@ def greedy(
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
     best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
+    n_ops = problem.n_slots * len(problem.kinds)
+    plain = problem.topology.chunks == 1  # (the plain construction is 1F1B's, one stage per worker)
+    if not plain and n_ops <= PLAIN_MAX_OPS:
+        # With virtual stages, first the family of the placement merged over the re-routed micro-batches
+        # (`solvers.merged`): cheap, and often at the bound, which then spares the portfolio.
+        seqs = merged_sequences(problem, assignment)
+        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
+        if timing.ok and within_limits(problem, seqs):
+            best = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, -1, "merged", seqs)
     variants = portfolio(problem)
     for i, params in enumerate(variants):
+        if best is not None and best[0] <= bound * (1 + _TOL):
+            break  # provably optimal: nothing to gain from the rest
         seqs = list_schedule(problem, params, assignment, quota)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         # Ties on the period go to the schedule holding less memory, then to the shorter first iteration.
         key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, i, str(params), seqs)
         if timing.ok and (best is None or key[:4] < best[:4]):
             best = key
-        if best is not None and best[0] <= bound * (1 + _TOL):
-            break  # provably optimal: nothing to gain from the rest
-    n_ops = problem.n_slots * len(problem.kinds)
-    plain = problem.topology.chunks == 1  # (the plain construction is 1F1B's, one stage per worker)
     if best is not None and best[0] > bound * (1 + _TOL) and n_ops <= PLAIN_MAX_OPS and plain:
         # The plain construction as one more candidate (ties go to the list scheduler): the list scheduler
         # is work-conserving and can lose to 1F1B's strict alternation (see `solvers.plain`).
         seqs = plain_sequences(problem)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, len(variants), "plain", seqs)
-        if timing.ok and key[:4] < best[:4] and within_limits(problem, seqs):
-            best = key
-    if best is not None and best[0] > bound * (1 + _TOL) and n_ops <= PLAIN_MAX_OPS and not plain:
-        # With virtual stages the family of the placement, merged over the re-routed micro-batches.
-        seqs = merged_sequences(problem, assignment)
-        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
-        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, len(variants), "merged", seqs)
         if timing.ok and key[:4] < best[:4] and within_limits(problem, seqs):
             best = key
     if best is None:
