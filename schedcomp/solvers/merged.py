@@ -9,10 +9,11 @@ peer). Each worker runs the family's order for place p restricted to its units. 
 its dependency graph is the fault-free single pipeline's with some stream-order edges removed, and
 removing edges keeps a graph acyclic. Nor does it hold more memory than that pipeline at p, since every
 micro-batch's held activation is never negative (F comes before its B and W). A peer then interleaves its
-own and re-routed micro-batches as the family would a longer batch, so a zero-bubble family such as ZB-V
-stays close to zero-bubble on the busiest peer, as if the failed pipeline's work had been dealt over the
-others; the greedy solver times it next to the list scheduler (as `solvers.plain` with one chunk).
-Without failures no place is shared and each pipeline runs the family on its own micro-batches.
+own and re-routed micro-batches as the family would a longer batch: with two pipelines ZB-V stays
+bubble-free on the busiest peer (pp=4, dp=2, M=4, one failure: the bound, 24), but with more pipelines a
+worker gets only every dp-th unit of the family's in-flight window and the list scheduler does better;
+the greedy solver times it first and keeps the better (as `solvers.plain` with one chunk). Without
+failures no place is shared and each pipeline runs the family on its own micro-batches.
 """
 
 from __future__ import annotations
