@@ -16,13 +16,11 @@ The semantics are those of docs/design.md, the contract the runtime follows:
 - Staggered optimizer (default): a worker starts its next iteration right after its own
   STEP. `synchronous_optimizer=True` puts a global barrier after every iteration instead.
 
-There is no contention for links or devices beyond the stream itself, so every time is a
-max-plus function of earlier times and the order in which workers are advanced does not
-matter: the engine advances each worker through its blocking instructions as far as it can,
-parks it on the first input that is not there yet, and wakes it when that input is produced.
-A worklist is all it needs (no clock, no heap); when it empties with a worker unfinished, the
-plan deadlocks and we say where. Non-blocking instructions are timed afterwards: each starts
-when the stream reaches it, at the end of the blocking instruction before it.
+The rules are the timing core's (`schedcomp.timecore`): each stream's blocking instructions are a
+lane of its graph, a compute op waits for the producers of the receives it consumes (the pairs the
+plan's `PlanIndex` proved), and the ALLREDUCEs of a stage group meet. When the core finds the lanes
+deadlocked we say where. Non-blocking instructions are timed afterwards: each starts when the
+stream reaches it, at the end of the blocking instruction before it; a send when its producer ends.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def run_lanes(
             lane = stack.pop()
             seq, dur = seqs[lane], durations[lane]
             i, t, n = ptr[lane], free[lane], len(seq)
-            while i < n:
+            while i < n:  # the hot path of the local search: the first two producers are unrolled
                 op = seq[i]
                 p = first[op]
                 if p >= 0:
@@ -229,11 +229,13 @@ def run_levels(
     has_nodes = lens > 0
     prev = np.arange(n) - 1
     prev[lane_start[has_nodes]] = release_at[has_nodes]
-    cols = np.column_stack((prev, np.where(pred >= 0, pred, none)))
-    lats = np.column_stack((np.zeros(n), np.where(pred >= 0, lat, 0.0)))
-    levels = _levels(n, cols)
+    pred = np.where(pred >= 0, pred, none)
+    levels = _levels(n, np.column_stack((prev, pred)))
     if levels is None:
         return None
+    # Each level's gathers, once for all iterations: nodes, previous on the lane, producers, latencies, durations.
+    pred_cols, lat_cols = pred.T.copy(), lat.T.copy()
+    steps = [(idx, prev[idx], pred_cols[:, idx], lat_cols[:, idx], dur[idx]) for idx in levels]
     last_node = lane_start + lens - 1
     groups = int(group.max()) + 1 if n_lanes else 0
     end = np.zeros(n + n_lanes + 1)
@@ -242,9 +244,14 @@ def run_levels(
     first = start
     ends: list[float] = []
     for it in range(iterations):
-        for idx in levels:
-            start[idx] = (end[cols[idx]] + lats[idx]).max(axis=1)
-            end[idx] = start[idx] + dur[idx]
+        shown = it == 0 or it == iterations - 1  # the only starts returned
+        for idx, before, producers, latencies, took in steps:
+            t = end[before]
+            for p, lat_p in zip(producers, latencies, strict=True):
+                t = np.maximum(t, end[p] + lat_p)
+            if shown:
+                start[idx] = t
+            end[idx] = t + took
         if it == 0:
             first = start.copy()
         finish = end[release_at].copy()

@@ -1,15 +1,12 @@
-"""Op-level timing of per-worker compute sequences over several iterations (the solvers' own clock).
+"""Op-level timing of per-worker compute sequences over several iterations (the solvers' view of the timing core).
 
-Same semantics as the plan simulator (docs/design.md), on the compute graph alone: each worker runs its ops
-in order; an op starts when its worker is free and its inputs have arrived (a transfer between workers
-takes `costs.p2p`; F -> B -> W of a slot are local); after its last op a worker joins its stage's
-all-reduce, which starts when every live worker of the stage has arrived, then steps; with a staggered
-optimizer the worker starts its next iteration right after its own stage's step, with a synchronous one
-after every stage's step (an all-reduce over one worker is free; a step is divided by the worker's
-speed factor; the period is the mean time between iteration ends over the second half of the run, as
-in `schedcomp.timeline`). Sequences are lists of op ids (see `problem.py`), so the solvers can score
-candidates without building `Order`s. The graph is timed level by level (nodes of one topological level
-are independent) with numpy, so one iteration of a 100k-op schedule takes milliseconds.
+Same semantics as the plan simulator (docs/design.md "Timing core"), on the compute graph alone: each worker
+runs its ops in order; an op starts when its worker is free and its inputs have arrived (`op_dependencies`:
+a transfer between workers takes `costs.p2p`; F -> B -> W of a slot are local); after its last op a worker
+joins its stage's all-reduce, then steps. Sequences are lists of op ids (see `problem.py`), so the solvers
+can score candidates without building `Order`s. `time_sequences` hands the graph to
+`schedcomp.timecore.run_levels` (numpy, a topological level at a time: one iteration of a 100k-op schedule
+takes milliseconds); `improve.FastTimer` to `run_lanes` (faster on the small schedules it polishes).
 """
 
 from __future__ import annotations
