@@ -26,6 +26,7 @@ solvers' sequences have. Both return the same `iteration_ends`; the period is re
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -233,10 +234,16 @@ def run_levels(
     levels = _levels(n, np.column_stack((prev, pred)))
     if levels is None:
         return None
-    # Each level's gathers, once for all iterations: nodes, previous on the lane, producers, latencies, durations.
-    pred_cols, lat_cols = pred.T.copy(), lat.T.copy()
-    steps = [(idx, prev[idx], pred_cols[:, idx], lat_cols[:, idx], dur[idx]) for idx in levels]
-    last_node = lane_start + lens - 1
+    # Renumber the nodes level by level, so each level is a slice of the arrays (no scatter per level);
+    # the release and -inf slots keep their place after them.
+    order = np.concatenate(levels) if levels else np.zeros(0, np.int64)
+    pos = np.arange(n + n_lanes + 1)
+    pos[order] = np.arange(n)
+    prev_at, pred_at, lat_at, dur_at = pos[prev[order]], pos[pred[order]].T, lat[order].T, dur[order]
+    cuts = np.cumsum([0] + [len(level) for level in levels]).tolist()
+    steps = [(slice(lo, hi), prev_at[lo:hi], tuple(zip(pred_at[:, lo:hi], lat_at[:, lo:hi], strict=True)))
+             for lo, hi in itertools.pairwise(cuts)]
+    last_node = pos[lane_start + lens - 1]
     groups = int(group.max()) + 1 if n_lanes else 0
     end = np.zeros(n + n_lanes + 1)
     end[none] = -np.inf
@@ -245,15 +252,15 @@ def run_levels(
     ends: list[float] = []
     for it in range(iterations):
         shown = it == 0 or it == iterations - 1  # the only starts returned
-        for idx, before, producers, latencies, took in steps:
+        for level, before, producers in steps:
             t = end[before]
-            for p, lat_p in zip(producers, latencies, strict=True):
+            for p, lat_p in producers:
                 t = np.maximum(t, end[p] + lat_p)
             if shown:
-                start[idx] = t
-            end[idx] = t + took
+                start[level] = t
+            end[level] = t + dur_at[level]
         if it == 0:
-            first = start.copy()
+            first = start[pos[:n]]
         finish = end[release_at].copy()
         finish[has_nodes] = end[last_node[has_nodes]]
         arrive = np.full(groups, -np.inf)
@@ -261,7 +268,7 @@ def run_levels(
         step_end = (arrive[group] + tail[:, 0]) + tail[:, 1]
         ends.append(max(float(step_end.max()), ends[-1]) if ends else float(step_end.max()))
         end[release_at] = ends[-1] if synchronous else step_end
-    return LevelRun(tuple(ends), first, start.copy())
+    return LevelRun(tuple(ends), first, start[pos[:n]])
 
 
 def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:
@@ -275,6 +282,7 @@ def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:
     succ = dst[order]
     bounds = np.searchsorted(src[order], np.arange(n + 1))
     frontier = np.flatnonzero(indeg == 0)
+    stamp = np.zeros(n, dtype=np.int64)
     levels: list[np.ndarray] = []
     done = 0
     while len(frontier):
@@ -287,6 +295,7 @@ def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:
         idx = np.repeat(lo - np.cumsum(np.concatenate(([0], counts[:-1]))), counts) + np.arange(counts.sum())
         targets = succ[idx]
         np.subtract.at(indeg, targets, 1)
-        cand = np.unique(targets)
-        frontier = cand[indeg[cand] == 0]
+        ready = targets[indeg[targets] == 0]
+        stamp[ready] = np.arange(len(ready))  # a node freed by two producers at once: keep it once
+        frontier = ready[stamp[ready] == np.arange(len(ready))]
     return levels if done == n else None
