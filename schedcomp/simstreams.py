@@ -118,7 +118,7 @@ def compile_streams(plan: Plan) -> Lanes:
             if len(group) == 1:
                 st.dur[node - st.first] = 0.0  # an all-reduce over one worker: there is nobody to reduce with
     extra = phantom - offset
-    graph = Graph(preds + [()] * extra, range(phantom), members + [()] * extra)
+    graph = Graph(preds + [()] * extra, members + [()] * extra)
     durations = [d for st in streams for d in st.dur] + [0.0] * extra
     seqs = [range(st.first, st.first + len(st.at)) for st in streams]
     return Lanes(streams, graph, seqs, [durations] * len(streams), groups)

@@ -33,9 +33,9 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Graph", "LaneRun", "Stuck", "run_lanes", "run_levels"]
+__all__ = ["Graph", "LaneRun", "LevelRun", "Stuck", "run_lanes", "run_levels"]
 
-COLLECTIVE = -2  # `Graph.columns`: the first producer of a collective node
+SLOW = -2  # `Graph.columns`: a node read off `preds` and `members` (a collective, or many producers)
 
 
 @dataclass(frozen=True)
@@ -43,31 +43,30 @@ class Graph:
     """What stays fixed while lanes are reordered. Nodes are numbered 0..n-1.
 
     - `preds[v]`: (producer node, latency) pairs v waits for, all in the same iteration.
-    - `cls[v]`: v's duration class: v takes `durations[lane][cls[v]]` on the lane that runs it.
     - `members[v]`: for a collective node, every node of its rendezvous (v included), one per
       lane; () for any other node. A collective node has no producers.
+    A node's duration is its lane's: `durations[lane][v]` in `run_lanes`.
     """
 
     preds: Sequence[tuple[tuple[int, float], ...]]
-    cls: Sequence[int]
     members: Sequence[tuple[int, ...]]
 
     @cached_property
-    def columns(self) -> tuple[list[int], list[float], list[int], list[float], list[tuple[tuple[int, float], ...]]]:
-        """The preds as the worklist reads them fastest: the first producer of every node (-1 for none,
-        `COLLECTIVE` for a collective) and its latency, the second and its latency, the rest."""
-        first, first_lat, second, second_lat, rest = [], [], [], [], []
+    def columns(self) -> tuple[list[int], list[float], list[int], list[float]]:
+        """The preds as the worklist reads them fastest: the first producer of every node and its
+        latency, the second and its latency (-1: none; `SLOW` first: a collective, or more than two
+        producers, read from `preds` and `members`)."""
+        first, first_lat, second, second_lat = [], [], [], []
         for ps, group in zip(self.preds, self.members, strict=True):
             if ps and group:
                 raise ValueError("a collective node waits for its group only: give it no producers")
-            a, la = ps[0] if ps else (COLLECTIVE if group else -1, 0.0)
-            b, lb = ps[1] if len(ps) > 1 else (-1, 0.0)
+            a, la = ps[0] if 0 < len(ps) <= 2 else (SLOW if ps or group else -1, 0.0)
+            b, lb = ps[1] if len(ps) == 2 else (-1, 0.0)
             first.append(a)
             first_lat.append(la)
             second.append(b)
             second_lat.append(lb)
-            rest.append(tuple(ps[2:]))
-        return first, first_lat, second, second_lat, rest
+        return first, first_lat, second, second_lat
 
 
 @dataclass(frozen=True)
@@ -107,10 +106,11 @@ def run_lanes(
 ) -> LaneRun:
     """Time lanes `seqs` (lane -> its nodes in order) of `graph` over `iterations` (the module's rules).
 
-    Every node must sit in at most one lane. `keep`: the iterations whose node times to return."""
-    first, first_lat, second, second_lat, rest = graph.columns
-    cls, members = graph.cls, graph.members
-    n_nodes, n_lanes = len(cls), len(seqs)
+    Every node must sit in at most one lane; `durations[lane][v]` is node v's duration on that lane
+    (lanes may share one list). `keep`: the iterations whose node times to return."""
+    first, first_lat, second, second_lat = graph.columns
+    preds, members = graph.preds, graph.members
+    n_nodes, n_lanes = len(preds), len(seqs)
     done = [-1] * n_nodes
     start = [0.0] * n_nodes
     end = [0.0] * n_nodes
@@ -124,7 +124,7 @@ def run_lanes(
         releases.append(tuple(free))
         ptr = [0] * n_lanes
         waiting: dict[int, list[int]] = {}  # node -> lanes parked until it ends
-        gathered: dict[tuple[int, ...], dict[int, tuple[int, float]]] = {}  # collective -> node: (lane, arrival)
+        gathered: dict[int, dict[int, tuple[int, float]]] = {}  # collective's first node -> node: (lane, arrival)
         stack = list(busy)
         while stack:
             lane = stack.pop()
@@ -148,34 +148,34 @@ def run_lanes(
                         a = end[p] + second_lat[op]
                         if a > t:
                             t = a
-                        if rest[op]:
-                            p = next((q for q, _ in rest[op] if done[q] != it), -1)
-                            if p >= 0:
-                                waiting.setdefault(p, []).append(lane)
-                                break
-                            t = max(t, *(end[q] + lat for q, lat in rest[op]))
-                elif p == COLLECTIVE:
+                elif p == SLOW:
                     group = members[op]
-                    got = gathered.setdefault(group, {})
-                    got[op] = (lane, t)
-                    if len(got) < len(group):
-                        break  # parked here: the last member to arrive moves it on
-                    del gathered[group]
-                    begin = max(arrival for _, arrival in got.values())
-                    t = begin + dur[cls[op]]
-                    for node, (other, _) in got.items():
-                        start[node], end[node], done[node] = begin, t, it
-                        woken = waiting.pop(node, None)
-                        if woken:
-                            stack.extend(woken)
-                        if other != lane:
-                            ptr[other] += 1
-                            free[other] = t
-                            stack.append(other)
-                    i += 1
-                    continue
-                start[op] = t
-                t += dur[cls[op]]
+                    if not group:  # more than two producers
+                        p = next((q for q, _ in preds[op] if done[q] != it), -1)
+                        if p >= 0:
+                            waiting.setdefault(p, []).append(lane)
+                            break
+                        t = max(t, *(end[q] + lat for q, lat in preds[op]))
+                    else:
+                        got = gathered.setdefault(group[0], {})
+                        got[op] = (lane, t)
+                        if len(got) < len(group):
+                            break  # parked here: the last member to arrive moves it on
+                        del gathered[group[0]]
+                        begin = max(arrival for _, arrival in got.values())
+                        t = begin + dur[op]
+                        for node, (other, _) in got.items():
+                            start[node], end[node], done[node] = begin, t, it
+                            woken = waiting.pop(node, None)
+                            if woken:
+                                stack.extend(woken)
+                            if other != lane:
+                                ptr[other] += 1
+                                free[other] = t
+                                stack.append(other)
+                        i += 1
+                        continue
+                t += dur[op]
                 end[op] = t
                 done[op] = it
                 i += 1
@@ -183,17 +183,37 @@ def run_lanes(
                 if woken:
                     stack.extend(woken)
             ptr[lane], free[lane] = i, t
-        if it in keep:
-            starts_kept[it], ends_kept[it] = start[:], end[:]
         if any(ptr[lane] < len(seqs[lane]) for lane in busy):
             stuck = Stuck(it, tuple(ptr), done)
             return LaneRun(tuple(ends), tuple(releases), starts_kept, ends_kept, stuck)
+        if it in keep:
+            _fill_starts(start, end, graph, seqs, releases[it])
+            starts_kept[it], ends_kept[it] = start[:], end[:]
         last = max((free[lane] for lane in busy), default=0.0)
         ends.append(max(last, ends[-1]) if ends else last)
         if synchronous:
             for lane in busy:
                 free[lane] = ends[-1]
     return LaneRun(tuple(ends), tuple(releases), starts_kept, ends_kept)
+
+
+def _fill_starts(start: list[float], end: list[float], graph: Graph, seqs: Sequence[Sequence[int]],
+                 releases: Sequence[float]) -> None:
+    """Every node's start, from the ends (the worklist keeps only those, to spare its hot path a store):
+    the same max over its lane's previous end and its producers' arrivals, so the same float. A
+    collective's start is kept by the worklist; nodes that did not run keep their last value."""
+    preds, members = graph.preds, graph.members
+    for lane, seq in enumerate(seqs):
+        t = releases[lane]
+        for op in seq:
+            if not members[op]:
+                begin = t
+                for p, lat in preds[op]:
+                    a = end[p] + lat
+                    if a > begin:
+                        begin = a
+                start[op] = begin
+            t = end[op]
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class FastTimer:
         n_ops = problem.n_slots * nk
         self.n_ops = n_ops
         self.live = [problem.worker_id(w) for w in problem.topology.live_workers]
-        # Nodes: the ops, then each live worker's all-reduce and step (duration classes nk and nk + 1).
+        # Nodes: the ops, then each live worker's all-reduce and step.
         tails = {wid: (n_ops + 2 * i, n_ops + 2 * i + 1) for i, wid in enumerate(self.live)}
         meetings = {s: tuple(tails[wid][0] for wid in self.live if wid % pp == s) for s in range(pp)}
         op_pred, op_lat = op_dependencies(problem)
@@ -61,10 +61,14 @@ class FastTimer:
         for wid in self.live:
             preds += [(), ()]
             members += [meetings[wid % pp], ()]
-        self.graph = Graph(preds, [op % nk for op in range(n_ops)] + [nk, nk + 1] * len(self.live), members)
+        self.graph = Graph(preds, members)
         self.tails = [tails[wid] for wid in self.live]
-        self.durations = [[problem.duration(k, problem.worker_of(wid)) for k in problem.kinds]
-                          + [problem.allreduce_times[wid % pp], problem.step_time(wid)] for wid in self.live]
+        # Each node's duration on each worker (a list per worker, indexed by node: the core's hot path).
+        self.durations = []
+        for wid in self.live:
+            per_kind = [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds]
+            tail = [problem.allreduce_times[wid % pp], problem.step_time(wid)] * len(self.live)
+            self.durations.append([per_kind[op % nk] for op in range(n_ops)] + tail)
         deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
         self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
         self.limits = [lim * (1 + 1e-9) + 1e-12 for lim in costs.stage_limits]

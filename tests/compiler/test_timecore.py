@@ -71,15 +71,15 @@ def test_simulator_and_solver_timers_agree(job, iterations, synchronous):
 
 def test_a_collective_starts_at_the_last_arrival_and_ends_for_all_at_once():
     # Lane 0: node 0 (2), then collective node 2; lane 1: node 1 (5), then collective node 3 (1 long).
-    graph = Graph(preds=[(), (), (), ()], cls=[0, 1, 2, 2], members=[(), (), (2, 3), (2, 3)])
-    run = run_lanes(graph, [[0, 2], [1, 3]], [[2.0, 5.0, 1.0]] * 2, iterations=2, keep=(0, 1))
+    graph = Graph(preds=[(), (), (), ()], members=[(), (), (2, 3), (2, 3)])
+    run = run_lanes(graph, [[0, 2], [1, 3]], [[2.0, 5.0, 1.0, 1.0]] * 2, iterations=2, keep=(0, 1))
     assert run.starts[0][2:] == [5.0, 5.0] and run.ends[0][2:] == [6.0, 6.0]
     assert run.iteration_ends == (6.0, 12.0) and run.releases[1] == (6.0, 6.0)
 
 
 def test_a_producer_waited_for_in_a_cycle_is_reported_as_stuck():
     # Node 0 (lane 0) waits for node 1 (lane 1), which waits for node 0.
-    graph = Graph(preds=[((1, 0.5),), ((0, 0.5),)], cls=[0, 0], members=[(), ()])
+    graph = Graph(preds=[((1, 0.5),), ((0, 0.5),)], members=[(), ()])
     run = run_lanes(graph, [[0], [1]], [[1.0]] * 2, iterations=3)
     assert run.stuck is not None and run.stuck.iteration == 0 and run.stuck.positions == (0, 0)
     assert run.iteration_ends == ()
