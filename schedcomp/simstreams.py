@@ -15,7 +15,7 @@ from typing import Any
 from schedcomp.check import index_of
 from schedcomp.errors import ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Plan
-from schedcomp.planindex import transfer_key
+from schedcomp.planindex import PlanIndex, transfer_key
 from schedcomp.semantics import (
     OPTIMIZER,
     ROLE_ALLREDUCE,
@@ -64,7 +64,7 @@ class Lanes:
 
     streams: list[Stream]
     graph: Graph
-    seqs: list[range]
+    seqs: list[list[int]]
     durations: list[list[float]]
     groups: list[tuple[int, ...]]  # per stream: the streams of its stage group
 
@@ -80,7 +80,7 @@ def compile_streams(plan: Plan) -> Lanes:
     for st in streams:
         st.first, offset = offset, offset + len(st.at)
     index = index_of(plan)
-    pairs = _pairs_from_index(plan, index, index_of_worker) if index is not None else _pairs_by_key(streams)
+    pairs = _pairs_from_index(index, index_of_worker) if index is not None else _pairs_by_key(streams)
     p2p = plan.costs.p2p
     preds: list[tuple[tuple[int, float], ...]] = [()] * offset
     recv_at: dict[tuple[int, int], int] = {}  # (receiver stream, receive index) -> producer node
@@ -120,7 +120,7 @@ def compile_streams(plan: Plan) -> Lanes:
     extra = phantom - offset
     graph = Graph(preds + [()] * extra, members + [()] * extra)
     durations = [d for st in streams for d in st.dur] + [0.0] * extra
-    seqs = [range(st.first, st.first + len(st.at)) for st in streams]
+    seqs = [list(range(st.first, st.first + len(st.at))) for st in streams]
     return Lanes(streams, graph, seqs, [durations] * len(streams), groups)
 
 
@@ -175,7 +175,7 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) 
     return st
 
 
-def _pairs_from_index(plan: Plan, index: Any, index_of_worker: dict[Worker, int]) -> list[Pair]:
+def _pairs_from_index(index: PlanIndex, index_of_worker: dict[Worker, int]) -> list[Pair]:
     """The transfers `check` paired (its `PlanIndex`), as stream numbers and indices."""
     pairs = []
     for t, at in index.sent.items():
