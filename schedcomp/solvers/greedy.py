@@ -95,7 +95,7 @@ def list_schedule(
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     dur: list[list[float]] = [[] for _ in range(n_workers)]
     for wid in live:
-        dur[wid] = [t for row in problem.durations(wid) for t in row]  # stage * nk + kind
+        dur[wid] = problem.op_times[wid]  # stage * nk + kind
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
 
     n_slots = problem.n_slots

@@ -68,7 +68,7 @@ class FastTimer:
         # op % snk is its (virtual) stage and kind.
         self.durations = []
         for wid in self.live:
-            per_stage_kind = [t for row in problem.durations(wid) for t in row]
+            per_stage_kind = problem.op_times[wid]
             tail = [problem.allreduce_times[wid % pp], problem.step_time(wid)] * len(self.live)
             self.durations.append([per_stage_kind[op % snk] for op in range(n_ops)] + tail)
         deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]

@@ -139,10 +139,18 @@ class Problem:
         return self.costs.compute_time(kind.value, worker, stage)
 
     def durations(self, wid: int) -> list[list[float]]:
-        """Op times of worker `wid` per (virtual) stage and kind position (`kinds`); stages it does not
-        hold are timed too (harmless: no op of theirs runs there)."""
+        """Op times of worker `wid` per (virtual) stage and kind position (`kinds`); 0 at the stages it
+        does not hold (no op of theirs runs there; timing them cost 1k workers x 16 stages a lookup each)."""
         worker = self.worker_of(wid)
-        return [[self.duration(k, worker, s) for k in self.kinds] for s in range(self.stages)]
+        held, idle = set(self.topology.chunks_of(worker.stage)), [0.0] * len(self.kinds)
+        return [[self.duration(k, worker, s) for k in self.kinds] if s in held else idle for s in range(self.stages)]
+
+    @cached_property
+    def op_times(self) -> dict[int, list[float]]:
+        """`durations` of every live worker id, flattened (index stage * len(kinds) + kind position):
+        computed once per problem for the solvers' clocks, which time many candidates."""
+        live = (self.worker_id(w) for w in self.topology.live_workers)
+        return {wid: [t for row in self.durations(wid) for t in row] for wid in live}
 
     @cached_property
     def allreduce_times(self) -> tuple[float, ...]:

@@ -122,7 +122,7 @@ def time_sequences(
     pred = op_pred[ops]
     pred = np.where(pred >= 0, node_of[np.maximum(pred, 0)], -1)
     snk = problem.stages * nk  # op % snk = (virtual) stage * nk + kind
-    durations = np.array([problem.durations(wid) for wid in live]).reshape(len(live), snk)
+    durations = np.array([problem.op_times[wid] for wid in live]).reshape(len(live), snk)
     group = np.array([wid % pp for wid in live], dtype=np.int64)
     tail = np.column_stack((np.array(problem.allreduce_times)[group], [problem.step_time(wid) for wid in live]))
     run = run_levels(lens, pred, op_lat[ops], durations[owner, ops % snk], group, tail, iterations, synchronous)
