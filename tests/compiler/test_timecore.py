@@ -131,3 +131,19 @@ def test_a_producer_on_the_same_lane_hands_off_without_latency():
     two = run_levels(np.array([1, 1]), pred, lat, dur, np.array([0, 1]), tail, iterations=1)
     assert one is not None and two is not None
     assert (one.iteration_ends, two.iteration_ends) == ((2.0,), (2.5,))
+
+
+@pytest.mark.parametrize("split_peers", [False, True])
+def test_re_routed_chunks_on_one_peer_or_two_time_alike_in_all_three(split_peers):
+    # ZB-V, pp=2: place 1 holds chunks 1 and 2, so the failed worker's micro-batches hand off from chunk
+    # 1 to chunk 2 at place 1: locally when one peer takes both, over p2p when two peers share them.
+    problem = Problem(Topology.of(2, 3, [(0, 1)], chunks=2, placement=V), 2, CostModel.uniform(4, p2p=0.5))
+    peers = [problem.worker_id(w) for w in problem.survivors[1]]
+    assignment = {slot: peers[problem.slot_key(slot)[2] - 1 if split_peers else 0] for slot in problem.orphan_slots[1]}
+    seqs = merged_sequences(problem, assignment)
+    timing = time_sequences(problem, seqs, 3)
+    plan = lower(Solution(problem, seqs, 0.0, 0.0, 0.0, "greedy", "").order(), problem.costs)
+    sim = simulate(plan, 3)
+    assert sim.iteration_ends == timing.iteration_ends
+    assert (sim.period, sim.makespan) == (timing.period, timing.makespan) == FastTimer(problem, 3).score(seqs)
+    assert timing.makespan == (30.5 if split_peers else 29.0)  # the split pays p2p on its hand-offs
