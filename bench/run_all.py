@@ -28,6 +28,7 @@ BENCHES = [
     ("bench_checkpoint.py", ["--quick"]),
     ("bench_checkpoint_checks.py", ["--quick"]),
     ("bench_protocol_model.py", ["--members", "3", "4", "5"]),
+    ("bench_timecore.py", ["--repeat", "1"]),
 ]
 
 

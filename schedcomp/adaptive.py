@@ -14,6 +14,11 @@ for the live workers, a proven lower bound on its period, and the solver that ma
    and CP-SAT's proven bound is reported;
 4. "auto": CP-SAT where the model is small enough to finish within `time_limit`, greedy otherwise.
 
+With virtual stages (`Topology.chunks` > 1) a failed worker's slots of every chunk it held are
+re-routed to the live workers at its place (which hold the same chunks), a micro-batch's chunks there
+to one peer; the greedy solver and the local search schedule them, CP-SAT and the plain candidate do
+not apply (one stage per worker), and the bound is the work bound (`solvers.bounds`).
+
 Determinism: every rank of a job may compile the same plan on its own, so the result depends on the
 inputs only, never on the clock or the machine's load. The local search stops on a work budget
 (`improve.work_of`), and CP-SAT runs one worker with a fixed seed and a deterministic time limit; its
@@ -35,11 +40,12 @@ from dataclasses import dataclass
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Op, Order
+from schedcomp.ir import Order
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import improve
+from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem, order_from_sequences
 from schedcomp.solvers.timing import peak_memory, time_sequences, within_limits
@@ -73,16 +79,10 @@ class Solution:
     def order(self) -> Order:
         problem = self.problem
         family = "adaptive" if problem.split else "adaptive-no-split"
-        kinds, nk, pp, mb = problem.kinds, len(problem.kinds), problem.pp, problem.microbatches
+        kinds, nk = problem.kinds, len(problem.kinds)
         ops = {}
         for wid, seq in self.seqs.items():
-            out = []
-            for op in seq:
-                slot, k = divmod(op, nk)
-                rest, s = divmod(slot, pp)
-                d, m = divmod(rest, mb)
-                out.append(Op(kinds[k], d, m, s))
-            ops[problem.worker_of(wid)] = out
+            ops[problem.worker_of(wid)] = [problem.op_of(slot, kinds[k]) for slot, k in (divmod(op, nk) for op in seq)]
         return order_from_sequences(problem, ops, family)
 
 
@@ -109,6 +109,9 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         raise ScheduleError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0 and math.isfinite(time_limit)):
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    if solver == "cpsat" and problem.topology.chunks > 1:
+        raise ScheduleError(f"the CP-SAT model runs one stage per worker, not chunks={problem.topology.chunks}: "
+                            "use solver 'greedy' or 'auto' with virtual stages")
     _ = problem.survivors  # RecoveryError when a stage has no live worker
     problem.check_memory()
     bound = lower_bound(problem)
@@ -134,7 +137,8 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
 
 def cpsat_fits(problem: Problem, time_limit: float) -> bool:
     """Whether CP-SAT can be expected to finish on `problem` within `time_limit` seconds."""
-    return problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit
+    # Its precedences carry a fixed p2p latency, which a hand-off between two chunks of one worker has not.
+    return problem.topology.chunks == 1 and problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit
 
 
 def greedy(
@@ -148,18 +152,26 @@ def greedy(
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
     best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
+    n_ops = problem.n_slots * len(problem.kinds)
+    plain = problem.topology.chunks == 1  # (the plain construction is 1F1B's, one stage per worker)
+    if not plain and n_ops <= PLAIN_MAX_OPS:
+        # With virtual stages, first the family of the placement merged over the re-routed micro-batches
+        # (`solvers.merged`): cheap, and often at the bound, which then spares the portfolio.
+        seqs = merged_sequences(problem, assignment)
+        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
+        if timing.ok and within_limits(problem, seqs):
+            best = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, -1, "merged", seqs)
     variants = portfolio(problem)
     for i, params in enumerate(variants):
+        if best is not None and best[0] <= bound * (1 + _TOL):
+            break  # provably optimal: nothing to gain from the rest
         seqs = list_schedule(problem, params, assignment, quota)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         # Ties on the period go to the schedule holding less memory, then to the shorter first iteration.
         key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, i, str(params), seqs)
         if timing.ok and (best is None or key[:4] < best[:4]):
             best = key
-        if best is not None and best[0] <= bound * (1 + _TOL):
-            break  # provably optimal: nothing to gain from the rest
-    n_ops = problem.n_slots * len(problem.kinds)
-    if best is not None and best[0] > bound * (1 + _TOL) and n_ops <= PLAIN_MAX_OPS:
+    if best is not None and best[0] > bound * (1 + _TOL) and n_ops <= PLAIN_MAX_OPS and plain:
         # The plain construction as one more candidate (ties go to the list scheduler): the list scheduler
         # is work-conserving and can lose to 1F1B's strict alternation (see `solvers.plain`).
         seqs = plain_sequences(problem)

@@ -12,6 +12,7 @@ must beat.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -20,15 +21,16 @@ from typing import Any
 
 from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
+from schedcomp.compiler import unit_costs
 from schedcomp.costs import CostModel
-from schedcomp.errors import RecoveryError, ScheduleError
+from schedcomp.errors import CostModelError, RecoveryError, ScheduleError
 from schedcomp.ir import Op, Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, resolve_limit
 from schedcomp.schedules.one_f_one_b import stage_order
 from schedcomp.simulator import simulate
 from schedcomp.solvers.plain import rerouted_1f1b_order as rerouted_1f1b_order  # re-exported
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import LOOP, Topology, Worker
 
 STRATEGIES = (
     "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
@@ -87,22 +89,34 @@ def compare(
     solver: str = "greedy",
     time_limit: float = 10.0,
     memory_limit: MemoryLimit = FAULT_FREE,
+    chunks: int = 1,
+    placement: str = LOOP,
 ) -> list[Outcome]:
     """Simulate each strategy on the same topology, failures and costs (see the module docstring).
 
     `memory_limit` is resolved as by `compile` for the failure set (default: fault-free ZB-H1's per-stage
     peak) and every strategy that schedules (fault-free, adaptive and its ablations, drop-pipeline) is
-    held to it; oobleck and bamboo re-partition the stages, so they are reported against it instead."""
+    held to it; oobleck and bamboo re-partition the stages, so they are reported against it instead.
+
+    With `chunks` > 1 each worker holds that many model chunks placed by `placement` (see
+    `schedcomp.topology`; `costs` has one entry per virtual stage, default the unit model with chunks of
+    1/chunks of a stage): the schedulers keep the chunks (the fault-free reference too, so the ratios
+    compare like with like), while oobleck and bamboo, which run 1F1B, see each worker's chunks as one
+    stage (`one_stage_view`)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ScheduleError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
-    topology = Topology.of(pp, dp, failed)
-    costs = resolve_limit(memory_limit, topology, microbatches, CostModel.uniform(pp) if costs is None else costs)
+    topology = Topology.of(pp, dp, failed, chunks, placement)
+    if costs is not None and costs.pp != topology.stages:
+        raise CostModelError(f"the cost model has {costs.pp} stages but the job has {topology.stages}: give one "
+                             "cost per (virtual) stage")
+    costs = resolve_limit(memory_limit, topology, microbatches, unit_costs(topology) if costs is None else costs)
     reference = fault_free(topology, microbatches, costs, solver=solver, time_limit=time_limit)
     out = []
     for name in strategies:
+        job, job_costs = (topology, costs) if name not in _ONE_STAGE else one_stage_view(topology, costs)
         run = reference if name == "fault-free" else _RUNNERS[name](
-            topology, microbatches, costs, solver=solver, time_limit=time_limit)
+            job, microbatches, job_costs, solver=solver, time_limit=time_limit)
         rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
         out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs)))
     return out
@@ -133,7 +147,7 @@ def fault_free(topology: Topology, microbatches: int, costs: CostModel, *, solve
                time_limit: float = 10.0) -> _Run:
     """The reference: no failures, the adaptive schedules (split backward, staggered optimizer) on all
     dp pipelines, so ratios isolate what the failures cost."""
-    healthy = Topology(topology.pp, topology.dp)
+    healthy = dataclasses.replace(topology, failed=frozenset())
     return _adaptive_run(healthy, microbatches, costs, solver=solver, time_limit=time_limit)
 
 
@@ -180,16 +194,17 @@ def drop_pipeline(topology: Topology, microbatches: int, costs: CostModel, **kw:
     extra = [(d, m) for m in range(microbatches) for d in broken]
     for i, item in enumerate(extra):
         lists[alive[i % len(alive)]].append(item)
-    stopped = Topology(pp, dp, frozenset(Worker(d, s) for d in broken for s in range(pp)))
+    stopped = dataclasses.replace(topology, failed=frozenset(Worker(d, s) for d in broken for s in range(pp)))
+    one = Topology(pp, 1, chunks=topology.chunks, placement=topology.placement)
     ops: dict[Worker, tuple[Op, ...]] = {}
     solver = str(kw.get("solver", "greedy"))
     time_limit = float(kw.get("time_limit", 10.0))  # type: ignore[arg-type]
     for d in alive:
         mine = lists[d]
         local_costs = pipeline_costs(costs, d, range(pp))
-        order, _, _ = adaptive_order(Topology(pp, 1), len(mine), local_costs, solver=solver, time_limit=time_limit)
+        order, _, _ = adaptive_order(one, len(mine), local_costs, solver=solver, time_limit=time_limit)
         for s in range(pp):
-            ops[Worker(d, s)] = tuple(Op(o.kind, mine[o.microbatch][0], mine[o.microbatch][1], s)
+            ops[Worker(d, s)] = tuple(Op(o.kind, mine[o.microbatch][0], mine[o.microbatch][1], o.stage)
                                       for o in order.ops[Worker(0, s)])
     plan = lower(Order(stopped, microbatches, ops, "drop-pipeline"), costs)
     check(plan)
@@ -285,6 +300,31 @@ def _speeds(costs: CostModel, pipeline: int, stages: Iterable[int]) -> tuple[flo
 def _bamboo_host(stage: int) -> int:
     """The worker that holds a copy of `stage` and takes it over (stage 0's: stage 1)."""
     return stage - 1 if stage > 0 else 1
+
+
+_ONE_STAGE = ("oobleck", "bamboo")
+"""Strategies that run one stage per worker (1F1B): with chunks they see `one_stage_view`."""
+
+
+def one_stage_view(topology: Topology, costs: CostModel) -> tuple[Topology, CostModel]:
+    """The job with each worker's chunks merged into one stage (their costs summed; B frees the
+    activation-weighted mean); the job itself without virtual stages."""
+    if topology.chunks == 1:
+        return topology, costs
+    held = [topology.chunks_of(p) for p in range(topology.pp)]
+
+    def fold(values: Sequence[float]) -> list[float]:
+        return [sum(values[c] for c in chunks) for chunks in held]
+
+    frees = costs.b_frees
+    if isinstance(frees, tuple):
+        frees = tuple(sum(costs.activation[c] * frees[c] for c in chunks) / a if a else 0.5
+                      for chunks, a in zip(held, fold(costs.activation), strict=True))
+    merged = dataclasses.replace(
+        costs, forward=fold(costs.forward), backward_input=fold(costs.backward_input),
+        backward_weight=fold(costs.backward_weight), allreduce=fold(costs.allreduce), optimizer=fold(costs.optimizer),
+        activation=fold(costs.activation), b_frees=frees)
+    return Topology(topology.pp, topology.dp, topology.failed), merged
 
 
 _RUNNERS: dict[str, Callable[..., _Run]] = {

@@ -30,10 +30,17 @@ from typing import Any
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
 from schedcomp.costs import CostModel
-from schedcomp.errors import LimitError, PlanFormatError, RecoveryError, SchedcompError, SchedcompTypeError
+from schedcomp.errors import (
+    CostModelError,
+    LimitError,
+    PlanFormatError,
+    RecoveryError,
+    SchedcompError,
+    SchedcompTypeError,
+)
 from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.memory import FAULT_FREE, MemoryLimit
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import LOOP, Topology, Worker
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +138,7 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
     if costs.speed:
         costs = CostModel(**{**costs.__dict__, "speed": {worker(w): v for w, v in costs.speed.items()}})
     return Plan(
-        topology=Topology(topo.pp, topo.dp, frozenset(worker(w) for w in topo.failed)),
+        topology=dataclasses.replace(topo, failed=frozenset(worker(w) for w in topo.failed)),
         costs=costs,
         microbatches=plan.microbatches,
         streams=streams,
@@ -192,7 +199,8 @@ ProgressFn = Callable[[int, int, str], None]
 
 @dataclass
 class PlanCache:
-    """Plans for one job shape (pp, dp, micro-batches, cost model), keyed by canonical failure set.
+    """Plans for one job shape (pp, dp, micro-batches, cost model, chunks per worker and their
+    placement), keyed by canonical failure set.
 
     Build one with `precompile`, or `PlanCache.load(directory)`; `lookup(failed)` returns the plan
     for any failure set equivalent to a stored one."""
@@ -206,6 +214,8 @@ class PlanCache:
     files: dict[Key, Path] = field(default_factory=dict)
     digests: dict[Key, str] = field(default_factory=dict)  # SHA-256 of each plan file
     root: Path | None = None  # the directory the files must lie in (set by `load` / `save`)
+    chunks: int = 1
+    placement: str = LOOP
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -222,11 +232,15 @@ class PlanCache:
 
     def _topology(self, failed: Iterable[Worker | tuple[int, int]] | Topology) -> Topology:
         if isinstance(failed, Topology):
-            if (failed.pp, failed.dp) != (self.pp, self.dp):
-                raise RecoveryError(f"this cache is for pp={self.pp} dp={self.dp}, not pp={failed.pp} dp={failed.dp}: "
-                                    "precompile one for this job")
+            if (failed.pp, failed.dp, failed.chunks) != (self.pp, self.dp, self.chunks) or (
+                    self.chunks > 1 and failed.placement != self.placement):
+                raise RecoveryError(f"this cache is for {self._shape()}, not pp={failed.pp} dp={failed.dp}"
+                                    f"{_chunk_text(failed.chunks, failed.placement)}: precompile one for this job")
             return failed
-        return Topology.of(self.pp, self.dp, failed)
+        return Topology.of(self.pp, self.dp, failed, self.chunks, self.placement)
+
+    def _shape(self) -> str:
+        return f"pp={self.pp} dp={self.dp}{_chunk_text(self.chunks, self.placement)}"
 
     def lookup(self, failed: Iterable[Worker | tuple[int, int]] | Topology) -> Plan:
         """The plan for the concrete failure set `failed` (workers or (pipeline, stage) pairs).
@@ -276,9 +290,10 @@ class PlanCache:
         try:
             plan = Plan.from_json(data.decode("utf-8", errors="replace"))
             topo = plan.topology
-            if (topo.pp, topo.dp, plan.microbatches) != (self.pp, self.dp, self.microbatches):
-                raise PlanFormatError(f"it is for pp={topo.pp} dp={topo.dp} M={plan.microbatches}, not the cache's "
-                                      f"pp={self.pp} dp={self.dp} M={self.microbatches}")
+            shape = (topo.pp, topo.dp, plan.microbatches, topo.chunks, topo.placement)
+            if shape != (self.pp, self.dp, self.microbatches, self.chunks, self.placement):
+                raise PlanFormatError(f"it is for pp={topo.pp} dp={topo.dp}{_chunk_text(topo.chunks, topo.placement)} "
+                                      f"M={plan.microbatches}, not the cache's {self._shape()} M={self.microbatches}")
             if _job_costs(plan.costs, self.costs) != _job_costs(self.costs, self.costs):
                 raise PlanFormatError("its cost model differs from the index's")
             if canonical(topo, plan.costs).key != key:
@@ -305,6 +320,8 @@ class PlanCache:
         index = {
             "format": FORMAT, "version": VERSION, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
             "max_failures": self.max_failures, "costs": self.costs.to_dict(),
+            # (written only with virtual stages: a one-chunk index reads as before)
+            **({"chunks": self.chunks, "placement": self.placement} if self.chunks > 1 else {}),
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
                            "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
         }
@@ -325,10 +342,13 @@ class PlanCache:
         try:
             pp, dp, mbs, k = (cachefiles.count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
             limits.check_job(pp, dp, mbs)
+            chunks = cachefiles.count(data, "chunks") if "chunks" in data else 1
+            placement = data.get("placement", LOOP)
+            job = Topology(pp, dp, chunks=chunks, placement=placement)  # TopologyError: a SchedcompError
             costs = CostModel.from_dict(data["costs"])
-            if costs.pp != pp:
-                raise PlanFormatError(f"its cost model has {costs.pp} stages but pp={pp}")
-            costs.check_workers(Topology(pp, dp))
+            if costs.pp != job.stages:
+                raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
+            costs.check_workers(job)
             entries = data["scenarios"]
             if not isinstance(entries, list):
                 raise PlanFormatError("'scenarios' must be a list")
@@ -346,7 +366,11 @@ class PlanCache:
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
-                   root=root)
+                   root=root, chunks=chunks, placement=placement)
+
+
+def _chunk_text(chunks: int, placement: str) -> str:
+    return f" chunks={chunks} placement={placement}" if chunks > 1 else ""
 
 
 def _job_costs(costs: CostModel, index: CostModel) -> CostModel:
@@ -370,26 +394,35 @@ def precompile(
     progress: ProgressFn | None = None,
     jobs: int = 1,
     memory_limit: MemoryLimit = FAULT_FREE,
+    chunks: int = 1,
+    placement: str = LOOP,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
     total, name)` is called after each plan. `jobs` > 1 compiles in that many processes, which write
     their plans themselves, so the parent does not parse them. `memory_limit` is `compile`'s (default:
-    every plan within fault-free ZB-H1's per-stage peak)."""
+    every plan within fault-free ZB-H1's per-stage peak). `chunks` and `placement` give each worker
+    several model chunks (virtual stages, see `schedcomp.topology`); `costs` then has one entry per
+    virtual stage (default: the unit model, each chunk 1/chunks of a stage)."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
-    topology = Topology(pp, dp)  # types and the worker limit, before enumerating anything
+    topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
     limits.check_job(pp, dp, microbatches)
     if costs is not None and not isinstance(costs, CostModel):
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
-    costs = CostModel.uniform(pp) if costs is None else costs
+    from schedcomp.compiler import unit_costs
+
+    costs = unit_costs(topology) if costs is None else costs
+    if costs.pp != topology.stages:
+        raise CostModelError(f"the cost model has {costs.pp} stages but the job has pp x chunks = {topology.stages}: "
+                             "give one cost per (virtual) stage")
     costs.check_workers(topology)
     todo = scenarios(pp, dp, max_failures, costs)
-    cache = PlanCache(pp, dp, microbatches, costs, max_failures)
+    cache = PlanCache(pp, dp, microbatches, costs, max_failures, chunks=chunks, placement=placement)
     root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
-             str(root / (key_name(c.key) + ".json")) if root is not None else None) for c in todo]
+             str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -424,9 +457,9 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     not written (or `keep`), so worker processes send back just the key."""
     from schedcomp.compiler import compile
 
-    pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path = args
+    pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement = args
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
-                   time_limit=time_limit, memory_limit=memory_limit)
+                   time_limit=time_limit, memory_limit=memory_limit, chunks=chunks, placement=placement)
     if path is None:
         return key, plan, None
     digest = cachefiles.write_plan(Path(path), plan)

@@ -18,7 +18,7 @@ from schedcomp.ir import Order, Plan
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
 from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES, fault_free_order, get_family
-from schedcomp.topology import LOOP, Topology, Worker
+from schedcomp.topology import LOOP, PLACEMENTS, Topology, V, Worker
 
 log = logging.getLogger(__name__)
 
@@ -36,27 +36,29 @@ def compile(
     solver: str = "auto",
     time_limit: float = 10.0,
     chunks: int | None = None,
+    placement: str | None = None,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
-    `schedule` is a fault-free family (gpipe, 1f1b, zb-h1, zb-h2) or "adaptive"; failures
-    always use the adaptive schedules. `costs` defaults to the unit model. `memory_limit` is
+    `schedule` is a fault-free family (gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, zb-v) or "adaptive";
+    failures always use the adaptive schedules, which re-route a failed worker's micro-batches at each
+    chunk it held to the live workers holding the same chunks. `costs` defaults to the unit model. `memory_limit` is
     "fault-free" (default: with failures, no worker holds more than fault-free ZB-H1 does on its stage;
     a limit in the cost model wins), a family name (its per-stage peak), None / "none" (no limit), a
     number, one per stage, or bytes ("60GiB", with a measured cost model): see `schedcomp.memory`.
     `solver` and `time_limit` go to the adaptive scheduler.
 
     `chunks` is the virtual stages per worker of a family that has them (interleaved-1f1b, zb-v;
-    default: the family's own, 2): the model then has pp x chunks stages, `costs` gives one entry per
-    virtual stage, and the default unit model makes each chunk cost 1/chunks of a stage.
+    default: the family's own, 2; "adaptive" takes any, placed as interleaved-1f1b's): the model then
+    has pp x chunks stages, `costs` gives one entry per virtual stage, and the default unit model makes
+    each chunk cost 1/chunks of a stage. With failures the family names the placement and the adaptive
+    schedules run. `placement` ("loop" or "v", see `schedcomp.topology`) places the chunks of "adaptive";
+    a family's is its own.
     """
     if not isinstance(schedule, str):
         raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
-    chunks, placement = _chunks(schedule, chunks, failed)
+    chunks, placement = _chunks(schedule, chunks, placement)
     topology = Topology.of(pp, dp, failed, chunks, placement)
-    if topology.failed and chunks > 1:
-        raise ScheduleError(f"re-routing around failed workers with virtual stages (chunks={chunks}) is not "
-                            f"supported yet: compile {schedule} without failures, or a one-stage family")
     if microbatches is None or isinstance(microbatches, bool) or not isinstance(microbatches, int):
         raise ScheduleError(f"microbatches must be a positive integer, got {microbatches!r}: pass microbatches=M")
     if microbatches < 1:
@@ -88,24 +90,35 @@ def compile(
 
 
 def unit_costs(topology: Topology) -> CostModel:
-    """The unit model, one entry per virtual stage, each chunk 1/chunks of a stage (the unit model with one chunk)."""
+    """The unit model, each chunk 1/chunks of a stage (exactly the unit model with one chunk)."""
     unit = 1.0 / topology.chunks
-    return CostModel.uniform(topology.stages, forward=unit, backward_input=unit, backward_weight=unit, activation=unit)
+    return CostModel.uniform(topology.stages, forward=unit, backward_input=unit, backward_weight=unit,
+                             activation=unit)
 
 
-def _chunks(schedule: str, chunks: int | None, failed: object) -> tuple[int, str]:
+def _chunks(schedule: str, chunks: int | None, placement: str | None) -> tuple[int, str]:
     """The chunks per worker and their placement for `schedule` (one, looped, without virtual stages)."""
+    if placement is not None and placement not in PLACEMENTS:
+        raise ScheduleError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     family = FAMILIES.get(schedule)
-    placement = family.placement if family is not None and family.placement else LOOP
+    if placement is not None and family is not None and placement != (family.placement or LOOP):
+        raise ScheduleError(f"{schedule} places its chunks {family.placement or 'one per worker'!r}, not "
+                            f"{placement!r}: placement is for schedule='adaptive'")
+    if family is not None and family.placement:
+        placement = family.placement
+    elif placement is None:
+        placement = LOOP
     if chunks is None:
-        return (family.default_chunks if family is not None else 1), placement
+        if family is not None:
+            return family.default_chunks, placement
+        return (2 if placement == V else 1), placement
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ScheduleError(f"chunks must be a positive integer, got {chunks!r}")
-    if chunks > 1 and (family is None or not family.placement):
+    if chunks > 1 and schedule != ADAPTIVE and (family is None or not family.placement):
         with_chunks = ", ".join(name for name, f in FAMILIES.items() if f.placement)
         raise ScheduleError(f"{schedule} runs one stage per worker, not chunks={chunks}: virtual stages need "
-                            f"{with_chunks} (adaptive re-routing with chunks is not there yet)")
-    return chunks, placement
+                            f"{with_chunks} or adaptive")
+    return chunks, placement if chunks > 1 else LOOP  # (one chunk: every placement is the identity)
 
 
 def _fit_memory(plan: Plan) -> None:
@@ -131,8 +144,7 @@ def _fit_memory(plan: Plan) -> None:
         topo = plan.topology
         where = (f"stage {worst.stage}" if topo.chunks == 1 else
                  f"worker {worst} (chunks {', '.join(map(str, topo.chunks_of(worst.stage)))})")
-        # The adaptive schedules trade time for memory, but not with virtual stages yet.
-        adaptive = ' or use schedule="adaptive", which schedules within the limit' if topo.chunks == 1 else ""
+        adaptive = ' or use schedule="adaptive", which schedules within the limit'
         raise MemoryLimitError(
             f"{plan.family} needs {show_memory(need, costs)} at {where} but memory_limit is "
             f"{show_memory(limit, costs, unit=False)}: set memory_limit >= {show_memory(need, costs, unit=False)}"

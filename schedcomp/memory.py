@@ -4,8 +4,9 @@ A plan compiled for a failure set is *memory-safe by default*: every worker stay
 that the fault-free plan of the same job holds on its stage, so a job that fit before a failure still
 fits after it. `compile(memory_limit=...)` takes:
 
-- "fault-free" (the default): with failures, ZB-H1's per-stage peak (`REFERENCE`); a limit in the cost
-  model wins over it, and a fault-free plan is its own reference (no limit added);
+- "fault-free" (the default): with failures, ZB-H1's per-stage peak (`REFERENCE`; with virtual stages
+  the peak of the family with the same placement, `reference_family`); a limit in the cost model wins
+  over it, and a fault-free plan is its own reference (no limit added);
 - a fault-free family name ("1f1b", "zb-h1", ...): that family's per-stage peak;
 - None or "none": no limit at all (the summary says it was lifted);
 - a number (in the cost model's memory unit), one number per stage, or a size in bytes ("60GiB",
@@ -130,6 +131,16 @@ def family_stage_peaks(name: str, pp: int, microbatches: int, costs: CostModel) 
     return tuple(peaks)
 
 
+def reference_family(topology: Topology) -> str:
+    """The fault-free family whose peak bounds a failure plan of `topology` by default: ZB-H1, or with
+    virtual stages the family that places its chunks the same way (interleaved-1f1b, zb-v)."""
+    from schedcomp.schedules import FAMILIES
+
+    if topology.chunks == 1:
+        return REFERENCE
+    return next(name for name, f in FAMILIES.items() if f.placement == topology.placement)
+
+
 def resolve_limit(limit: MemoryLimit, topology: Topology, microbatches: int, costs: CostModel) -> CostModel:
     """`costs` with the memory limit `limit` names (see the module docstring)."""
     from schedcomp.schedules import FAMILIES
@@ -141,7 +152,7 @@ def resolve_limit(limit: MemoryLimit, topology: Topology, microbatches: int, cos
         if name == FAULT_FREE:
             if costs.memory_limit is not None or not topology.failed:
                 return costs
-            name = REFERENCE
+            name = reference_family(topology)
         if name in FAMILIES:
             if topology.chunks > 1 and not FAMILIES[name].placement:
                 chunked = ", ".join(n for n, f in FAMILIES.items() if f.placement)
@@ -183,7 +194,8 @@ def limit_facts(plan: Plan) -> dict[str, Any]:
     if limited:
         facts["memory_headroom"] = min(costs.limit_at(s) - p for s, p in enumerate(stage_peaks))
     elif plan.topology.failed:
-        facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free {REFERENCE} plan "
+        facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free "
+                                f"{reference_family(plan.topology)} plan "
                                 "holds on their stage")
     return facts
 

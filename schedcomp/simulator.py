@@ -16,13 +16,11 @@ The semantics are those of docs/design.md, the contract the runtime follows:
 - Staggered optimizer (default): a worker starts its next iteration right after its own
   STEP. `synchronous_optimizer=True` puts a global barrier after every iteration instead.
 
-There is no contention for links or devices beyond the stream itself, so every time is a
-max-plus function of earlier times and the order in which workers are advanced does not
-matter: the engine advances each worker through its blocking instructions as far as it can,
-parks it on the first input that is not there yet, and wakes it when that input is produced.
-A worklist is all it needs (no clock, no heap); when it empties with a worker unfinished, the
-plan deadlocks and we say where. Non-blocking instructions are timed afterwards: each starts
-when the stream reaches it, at the end of the blocking instruction before it.
+The rules are the timing core's (`schedcomp.timecore`): each stream's blocking instructions are a
+lane of its graph, a compute op waits for the producers of the receives it consumes (the pairs the
+plan's `PlanIndex` proved), and the ALLREDUCEs of a stage group meet. When the core finds the lanes
+deadlocked we say where. Non-blocking instructions are timed afterwards: each starts when the
+stream reaches it, at the end of the blocking instruction before it; a send when its producer ends.
 """
 
 from __future__ import annotations
@@ -37,10 +35,11 @@ from typing import Any
 from schedcomp import limits
 from schedcomp.check import check, is_checked
 from schedcomp.errors import SchedcompTypeError, ValidationError
-from schedcomp.gradcheck import BARRIER, POST, GradCheckCost
+from schedcomp.gradcheck import BARRIER, GradCheckCost
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, peak_of, stream_deltas
-from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Stream, compile_streams
+from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Lanes, Stream, compile_streams
+from schedcomp.timecore import Gate, Graph, LaneRun, Stuck, run_lanes
 from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
 from schedcomp.topology import Worker
 
@@ -130,156 +129,23 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
     limits.SIM_INSTRUCTIONS.check(total, f"simulating {iterations} iterations of this plan")
     if validate and not is_checked(plan):
         check(plan)
-    streams = compile_streams(plan)
+    lanes = compile_streams(plan)
+    streams = lanes.streams
     if not any(st.instrs for st in streams):
         raise ValidationError("the plan has no instructions: compile it from a schedule first")
     K = iterations
-    nw = len(streams)
+    gate = None
+    if grad_check is not None:
+        lanes, gate = _with_grad_check(lanes, grad_check)
+    run = run_lanes(lanes.graph, lanes.seqs, lanes.durations, K, synchronous_optimizer, keep=range(K), gate=gate)
+    if run.stuck is not None:
+        if grad_check is not None:
+            raise ValidationError("the global gradient check's barrier deadlocks this plan: a worker's STEP "
+                                  "waits for work that comes after another worker's STEP")
+        _raise_deadlock(lanes, run.stuck)
     p2p = plan.costs.p2p
-    sizes = [len(st.instrs) for st in streams]
-    nbs = [len(st.at) for st in streams]
-    by_stage: dict[int, list[int]] = {}
-    for wi, st in enumerate(streams):
-        by_stage.setdefault(st.worker.stage, []).append(wi)
-    groups = [tuple(by_stage[st.worker.stage]) for st in streams]
-    # Times per stream position it*n + j; nan = not yet known.
-    start = [[math.nan] * (n * K) for n in sizes]
-    end = [[math.nan] * (n * K) for n in sizes]
-    arrival = [[math.nan] * (n * K) for n in sizes]
-    iter_start = [[0.0] * K for _ in streams]
-    pos = [0] * nw  # next blocking instruction, counted over all iterations: it * nb + k
-    clock = [0.0] * nw  # when the stream is free
-    waiting = [False] * nw
-    rendezvous: dict[tuple[Any, ...], dict[int, tuple[float, int]]] = {}  # all-reduce: who reached it, when
-    participants = sum(1 for nb in nbs if nb)  # streams that take part in the synchronous barrier
-    barrier: dict[int, list[float]] = {}  # synchronous optimizer: iteration -> end times reported
-    released = [0] * nw  # synchronous optimizer: the last iteration this stream may start
-    queue = list(range(nw))
-    queued = [True] * nw
-    # the global gradient check (`gradcheck`): who launched its share of iteration it, when
-    check_barrier = grad_check is not None and grad_check.mode == BARRIER
-    check_post = grad_check is not None and grad_check.mode == POST
-    stepping = sum(1 for st in streams if STEP in st.codes)
-    launched: dict[int, dict[int, float]] = {}
-    validated = [0] * nw  # post: the last iteration whose start waited for the previous one's check
-    redo = [grad_check.redo_time(sum(st.dur[k] for k in range(len(st.at)) if st.codes[st.at[k]] == STEP))
-            if grad_check is not None else 0.0 for st in streams]
-
-    def wake(v: int) -> None:
-        if waiting[v] and not queued[v]:
-            waiting[v] = False
-            queued[v] = True
-            queue.append(v)
-
-    while queue:
-        wi = queue.pop()
-        queued[wi] = False
-        st = streams[wi]
-        n, nb = sizes[wi], nbs[wi]
-        at, dur, inputs, sends = st.at, st.dur, st.inputs, st.sends
-        s_start, s_end, s_arr = start[wi], end[wi], arrival[wi]
-        p, t, total = pos[wi], clock[wi], nb * K
-        blocked = False
-        while p < total:
-            it, k = divmod(p, nb)
-            if k == 0 and it > 0:
-                if synchronous_optimizer and released[wi] < it:
-                    reached = barrier.setdefault(it, [])
-                    if len(reached) < participants and wi not in reached:
-                        reached.append(wi)
-                        clock[wi] = t
-                    if len(reached) < participants:
-                        blocked = True
-                        break
-                    t = max(clock[v] for v in reached)
-                    for v in reached:
-                        released[v] = it
-                        clock[v] = t
-                        if v != wi:
-                            wake(v)
-                if check_post and validated[wi] < it:
-                    assert grad_check is not None
-                    shares = launched.get(it - 1, {})
-                    if len(shares) < stepping:
-                        clock[wi] = t
-                        blocked = True
-                        break
-                    t = max(t, max(shares.values()) + grad_check.reduce) + redo[wi]
-                    validated[wi] = it
-                iter_start[wi][it] = t
-            j = at[k]
-            base = it * n
-            code = st.codes[j]
-            if code == COMPUTE:
-                ready = t
-                for r in inputs[k]:
-                    a = s_arr[base + r]
-                    if a != a:  # nan: the data has not been sent yet
-                        blocked = True
-                        break
-                    if a > ready:
-                        ready = a
-                if blocked:
-                    break
-                t = ready + dur[k]
-                s_start[base + j], s_end[base + j] = ready, t
-                for js, pwi, pj in sends[k]:
-                    s_start[base + js], s_end[base + js] = t, t + p2p
-                    arrival[pwi][it * sizes[pwi] + pj] = t + p2p
-                    wake(pwi)
-            elif code == STEP and check_barrier:  # every STEP waits for every worker's share
-                assert grad_check is not None
-                reached_check = rendezvous.setdefault(("check", it), {})
-                reached_check[wi] = (t, p)
-                if len(reached_check) < stepping:
-                    blocked = True
-                    break
-                begin = max(r[0] for r in reached_check.values()) + grad_check.reduce
-                del rendezvous[("check", it)]
-                for v, (_, vp) in reached_check.items():
-                    vit, vk = divmod(vp, nbs[v])
-                    vj = vit * sizes[v] + streams[v].at[vk]
-                    start[v][vj], end[v][vj] = begin, begin + streams[v].dur[vk]
-                    if v != wi:
-                        pos[v], clock[v] = vp + 1, end[v][vj]
-                        wake(v)
-                t = begin + dur[k]
-            elif code == STEP:
-                s_start[base + j], s_end[base + j] = t, t + dur[k]
-                if check_post:  # its share is sent as STEP starts; workers waiting on it may go on
-                    launched.setdefault(it, {})[wi] = t
-                    for v in range(nw):
-                        wake(v)
-                t += dur[k]
-            elif code == ALLREDUCE:  # a collective over the stage's live workers
-                group = groups[wi]
-                key = (group, it, st.ordinal[k])
-                reached_ar = rendezvous.setdefault(key, {})
-                reached_ar[wi] = (t, p)
-                if len(reached_ar) < len(group):
-                    blocked = True
-                    break
-                begin = max(r[0] for r in reached_ar.values())
-                finish = begin + (dur[k] if len(group) > 1 else 0.0)
-                del rendezvous[key]
-                for v, (_, vp) in reached_ar.items():
-                    vit, vk = divmod(vp, nbs[v])
-                    vj = vit * sizes[v] + streams[v].at[vk]
-                    start[v][vj], end[v][vj] = begin, finish
-                    if v != wi:  # parked at this ALLREDUCE: move it past
-                        pos[v], clock[v] = vp + 1, finish
-                        wake(v)
-                t = finish
-            else:  # `compile_streams` numbers only these three as blocking
-                raise AssertionError(f"blocking code {code} has no timing rule")
-            p += 1
-        pos[wi], clock[wi] = p, t
-        waiting[wi] = blocked
-    stuck = [wi for wi in range(nw) if pos[wi] < nbs[wi] * K]
-    if stuck:
-        _raise_deadlock(streams, stuck, pos, arrival, groups, synchronous_optimizer)
     workers = tuple(st.worker for st in streams)
-    timing = _timing(streams, start, end, arrival, K)
+    timing = _timing(streams, run, p2p, K)
     memory = {st.worker: _peak_memory(plan, st, K) for st in streams}
     log.debug("simulated %s x%d: makespan %.3f period %.3f", plan.family or "plan", K, timing.makespan, timing.period)
     return Simulation(
@@ -293,32 +159,55 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
         busy=timing.busy,
         iterations=K,
         synchronous_optimizer=synchronous_optimizer,
-        build_spans=partial(_spans, streams, start, end, arrival, iter_start),
+        build_spans=partial(_spans, streams, run, p2p),
     )
 
 
-def _timing(
-    streams: list[Stream], start: list[list[float]], end: list[list[float]], arrival: list[list[float]], K: int
-) -> Timing:
-    """`timeline_metrics` of the spans, read straight off the time arrays.
+def _with_grad_check(lanes: Lanes, cost: GradCheckCost) -> tuple[Lanes, Gate | None]:
+    """`lanes` with the global gradient check's nodes (`schedcomp.gradcheck`), one before each STEP.
 
-    A receive ends at max(post, arrival) and is posted at the end of a blocking instruction or
-    of the previous iteration, so the arrivals and the other ends bound every span's end.
+    Barrier: a collective over every worker that steps, lasting `cost.reduce`, so each STEP starts
+    at the last worker's arrival plus the reduction. Post-validation: a node of no duration (its
+    end is the STEP's start, when the worker's share is sent) and a `Gate`: each worker's next
+    iteration waits for every share plus the reduction, then pays its expected undo and redo.
     """
+    streams, graph = lanes.streams, lanes.graph
+    base = len(graph.preds)
+    steps = [[st.first + k for k, j in enumerate(st.at) if st.codes[j] == STEP] for st in streams]
+    added = [base + i for i in range(sum(len(s) for s in steps))]
+    barrier = cost.mode == BARRIER
+    seqs, new = [], iter(added)
+    for seq, lane_steps in zip(lanes.seqs, steps, strict=True):
+        before = {node: next(new) for node in lane_steps}
+        seqs.append([v for node in seq for v in ((before[node], node) if node in before else (node,))])
+    durations = [*lanes.durations[0], *([cost.reduce if barrier else 0.0] * len(added))]
+    members = [*graph.members, *([tuple(added)] * len(added) if barrier else [()] * len(added))]
+    checked = Lanes(streams, Graph([*graph.preds, *([()] * len(added))], members), seqs,
+                    [durations] * len(seqs), lanes.groups)
+    if barrier:
+        return checked, None
+    step_time = [sum(lanes.durations[0][node] for node in lane_steps) for lane_steps in steps]
+    return checked, Gate(tuple(added), cost.reduce, tuple(cost.redo_time(t) for t in step_time))
+
+
+def _timing(streams: list[Stream], run: LaneRun, p2p: float, K: int) -> Timing:
+    """`timeline_metrics` of the spans, read straight off the core's node times.
+
+    A send ends, and its data arrives, `p2p` after its producer; a receive ends at max(post, arrival)
+    and is posted at the end of a blocking instruction or of the previous iteration, so the arrivals
+    and the blocking ends bound every span's end.
+    """
+    senders = sorted({node for st in streams for node in st.source.values()})
     ends = [-math.inf] * K
-    first_start = math.inf
-    for wi, st in enumerate(streams):
-        n = len(st.instrs)
-        for it in range(K):
-            lo, hi = it * n, (it + 1) * n
-            last = max((x for x in end[wi][lo:hi] if x == x), default=-math.inf)
-            last = max(last, max((x for x in arrival[wi][lo:hi] if x == x), default=-math.inf))
-            ends[it] = max(ends[it], last)
-        if n:  # loads and receives are not in `start`: they begin with the iteration, at 0
-            first = 0.0 if st.codes[0] in (LOAD, RECV) else math.inf
-            first_start = min(first_start, first, min((x for x in start[wi][:n] if x == x), default=math.inf))
-    for k in range(1, K):
-        ends[k] = max(ends[k], ends[k - 1])
+    for it in range(K):
+        node_ends = run.ends[it]
+        last = max(node_ends, default=-math.inf)
+        if senders:
+            last = max(last, max(node_ends[v] for v in senders) + p2p)
+        ends[it] = last if it == 0 else max(last, ends[it - 1])
+    # Loads and receives are not nodes: a stream that opens with one begins at 0.
+    opens = [0.0 for st in streams if st.instrs and st.codes[0] in (LOAD, RECV)]
+    first_start = min((*opens, *run.starts[0]), default=math.inf)
     makespan = ends[0] - first_start
     period = period_from_ends(ends, makespan)
     busy = {st.worker: sum(d for k, d in enumerate(st.dur) if st.codes[st.at[k]] == COMPUTE) for st in streams}
@@ -327,35 +216,28 @@ def _timing(
     return Timing(makespan, period, bubble, tuple(ends), busy)
 
 
-def _spans(
-    streams: list[Stream],
-    start: list[list[float]],
-    end: list[list[float]],
-    arrival: list[list[float]],
-    iter_start: list[list[float]],
-    iterations: Sequence[int],
-) -> tuple[Span, ...]:
+def _spans(streams: list[Stream], run: LaneRun, p2p: float, iterations: Sequence[int]) -> tuple[Span, ...]:
     """Build the spans, timing each non-blocking instruction at the end of the blocking one before it."""
     out = []
     for wi, st in enumerate(streams):
-        w, instrs, codes = st.worker, st.instrs, st.codes
-        s_start, s_end, s_arr = start[wi], end[wi], arrival[wi]
-        n = len(instrs)
+        w, instrs, codes, source = st.worker, st.instrs, st.codes, st.source
         for it in iterations:
-            t = iter_start[wi][it]
-            base = it * n
-            for j in range(n):
-                p = base + j
-                c = codes[j]
+            starts, ends = run.starts[it], run.ends[it]
+            t = run.releases[it][wi]
+            node = st.first
+            for j, c in enumerate(codes):
                 if c == RECV:
-                    a = s_arr[p]
+                    a = ends[source[j]] + p2p
                     out.append(Span(w, it, j, instrs[j], t, a if a > t else t))
                 elif c == LOAD:
                     out.append(Span(w, it, j, instrs[j], t, t))
-                else:  # blocking, or a send timed by its producer
-                    out.append(Span(w, it, j, instrs[j], s_start[p], s_end[p]))
-                    if c != SEND:
-                        t = s_end[p]
+                elif c == SEND:  # posted when its producer ends, whatever its place in the stream
+                    e = ends[source[j]]
+                    out.append(Span(w, it, j, instrs[j], e, e + p2p))
+                else:
+                    out.append(Span(w, it, j, instrs[j], starts[node], ends[node]))
+                    t = ends[node]
+                    node += 1
     return tuple(out)
 
 
@@ -367,51 +249,43 @@ def _peak_memory(plan: Plan, st: Stream, iterations: int) -> float:
     return peak + (iterations - 1) * level if level > 1e-9 else peak
 
 
-def _raise_deadlock(
-    streams: list[Stream],
-    stuck: list[int],
-    pos: list[int],
-    arrival: list[list[float]],
-    groups: list[tuple[int, ...]],
-    synchronous_optimizer: bool,
-) -> None:
-    def where(wi: int) -> tuple[int, int, Instruction]:
+def _raise_deadlock(lanes: Lanes, stuck: Stuck) -> None:
+    streams, groups, it = lanes.streams, lanes.groups, stuck.iteration
+    waiting = [wi for wi, st in enumerate(streams) if stuck.positions[wi] < len(st.at)]
+
+    def where(wi: int) -> tuple[int, Instruction]:
         st = streams[wi]
-        it, k = divmod(pos[wi], len(st.at))
-        return it, st.at[k], st.instrs[st.at[k]]
+        j = st.at[stuck.positions[wi]]
+        return j, st.instrs[j]
 
     def reason(wi: int) -> str:
         st = streams[wi]
-        it, k = divmod(pos[wi], len(st.at))
-        j = st.at[k]
-        if synchronous_optimizer and k == 0 and it > 0:
-            return "waits at the synchronous optimizer barrier"
-        if st.codes[j] == ALLREDUCE:
-            others = [str(streams[v].worker) for v in groups[wi] if v != wi and v in stuck]
+        k = stuck.positions[wi]
+        if st.codes[st.at[k]] == ALLREDUCE:
+            others = [str(streams[v].worker) for v in groups[wi] if v != wi and v in waiting]
             return f"waits in ALLREDUCE for {', '.join(others) or 'its stage group'}"
-        base = it * len(st.instrs)
-        missing = [r for r in st.inputs[k] if math.isnan(arrival[wi][base + r])]
+        missing = [r for r in st.inputs[k] if stuck.done[st.source[r]] != it]
         if missing:
             return f"waits for {st.instrs[missing[0]]} (instruction {missing[0]}), whose data is never sent"
         return "cannot proceed"
 
     lines = []
-    for wi in stuck:
-        it, j, ins = where(wi)
+    for wi in waiting:
+        j, ins = where(wi)
         lines.append(f"{streams[wi].worker} iteration {it} instruction {j} ({ins}): {reason(wi)}")
-    wi = stuck[0]
-    it, j, ins = where(wi)
+    wi = waiting[0]
+    j, ins = where(wi)
     worker = streams[wi].worker
     # Say where the missing input's sender is stuck: that is the cycle a human must break.
     detail = ""
     if streams[wi].codes[j] == COMPUTE:
-        peers = {streams[wi].instrs[r].peer for r in streams[wi].inputs[divmod(pos[wi], len(streams[wi].at))[1]]}
-        for v in stuck:
+        peers = {streams[wi].instrs[r].peer for r in streams[wi].inputs[stuck.positions[wi]]}
+        for v in waiting:
             if streams[v].worker in peers:
-                pit, pj, pins = where(v)
-                detail = f"; {streams[v].worker} is itself stuck at iteration {pit} instruction {pj} ({pins})"
+                pj, pins = where(v)
+                detail = f"; {streams[v].worker} is itself stuck at iteration {it} instruction {pj} ({pins})"
                 break
     raise ValidationError(
         f"deadlock: worker {worker} is stuck at iteration {it} instruction {j} ({ins}): {reason(wi)}{detail} "
-        f"({len(stuck)} worker(s) stuck; reorder the streams so every input is produced before it is awaited)",
+        f"({len(waiting)} worker(s) stuck; reorder the streams so every input is produced before it is awaited)",
         worker=worker, index=j, grid="\n".join(lines))

@@ -125,8 +125,16 @@ def load_costs(path: str | None, pp: int | None) -> CostModel | None:
     return costs
 
 
-CHUNKS_HELP = ("virtual stages (model chunks) per worker, for interleaved-1f1b and zb-v (default 2); the model then "
-               "has pp x chunks stages and --costs gives one entry per virtual stage")
+CHUNKS_HELP = ("virtual stages (model chunks) per worker, for interleaved-1f1b, zb-v and adaptive (default 2 for the "
+               "families); the model then has pp x chunks stages and --costs gives one entry per virtual stage")
+PLACEMENT_HELP = ("where the adaptive schedule puts the chunks: loop (virtual stage s on worker s mod pp, as "
+                  "interleaved-1f1b; the default) or v (as zb-v, 2 chunks); a family places its own")
+
+
+def add_chunk_arguments(parser: Any) -> None:
+    """--chunks and --placement (an argument parser or group)."""
+    parser.add_argument("--chunks", type=positive_int, help=CHUNKS_HELP)
+    parser.add_argument("--placement", choices=("loop", "v"), help=PLACEMENT_HELP)
 
 
 def add_plan_source(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +148,7 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=positive_int, help="pipeline stages")
     group.add_argument("--microbatches", "-m", type=positive_int, help="micro-batches per pipeline and iteration")
     group.add_argument("--dp", type=positive_int, default=1, help="data-parallel pipelines (default 1)")
-    group.add_argument("--chunks", type=positive_int, help=CHUNKS_HELP)
+    add_chunk_arguments(group)
     add_failure_arguments(group, "; they use the adaptive schedules")
     group.add_argument("--costs", metavar="FILE", help="cost model JSON (default: F = B = W = 1, no communication)")
     group.add_argument("--memory-limit", type=memory_limit, metavar="X", help=MEMORY_LIMIT_HELP)
@@ -150,7 +158,7 @@ def add_plan_source(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan named by `add_plan_source`'s arguments: loaded and validated, or compiled."""
-    compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit", "chunks")
+    compile_flags = [f for f in ("schedule", "pp", "microbatches", "costs", "memory_limit", "chunks", "placement")
                      if getattr(args, f)]
     if args.plan is not None:
         if args.failed:
@@ -169,7 +177,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
     return compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
                    costs=load_costs(args.costs, None), memory_limit=args.memory_limit or FAULT_FREE,
-                   solver=args.solver, time_limit=args.time_limit, chunks=args.chunks)
+                   solver=args.solver, time_limit=args.time_limit, chunks=args.chunks, placement=args.placement)
 
 
 def plan_facts(plan: Plan) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import argparse
 import math
 from typing import Any
 
-from schedcomp.cli.common import load_costs, print_json
+from schedcomp.cli.common import add_chunk_arguments, load_costs, print_json
 
 STRATEGIES = (
     "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
@@ -25,6 +25,7 @@ def register(subparsers: Any) -> None:
         "peak memory. Example: schedcomp compare --pp 8 --dp 4 --microbatches 16 --fail 1:3 --fail 2:5",
     )
     add_job_arguments(p)
+    add_chunk_arguments(p)
     p.add_argument("--strategy", action="append", choices=STRATEGIES, metavar="NAME",
                    help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
     add_solver_arguments(p, default="greedy")
@@ -36,13 +37,14 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from schedcomp.baselines import compare
-    from schedcomp.costs import CostModel
     from schedcomp.memory import FAULT_FREE
 
-    costs = load_costs(args.costs, args.pp) or CostModel.uniform(args.pp)
+    chunks = args.chunks or (2 if args.placement == "v" else 1)
+    costs = load_costs(args.costs, args.pp if chunks == 1 else None)  # (with chunks `compare` checks it)
     strategies = tuple(args.strategy) if args.strategy else STRATEGIES
     outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
-                       solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE)
+                       solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
+                       chunks=chunks, placement=args.placement or "loop")
     if args.json:
         print_json([o.to_dict() for o in outcomes])
         return 0

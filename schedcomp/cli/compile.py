@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from schedcomp.cli.common import (
-    CHUNKS_HELP,
     MEMORY_LIMIT_HELP,
+    add_chunk_arguments,
     add_failure_arguments,
     load_costs,
     memory_limit,
@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
     add_job_arguments(p)
     p.add_argument("--schedule", default="adaptive", metavar="NAME",
                    help="adaptive (default), or a fault-free family: gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, zb-v")
-    p.add_argument("--chunks", type=positive_int, help=CHUNKS_HELP)
+    add_chunk_arguments(p)
     add_solver_arguments(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--text", action="store_true", help="write the compact text form instead of JSON")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
                    costs=costs, memory_limit=args.memory_limit or FAULT_FREE, solver=args.solver,
-                   time_limit=args.time_limit, chunks=args.chunks)
+                   time_limit=args.time_limit, chunks=args.chunks, placement=args.placement)
     seconds = time.perf_counter() - began
     if args.output:
         write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")

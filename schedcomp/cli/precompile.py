@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from schedcomp.cli.common import ArgumentError, load_costs, positive_int
+from schedcomp.cli.common import ArgumentError, add_chunk_arguments, load_costs, positive_int
 from schedcomp.cli.progress import ProgressBar
 
 
@@ -22,6 +22,7 @@ def register(subparsers: Any) -> None:
         "schedcomp precompile --pp 8 --dp 16 --microbatches 16 --max-failures 2 -o plans/",
     )
     add_job_arguments(p, failures=False)
+    add_chunk_arguments(p)
     p.add_argument("--max-failures", "-k", type=int, required=True, metavar="K", help="most failed workers at once")
     add_solver_arguments(p, default="greedy")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
@@ -39,13 +40,15 @@ def run(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--max-failures must be at least 0, got {args.max_failures}")
     from schedcomp.memory import FAULT_FREE
 
-    costs = load_costs(args.costs, args.pp)
+    chunks = args.chunks or (2 if args.placement == "v" else 1)
+    placement = args.placement or "loop"
+    costs = load_costs(args.costs, args.pp if chunks == 1 else None)  # (with chunks `precompile` checks it)
     began = time.perf_counter()
     with ProgressBar("precompile", "plan", quiet=args.quiet) as bar:
         cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs,
                            solver=args.solver, time_limit=args.time_limit,
                            memory_limit=args.memory_limit or FAULT_FREE, directory=args.output, progress=bar,
-                           jobs=args.jobs)
+                           jobs=args.jobs, chunks=chunks, placement=placement)
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
     report = cache.memory_report()

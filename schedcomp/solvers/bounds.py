@@ -5,9 +5,12 @@ optimizer step within each period. A live worker keeps its own M slots and the f
 are shared among the stage's live workers; the best integer split (water-filling by speed factor,
 `route.balanced_quota`) gives the smallest possible busiest-worker load, hence a bound.
 
-Memory warm-up (`memory_bound`, only under a memory limit): a worker X of stage s running n slots
-starts each iteration holding nothing (every W of the previous one ran before its step). Let S be the
-start of its first F. Then, for every schedule:
+With virtual stages (chunks > 1) the same holds per worker: its own slots are M per chunk it holds, the
+re-routed slots of a place are those of every chunk a failed worker held (`work_bound`).
+
+Memory warm-up (`memory_bound`, only under a memory limit and one chunk per worker): a worker X of stage
+s running n slots starts each iteration holding nothing (every W of the previous one ran before its
+step). Let S be the start of its first F. Then, for every schedule:
 
 1. until the first gradient comes back (at least f + RT after S, RT the round trip through the stages
    below at their fastest) X can only run forwards, at most k0 = floor(limit / activation) of them, so
@@ -41,17 +44,47 @@ _TOL = 1e-9
 
 
 def work_bound(problem: Problem) -> float:
-    """The busiest worker's compute under the best split, plus its all-reduce and optimizer step."""
+    """The busiest worker's compute under the best split, plus its all-reduce and optimizer step.
+
+    With virtual stages a worker's own load is M slots of each chunk it holds, and the re-routed slots of
+    a place are the failed workers' slots of all those chunks. Where the chunks of a place cost the same,
+    slots are identical and the integer water-filling (`route.balanced_quota`) is exact, as with one
+    chunk; otherwise the fractional water-filling of the re-routed work is the bound (any integer split
+    is one of its points)."""
     quota = balanced_quota(problem)
-    m = problem.microbatches
+    m, chunks_of = problem.microbatches, problem.topology.chunks_of
     bound = 0.0
     for s, group in enumerate(problem.survivors):
-        for w in group:
-            wid = problem.worker_id(w)
-            per_slot = sum(problem.duration(k, w) for k in problem.kinds)
-            busy = (m + quota.get(wid, 0)) * per_slot + problem.allreduce_times[s] + problem.step_time(wid)
-            bound = max(bound, busy)
+        held = chunks_of(s)
+        costs = {w: [sum(problem.duration(k, w, c) for k in problem.kinds) for c in held] for w in group}
+        fixed = {w: problem.allreduce_times[s] + problem.step_time(problem.worker_id(w)) for w in group}
+        if all(max(c) - min(c) <= _TOL * max(1.0, max(c)) for c in costs.values()):
+            for w in group:
+                busy = (m * len(held) + quota.get(problem.worker_id(w), 0)) * costs[w][0] + fixed[w]
+                bound = max(bound, busy)
+        else:
+            c = problem.costs  # the base cost of a slot: F + B + W, fused or not
+            per_microbatch = sum(c.forward[j] + c.backward_input[j] + c.backward_weight[j] for j in held)
+            orphan_work = len(problem.orphan_slots[s]) // len(held) * per_microbatch
+            own = {w: m * sum(costs[w]) + fixed[w] for w in group}
+            speeds = {w: problem.costs.speed.get(w, 1.0) for w in group}
+            bound = max(bound, _water_level(own, speeds, orphan_work))
     return bound
+
+
+def _water_level(own: dict[Worker, float], speeds: dict[Worker, float], work: float) -> float:
+    """The least L with sum over workers of (L - own) x speed >= `work` (where L > own) and L >= every
+    own: the busiest load when `work` may be split finely among workers already busy for `own`."""
+    level = max(own.values())
+    order = sorted(own, key=own.__getitem__)
+    rate = weighted = 0.0
+    for i, w in enumerate(order):
+        rate += speeds[w]
+        weighted += own[w] * speeds[w]
+        fill = (work + weighted) / rate  # the level when `work` fills only the first i + 1 workers
+        if i + 1 == len(order) or fill <= own[order[i + 1]]:
+            return max(level, fill)
+    return level
 
 
 def lower_bound(problem: Problem) -> float:
@@ -61,8 +94,8 @@ def lower_bound(problem: Problem) -> float:
 
 def memory_bound(problem: Problem) -> float:
     """The memory warm-up bound of the module docstring (0.0 without a memory limit)."""
-    if problem.costs.memory_limit is None:
-        return 0.0
+    if problem.costs.memory_limit is None or problem.topology.chunks > 1:
+        return 0.0  # with virtual stages the worker's own later chunks lie on the round trip: not derived
     fast = _Fastest.of(problem)
     memo: dict[tuple[int, float, int], float] = {}
 

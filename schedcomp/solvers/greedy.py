@@ -6,7 +6,8 @@ have arrived by t:
 1. a B (or fused BW): input gradients are on the critical path, so they go first;
 2. an F, if the worker has fewer than `window[stage]` micro-batches between F and B and the activation
    fits under the memory limit; its own pipeline's F and the stage's re-routed F compete first-come
-   first-served;
+   first-served (with virtual stages the window and the memory admit a micro-batch at its first chunk
+   on the worker and reserve its later chunks there, whose F then always run);
 3. a W, deferred into the time nothing else is ready (policy "idle"), or only where it ends before the
    next known arrival (policy "fit"); a W always runs when memory blocks an F, since it frees memory.
    Policy "eager" runs each W right after its B instead (1F1B's order, the split kept for the bubbles
@@ -62,16 +63,27 @@ def list_schedule(
 ) -> dict[int, list[int]]:
     """Schedule every op of `problem`; `assignment` (orphan slot -> worker id) is needed for "static"
     routing and `quota` (worker id -> most re-routed slots it takes) for "quota"."""
-    pp, nk = problem.pp, len(problem.kinds)
+    pp, stages, nk = problem.pp, problem.stages, len(problem.kinds)
     split = nk == 3
     costs = problem.costs
     p2p = costs.p2p
-    limits = [lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0) for lim in costs.stage_limits]
+    n_workers = problem.dp * pp
+    limits = [0.0] * n_workers
+    for w in problem.topology.live_workers:
+        lim = problem.limit_of(problem.worker_id(w))
+        limits[problem.worker_id(w)] = lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0)
     # What each op kind (position in `problem.kinds`) adds to held memory at each stage: the one model.
-    delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
-    window = [params.window[wid % pp] for wid in range(problem.dp * pp)]
+    delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
+    place = problem.place
+    held = [problem.topology.chunks_of(p) for p in range(pp)]
+    # With virtual stages a micro-batch is admitted to a worker at its first chunk there (window and
+    # memory), which reserves the activations of its later chunks there: they then always fit, so a
+    # worker never blocks the micro-batches it already holds (with one chunk nothing is reserved).
+    first = [s == held[place[s]][0] for s in range(stages)]
+    unit = [sum(delta[c][0] for c in held[p]) for p in range(pp)]
+    window = [params.window[wid % pp] for wid in range(n_workers)]
     if params.scale_window and quota is not None:
-        mb = problem.microbatches
+        mb = problem.microbatches * problem.topology.chunks
         window = [math.ceil(win * (mb + quota.get(wid, 0)) / mb) for wid, win in enumerate(window)]
     use_pool = params.routing in ("pool", "quota")
     eager = params.w_policy == "eager"
@@ -80,24 +92,23 @@ def list_schedule(
     if params.routing == "quota" and quota is None:
         raise ScheduleError("quota routing needs a quota per worker")
 
-    n_workers = problem.dp * pp
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
-    dur: list[list[float]] = [[0.0] * nk for _ in range(n_workers)]
+    dur: list[list[float]] = [[] for _ in range(n_workers)]
     for wid in live:
-        worker = problem.worker_of(wid)
-        dur[wid] = [problem.duration(k, worker) for k in problem.kinds]
+        dur[wid] = problem.op_times[wid]  # stage * nk + kind
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
 
     n_slots = problem.n_slots
     runner = [-1] * n_slots
     for wid in live:
-        d, s = divmod(wid, pp)
+        d, p = divmod(wid, pp)
         for m in range(problem.microbatches):
-            runner[problem.slot_id(d, m, s)] = wid
+            for s in held[p]:
+                runner[problem.slot_id(d, m, s)] = wid
     if not use_pool:
         for slot, wid in (assignment or {}).items():
             runner[slot] = wid
-    need = [1 if (slot % pp) == pp - 1 else 2 for slot in range(n_slots)]
+    need = [1 if (slot % stages) == stages - 1 else 2 for slot in range(n_slots)]
     b_ready = [0.0] * n_slots
     taken = dict.fromkeys(live, 0)
     cap = dict(quota) if params.routing == "quota" and quota is not None else {}
@@ -105,7 +116,9 @@ def list_schedule(
     free = [0.0] * n_workers
     infl = [0] * n_workers
     mem = [0.0] * n_workers
-    fq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
+    reserved = [0.0] * n_workers
+    fq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
+    lq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # later chunks: reserved
     bq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
     wq: list[deque[int]] = [deque() for _ in range(n_workers)]
     pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(pp)]
@@ -122,22 +135,22 @@ def list_schedule(
             heapq.heappush(events, (at, wid))
 
     def deliver_f(slot: int, ready: float) -> None:
-        rest = slot // pp
+        rest = slot // stages
         entry = (ready, rest % mb, rest // mb, slot)
         r = runner[slot]
         if r >= 0:
-            heapq.heappush(fq[r], entry)
+            heapq.heappush(fq[r] if first[slot % stages] else lq[r], entry)
             notify(r, ready)
         else:
-            s = slot % pp
-            heapq.heappush(pool[s], entry)
-            for p in peers[s]:
-                if not cap or taken[p] < cap.get(p, 0):
-                    notify(p, ready)
+            p = place[slot % stages]
+            heapq.heappush(pool[p], entry)
+            for q in peers[p]:
+                if not cap or taken[q] < cap.get(q, 0):
+                    notify(q, ready)
 
     def deliver_b(slot: int, ready: float) -> None:
         r = runner[slot]
-        rest = slot // pp
+        rest = slot // stages
         heapq.heappush(bq[r], (ready, rest % mb, rest // mb, slot))
         notify(r, ready)
 
@@ -156,7 +169,7 @@ def list_schedule(
             continue
         wake[w] = None
         s = w % pp
-        bqw, fqw, wqw = bq[w], fq[w], wq[w]
+        bqw, fqw, lqw, wqw = bq[w], fq[w], lq[w], wq[w]
         kind = -1
         slot = -1
         if bqw and bqw[0][0] <= t:
@@ -166,22 +179,30 @@ def list_schedule(
             slot = wqw.popleft()
             kind = 2
         else:
-            mem_ok = mem[w] + delta[s][0] <= limits[s]
+            mem_ok = mem[w] + reserved[w] + unit[s] <= limits[w]
             f_ok = infl[w] < window[w] and mem_ok
             pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
-            if f_ok:
-                own = fqw[0] if fqw and fqw[0][0] <= t else None
-                other = pool[s][0] if pool_ok and pool[s][0][0] <= t else None
-                if own is not None and (other is None or own <= other):
-                    slot = heapq.heappop(fqw)[3]
-                    kind = 0
-                elif other is not None:
-                    slot = heapq.heappop(pool[s])[3]
-                    runner[slot] = w
-                    taken[w] += 1
-                    kind = 0
+            later = lqw[0] if lqw and lqw[0][0] <= t else None
+            own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
+            other = pool[s][0] if f_ok and pool_ok and pool[s][0][0] <= t else None
+            if later is not None and (own is None or later <= own) and (other is None or later <= other):
+                slot = heapq.heappop(lqw)[3]
+                kind = 0
+            elif own is not None and (other is None or own <= other):
+                slot = heapq.heappop(fqw)[3]
+                kind = 0
+            elif other is not None:
+                slot = heapq.heappop(pool[s])[3]
+                # The micro-batch's later chunks here follow it (see `route.assign_orphans`).
+                d, m, _ = problem.slot_key(slot)
+                for c in held[s]:
+                    runner[problem.slot_id(d, m, c)] = w
+                taken[w] += len(held[s])
+                kind = 0
             if kind < 0:
                 nxt = bqw[0][0] if bqw else math.inf
+                if lqw and lqw[0][0] < nxt:
+                    nxt = lqw[0][0]
                 if f_ok:
                     if fqw and fqw[0][0] < nxt:
                         nxt = fqw[0][0]
@@ -191,7 +212,7 @@ def list_schedule(
                     params.w_policy == "idle"
                     or not mem_ok
                     or nxt == math.inf
-                    or t + dur[w][2] <= nxt + _EPS
+                    or t + dur[w][(wqw[0] % stages) * nk + 2] <= nxt + _EPS
                 ):
                     slot = wqw.popleft()
                     kind = 2
@@ -201,33 +222,40 @@ def list_schedule(
                     continue
                 else:
                     continue  # nothing known yet: a delivery will wake this worker
-        end = t + dur[w][kind]
+        st = slot % stages
+        end = t + dur[w][st * nk + kind]
         free[w] = end
         wake[w] = end
         heapq.heappush(events, (end, w))
         seqs[w].append(slot * nk + kind)
         scheduled += 1
-        st = slot % pp
         if kind == 0:
-            infl[w] += 1
+            if first[st]:
+                infl[w] += 1
+                reserved[w] += unit[s] - delta[st][0]
+            else:
+                reserved[w] -= delta[st][0]
             mem[w] += delta[st][0]
-            if st < pp - 1:
-                deliver_f(slot + 1, end + p2p)
+            if st < stages - 1:
+                nxt_runner = runner[slot + 1]
+                deliver_f(slot + 1, end if nxt_runner == w else end + p2p)
             need[slot] -= 1
             if end > b_ready[slot]:
                 b_ready[slot] = end
             if need[slot] == 0:
                 deliver_b(slot, b_ready[slot])
         elif kind == 1:
-            infl[w] -= 1
+            if first[st]:
+                infl[w] -= 1
             mem[w] += delta[st][1]
             if split:
                 wqw.append(slot)
             if st > 0:
                 up = slot - 1
                 need[up] -= 1
-                if end + p2p > b_ready[up]:
-                    b_ready[up] = end + p2p
+                ready = end if runner[up] == w else end + p2p
+                if ready > b_ready[up]:
+                    b_ready[up] = ready
                 if need[up] == 0:
                     deliver_b(up, b_ready[up])
         else:
@@ -241,14 +269,19 @@ def list_schedule(
 
 
 def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
-    """In-flight windows to try: 1F1B's (pp - s: the memory of 1F1B), ZB-H2's (2(pp - s) - 1), and
-    "rtt": as many forwards as fit in the round trip from a stage's F to its gradient coming back."""
-    pp, costs = problem.pp, problem.costs
+    """In-flight windows to try, per place: 1F1B's (pp - s: the memory of 1F1B), ZB-H2's (2(pp - s) - 1),
+    and "rtt": as many forwards as fit in the round trip from a stage's F to its gradient coming back.
+    With virtual stages a window counts micro-batches (admitted at their first chunk on the worker), and
+    the round trip runs from that chunk through every later stage and back, in units of the worker's
+    forwards of one micro-batch over all its chunks."""
+    pp, stages, costs = problem.pp, problem.stages, problem.costs
     rtt = []
     for s in range(pp):
-        trip = sum(costs.forward[j] + costs.backward_input[j] for j in range(s + 1, pp))
-        trip += 2 * (pp - 1 - s) * costs.p2p + costs.backward_input[s]
-        rtt.append(1 + math.ceil(trip / max(costs.forward[s], 1e-9) - 1e-9))
+        held = problem.topology.chunks_of(s)
+        s0 = held[0]
+        trip = sum(costs.forward[j] + costs.backward_input[j] for j in range(s0 + 1, stages))
+        trip += 2 * (stages - 1 - s0) * costs.p2p + costs.backward_input[s0]
+        rtt.append(1 + math.ceil(trip / max(sum(costs.forward[c] for c in held), 1e-9) - 1e-9))
     return {
         "1f1b": tuple(pp - s for s in range(pp)),
         "h2": tuple(2 * (pp - s) - 1 for s in range(pp)),

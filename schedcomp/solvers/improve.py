@@ -11,8 +11,8 @@ stages below it. This pass fixes what that costs, by moves that keep every slot'
 keeping a move when the period (then the one-iteration makespan) does not get worse and memory stays
 within the limit. Moves are drawn from a seeded generator and the search stops on a *work* budget (op
 evaluations of the timer), never on the clock, so every rank compiling the same job gets the same
-schedule however loaded its machine is. The evaluator here is a plain-Python event loop that is faster
-than `timing.time_sequences` on small schedules.
+schedule however loaded its machine is. The evaluator here is the timing core's plain-Python worklist
+(`schedcomp.timecore.run_lanes`), faster than the numpy levels of `timing.time_sequences` on small schedules.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from schedcomp.memory import stage_deltas
 from schedcomp.solvers.problem import Problem
+from schedcomp.solvers.timing import op_dependencies
+from schedcomp.timecore import Graph, run_lanes
 from schedcomp.timeline import period_from_ends
 
 OP_STEPS_PER_SECOND = 1_500_000
@@ -37,43 +39,45 @@ def work_of(seconds: float) -> int:
 
 
 class FastTimer:
-    """Times op sequences like `timing.time_sequences`, with the per-op data computed once."""
+    """Times op sequences like `timing.time_sequences`, on the timing core's worklist engine
+    (`schedcomp.timecore.run_lanes`): the graph is built once, each `score` only lays out the lanes."""
 
     def __init__(self, problem: Problem, iterations: int = 4, synchronous: bool = False) -> None:
         self.problem = problem
         self.iterations = iterations
         self.synchronous = synchronous
-        pp, nk, costs = problem.pp, len(problem.kinds), problem.costs
+        pp, stages, nk, costs = problem.pp, problem.stages, len(problem.kinds), problem.costs
         self.nk = nk
+        snk = stages * nk  # op % snk = stage * nk + kind: the key of a worker's op times
         n_ops = problem.n_slots * nk
         self.n_ops = n_ops
-        self.pred1 = [-1] * n_ops
-        self.lat1 = [0.0] * n_ops
-        self.pred2 = [-1] * n_ops
-        self.lat2 = [0.0] * n_ops
-        for op in range(n_ops):
-            slot, k = divmod(op, nk)
-            s = slot % pp
-            if k == 0:
-                if s > 0:
-                    self.pred1[op], self.lat1[op] = (slot - 1) * nk, costs.p2p
-            elif k == 1:
-                self.pred1[op] = slot * nk
-                if s < pp - 1:
-                    self.pred2[op], self.lat2[op] = (slot + 1) * nk + 1, costs.p2p
-            else:
-                self.pred1[op] = slot * nk + 1
         self.live = [problem.worker_id(w) for w in problem.topology.live_workers]
-        self.dur = {wid: [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds] for wid in self.live}
-        self.allreduce = problem.allreduce_times
-        self.step = {wid: problem.step_time(wid) for wid in self.live}
-        deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(pp))]
-        self.delta = [deltas[(op // nk) % pp][op % nk] for op in range(n_ops)]
-        self.limits = [lim * (1 + 1e-9) + 1e-12 for lim in costs.stage_limits]
+        # Nodes: the ops, then each live worker's all-reduce (over its place) and step.
+        tails = {wid: (n_ops + 2 * i, n_ops + 2 * i + 1) for i, wid in enumerate(self.live)}
+        meetings = {p: tuple(tails[wid][0] for wid in self.live if wid % pp == p) for p in range(pp)}
+        op_pred, op_lat = op_dependencies(problem)
+        preds = [tuple((p, lat) for p, lat in zip(ps, ls, strict=True) if p >= 0)
+                 for ps, ls in zip(op_pred.tolist(), op_lat.tolist(), strict=True)]
+        members: list[tuple[int, ...]] = [()] * n_ops
+        for wid in self.live:
+            preds += [(), ()]
+            members += [meetings[wid % pp], ()]
+        self.graph = Graph(preds, members)
+        self.tails = [tails[wid] for wid in self.live]
+        # Each node's duration on each worker (a list per worker, indexed by node: the core's hot path);
+        # op % snk is its (virtual) stage and kind.
+        self.durations = []
+        for wid in self.live:
+            per_stage_kind = problem.op_times[wid]
+            tail = [problem.allreduce_times[wid % pp], problem.step_time(wid)] * len(self.live)
+            self.durations.append([per_stage_kind[op % snk] for op in range(n_ops)] + tail)
+        deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
+        self.delta = [deltas[(op // nk) % stages][op % nk] for op in range(n_ops)]
+        self.limits = {wid: problem.limit_of(wid) * (1 + 1e-9) + 1e-12 for wid in self.live}
 
     def memory_ok(self, wid: int, seq: Sequence[int]) -> bool:
         """Whether worker `wid` running `seq` stays within its stage's memory limit."""
-        held, delta, limit = 0.0, self.delta, self.limits[wid % self.problem.pp]
+        held, delta, limit = 0.0, self.delta, self.limits[wid]
         for op in seq:
             held += delta[op]
             if held > limit:
@@ -82,68 +86,13 @@ class FastTimer:
 
     def score(self, seqs: Mapping[int, Sequence[int]]) -> tuple[float, float]:
         """(period, makespan); (inf, inf) when the sequences deadlock."""
-        pp, nk = self.problem.pp, self.nk
-        pred1, pred2, lat1, lat2 = self.pred1, self.pred2, self.lat1, self.lat2
-        done = [-1] * self.n_ops
-        endt = [0.0] * self.n_ops
-        base = dict.fromkeys(self.live, 0.0)
-        ends: list[float] = []
-        total = sum(len(seqs.get(w, ())) for w in self.live)
-        if total != self.n_ops:
+        lanes = [(*seqs.get(wid, ()), *tail) for wid, tail in zip(self.live, self.tails, strict=True)]
+        if sum(map(len, lanes)) != self.n_ops + 2 * len(lanes):
             return math.inf, math.inf
-        for it in range(self.iterations):
-            ptr = dict.fromkeys(self.live, 0)
-            free = dict(base)
-            waiting: dict[int, list[int]] = {}
-            stack = list(self.live)
-            finished = 0
-            while stack:
-                w = stack.pop()
-                seq = seqs.get(w, ())
-                i, t, dur = ptr[w], free[w], self.dur[w]
-                n = len(seq)
-                while i < n:
-                    op = seq[i]
-                    p = pred1[op]
-                    if p >= 0:
-                        if done[p] != it:
-                            waiting.setdefault(p, []).append(w)
-                            break
-                        a = endt[p] + lat1[op]
-                        if a > t:
-                            t = a
-                        p = pred2[op]
-                        if p >= 0:
-                            if done[p] != it:
-                                waiting.setdefault(p, []).append(w)
-                                break
-                            a = endt[p] + lat2[op]
-                            if a > t:
-                                t = a
-                    t += dur[op % nk]
-                    endt[op] = t
-                    done[op] = it
-                    finished += 1
-                    i += 1
-                    woken = waiting.pop(op, None)
-                    if woken:
-                        stack.extend(woken)
-                ptr[w], free[w] = i, t
-            if finished != self.n_ops:
-                return math.inf, math.inf
-            arrive = [0.0] * pp
-            for w in self.live:
-                s = w % pp
-                if free[w] > arrive[s]:
-                    arrive[s] = free[w]
-            for w in self.live:
-                s = w % pp
-                base[w] = arrive[s] + self.allreduce[s] + self.step[w]
-            barrier = max(max(base.values()), ends[-1] if ends else 0.0)
-            ends.append(barrier)
-            if self.synchronous:
-                base = dict.fromkeys(self.live, barrier)
-        return period_from_ends(ends), ends[0]
+        run = run_lanes(self.graph, lanes, self.durations, self.iterations, self.synchronous)
+        if run.stuck is not None:
+            return math.inf, math.inf
+        return period_from_ends(run.iteration_ends), run.iteration_ends[0]
 
 
 def improve(
@@ -167,10 +116,11 @@ def improve(
     rng = random.Random(seed)
     cur = {w: list(v) for w, v in seqs.items()}
     best = timer.score(cur)
-    nk, pp = timer.nk, problem.pp
+    nk = timer.nk
     workers = [w for w in timer.live if cur.get(w)]
     peers = {s: [problem.worker_id(w) for w in group] for s, group in enumerate(problem.survivors)}
-    orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[slot % pp]) > 1]
+    place = [problem.place[slot % problem.stages] for slot in range(problem.n_slots)]
+    orphans = [slot for group in problem.orphan_slots for slot in group if len(peers[place[slot]]) > 1]
     where = {op // nk: w for w, ops in cur.items() for op in ops}
     budget = work_of(time_budget) if work is None else work
     cost = timer.n_ops * iterations  # ops timed by one `score`
@@ -186,7 +136,7 @@ def improve(
         if kind == "reroute":
             slot = rng.choice(orphans)
             src = where[slot]
-            dst = rng.choice([p for p in peers[slot % pp] if p != src])
+            dst = rng.choice([p for p in peers[place[slot]] if p != src])
             old_src, old_dst = cur[src], cur[dst]
             mine = [op for op in old_src if op // nk == slot]
             pos = [i / max(1, len(old_src)) for i, op in enumerate(old_src) if op // nk == slot]

@@ -1,13 +1,17 @@
 """The scheduling problem the solvers share: which ops exist, who may run them, how long they take.
 
 A *slot* is one (pipeline, microbatch, stage); it holds an F and a B and a W (or an F and a fused BW).
-All ops of a slot run on one worker (its activations are local): the home worker `(pipeline, stage)`
-when it is live, otherwise one of the stage's live peers. Slots and workers are numbered densely so the
-solvers can work on flat lists:
+All ops of a slot run on one worker (its activations are local): the home worker `(pipeline, place)`
+when it is live, otherwise one of the live peers at the same place (they hold the same chunks). Slots
+and workers are numbered densely so the solvers can work on flat lists:
 
-    slot id   = (pipeline * microbatches + microbatch) * pp + stage
-    worker id = pipeline * pp + stage              (the global rank of the fault-free job)
+    slot id   = (pipeline * microbatches + microbatch) * stages + stage
+    worker id = pipeline * pp + place              (the global rank of the fault-free job)
     op id     = slot id * kinds_per_slot + position of the kind in `kinds`
+
+With virtual stages (`Topology.chunks` > 1) a slot's stage is its virtual stage, `stages` is pp x chunks,
+and the place of the workers that may run it is `place[stage]` (`Topology.place_of`); a failed worker
+leaves the slots of every chunk it held. With one chunk, stage and place coincide and `stages` is pp.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ class Problem:
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ScheduleError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if self.costs.pp != self.topology.pp:
+        if self.costs.pp != self.topology.stages:
             raise ScheduleError(
-                f"the cost model has {self.costs.pp} stages but the topology has pp={self.topology.pp}: "
-                "give one cost entry per stage"
+                f"the cost model has {self.costs.pp} stages but the topology has {self.topology.stages}: "
+                "give one cost entry per (virtual) stage"
             )
 
     # ---- sizes and numbering -------------------------------------------------------------------
@@ -53,19 +57,29 @@ class Problem:
         return self.topology.dp
 
     @property
+    def stages(self) -> int:
+        """Stages of the model: pp x chunks (virtual stages), pp without them."""
+        return self.topology.stages
+
+    @cached_property
+    def place(self) -> tuple[int, ...]:
+        """The place in the pipeline (worker id mod pp) holding each (virtual) stage."""
+        return tuple(self.topology.place_of(s) for s in range(self.stages))
+
+    @property
     def kinds(self) -> tuple[OpKind, ...]:
         return SPLIT_KINDS if self.split else FUSED_KINDS
 
     @property
     def n_slots(self) -> int:
-        return self.dp * self.microbatches * self.pp
+        return self.dp * self.microbatches * self.stages
 
     def slot_id(self, pipeline: int, microbatch: int, stage: int) -> int:
-        return (pipeline * self.microbatches + microbatch) * self.pp + stage
+        return (pipeline * self.microbatches + microbatch) * self.stages + stage
 
     def slot_key(self, slot: int) -> tuple[int, int, int]:
         """(pipeline, microbatch, stage) of a slot id."""
-        rest, stage = divmod(slot, self.pp)
+        rest, stage = divmod(slot, self.stages)
         pipeline, microbatch = divmod(rest, self.microbatches)
         return pipeline, microbatch, stage
 
@@ -74,6 +88,11 @@ class Problem:
 
     def worker_of(self, wid: int) -> Worker:
         return Worker(*divmod(wid, self.pp))
+
+    def home_of(self, slot: int) -> int:
+        """The worker id of a slot's home worker (live or not)."""
+        d, _, s = self.slot_key(slot)
+        return d * self.pp + self.place[s]
 
     def op_of(self, slot: int, kind: OpKind) -> Op:
         d, m, s = self.slot_key(slot)
@@ -94,16 +113,17 @@ class Problem:
         return groups
 
     def home_live(self, pipeline: int, stage: int) -> bool:
-        return Worker(pipeline, stage) not in self.topology.failed
+        return Worker(pipeline, self.place[stage]) not in self.topology.failed
 
     @cached_property
     def orphan_slots(self) -> tuple[tuple[int, ...], ...]:
-        """Per stage, the slots whose home worker has failed (ordered by microbatch, then pipeline)."""
-        per_stage: list[list[tuple[int, int, int]]] = [[] for _ in range(self.pp)]
+        """Per place, the slots whose home worker has failed (ordered by microbatch, then stage, then pipeline)."""
+        per_place: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.pp)]
         for w in self.topology.failed:
-            for m in range(self.microbatches):
-                per_stage[w.stage].append((m, w.pipeline, self.slot_id(w.pipeline, m, w.stage)))
-        return tuple(tuple(slot for _, _, slot in sorted(lst)) for lst in per_stage)
+            for s in self.topology.chunks_of(w.stage):
+                for m in range(self.microbatches):
+                    per_place[w.stage].append((m, s, w.pipeline, self.slot_id(w.pipeline, m, s)))
+        return tuple(tuple(key[-1] for key in sorted(lst)) for lst in per_place)
 
     @property
     def model_size(self) -> int:
@@ -114,18 +134,39 @@ class Problem:
 
     # ---- costs ---------------------------------------------------------------------------------
 
-    def duration(self, kind: OpKind, worker: Worker) -> float:
-        return self.costs.compute_time(kind.value, worker)
+    def duration(self, kind: OpKind, worker: Worker, stage: int | None = None) -> float:
+        """Time of one op of `kind` on `worker` at `stage` (default: the worker's place, one chunk)."""
+        return self.costs.compute_time(kind.value, worker, stage)
+
+    def durations(self, wid: int) -> list[list[float]]:
+        """Op times of worker `wid` per (virtual) stage and kind position (`kinds`); 0 at the stages it
+        does not hold (no op of theirs runs there; timing them cost 1k workers x 16 stages a lookup each)."""
+        worker = self.worker_of(wid)
+        held, idle = set(self.topology.chunks_of(worker.stage)), [0.0] * len(self.kinds)
+        return [[self.duration(k, worker, s) for k in self.kinds] if s in held else idle for s in range(self.stages)]
+
+    @cached_property
+    def op_times(self) -> dict[int, list[float]]:
+        """`durations` of every live worker id, flattened (index stage * len(kinds) + kind position):
+        computed once per problem for the solvers' clocks, which time many candidates."""
+        live = (self.worker_id(w) for w in self.topology.live_workers)
+        return {wid: [t for row in self.durations(wid) for t in row] for wid in live}
 
     @cached_property
     def allreduce_times(self) -> tuple[float, ...]:
-        """All-reduce time per stage: nothing for a group of one (there is nobody to reduce with)."""
-        return tuple(self.costs.allreduce[s] if len(g) > 1 else 0.0 for s, g in enumerate(self.survivors))
+        """All-reduce time per place, over every chunk held there: nothing for a group of one (there is
+        nobody to reduce with)."""
+        chunks = self.topology.chunks_of
+        return tuple(self.costs.allreduce_of(chunks(p)) if len(g) > 1 else 0.0 for p, g in enumerate(self.survivors))
 
     def step_time(self, wid: int) -> float:
-        """The optimizer step of a worker (divided by its speed factor, like compute)."""
+        """The optimizer step of a worker, over its chunks (divided by its speed factor, like compute)."""
         worker = self.worker_of(wid)
-        return self.costs.optimizer[worker.stage] / self.costs.speed.get(worker, 1.0)
+        return self.costs.optimizer_of(self.topology.chunks_of(worker.stage)) / self.costs.speed.get(worker, 1.0)
+
+    def limit_of(self, wid: int) -> float:
+        """The memory limit of worker `wid` (inf when unlimited)."""
+        return self.costs.limit_at(wid % self.pp)
 
     def check_memory(self) -> None:
         """Raise `MemoryLimitError` when no schedule at all can meet the memory limit.
@@ -133,6 +174,9 @@ class Problem:
         Any schedule must hold one micro-batch's activation at a stage while its forward runs, so the
         least workable limit is the largest per-stage activation; one micro-batch at a time always fits.
         """
+        if self.topology.chunks > 1:
+            self._check_chunk_memory()
+            return
         costs = self.costs
         short = [s for s in range(self.pp) if costs.activation[s] > costs.limit_at(s) * (1 + 1e-9)]
         if short:
@@ -147,6 +191,23 @@ class Problem:
             raise MemoryLimitError(
                 f"memory limit {have} is below the {need} one micro-batch's activations need at stage {s}: "
                 f"raise {least} (or split the model into more stages)"
+            )
+
+    def _check_chunk_memory(self) -> None:
+        """`check_memory` with virtual stages: a micro-batch keeps its activation at a worker's chunk until
+        that chunk's B, which waits for its later chunks there, so each worker holds one micro-batch's
+        activations of all its chunks at once."""
+        from schedcomp.memory import show_memory
+
+        costs, held = self.costs, self.topology.chunks_of
+        need = [sum(costs.activation[c] for c in held(p)) for p in range(self.pp)]
+        p = max(range(self.pp), key=lambda q: need[q] - costs.limit_at(q))
+        if need[p] > costs.limit_at(p) * (1 + 1e-9):
+            raise MemoryLimitError(
+                f"memory limit {show_memory(costs.limit_at(p), costs, unit=False)} is below the "
+                f"{show_memory(need[p], costs)} one micro-batch's activations need on a worker at place {p}, which "
+                f"holds them for its chunks {', '.join(map(str, held(p)))} at once: raise the limit to at least "
+                f"{show_memory(max(need), costs, unit=False)} (or split the model into more stages)"
             )
 
 

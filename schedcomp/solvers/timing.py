@@ -1,15 +1,13 @@
-"""Op-level timing of per-worker compute sequences over several iterations (the solvers' own clock).
+"""Op-level timing of per-worker compute sequences over several iterations (the solvers' view of the timing core).
 
-Same semantics as the plan simulator (docs/design.md), on the compute graph alone: each worker runs its ops
-in order; an op starts when its worker is free and its inputs have arrived (a transfer between workers
-takes `costs.p2p`; F -> B -> W of a slot are local); after its last op a worker joins its stage's
-all-reduce, which starts when every live worker of the stage has arrived, then steps; with a staggered
-optimizer the worker starts its next iteration right after its own stage's step, with a synchronous one
-after every stage's step (an all-reduce over one worker is free; a step is divided by the worker's
-speed factor; the period is the mean time between iteration ends over the second half of the run, as
-in `schedcomp.timeline`). Sequences are lists of op ids (see `problem.py`), so the solvers can score
-candidates without building `Order`s. The graph is timed level by level (nodes of one topological level
-are independent) with numpy, so one iteration of a 100k-op schedule takes milliseconds.
+Same semantics as the plan simulator (docs/design.md "Timing core"), on the compute graph alone: each worker
+runs its ops in order; an op starts when its worker is free and its inputs have arrived (`op_dependencies`:
+a transfer between workers takes `costs.p2p`; F -> B -> W of a slot are local, and so is a hand-off between
+two chunks that run on one worker, which the core sees from the lanes); after its last op a worker joins
+its place's all-reduce, then steps. Sequences are lists of op ids (see `problem.py`), so the solvers can
+score candidates without building `Order`s. `time_sequences` hands the graph to
+`schedcomp.timecore.run_levels` (numpy, a topological level at a time: one iteration of a 100k-op schedule
+takes milliseconds); `improve.FastTimer` to `run_lanes` (faster on the small schedules it polishes).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import numpy as np
 
 from schedcomp.memory import stage_deltas
 from schedcomp.solvers.problem import Problem
+from schedcomp.timecore import run_levels
 from schedcomp.timeline import period_from_ends
 
 INF = math.inf
@@ -56,13 +55,13 @@ DEADLOCK = Timing(INF, INF, ())
 def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[int, float]:
     """The most activation memory each worker (id) holds running its sequence (memory depends on the
     order only)."""
-    nk, pp = len(problem.kinds), problem.pp
-    table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(pp))])
+    nk, stages = len(problem.kinds), problem.stages
+    table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(stages))])
     peaks = {}
     for wid, seq in seqs.items():
         if len(seq):
             ops = np.asarray(seq, dtype=np.int64)
-            peaks[wid] = float(np.cumsum(table[(ops // nk) % pp, ops % nk]).max())
+            peaks[wid] = float(np.cumsum(table[(ops // nk) % stages, ops % nk]).max())
     return peaks
 
 
@@ -73,9 +72,28 @@ def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
 
 def within_limits(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> bool:
     """Whether every worker stays within its stage's memory limit (with the validator's tolerance)."""
-    costs = problem.costs
-    return all(peak <= costs.limit_at(wid % problem.pp) * (1 + 1e-9)
-               for wid, peak in worker_peaks(problem, seqs).items())
+    return all(peak <= problem.limit_of(wid) * (1 + 1e-9) for wid, peak in worker_peaks(problem, seqs).items())
+
+
+def op_dependencies(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Every op's producers (op ids, two columns, -1 for none) and their latencies: an F reads the previous
+    (virtual) stage's F (a transfer), a B (or BW) its own F and the next stage's B (a transfer), a W its own
+    B. A transfer between two chunks that end up on one worker is a local hand-off: the timing core drops its
+    latency, since only the lanes say where each op runs."""
+    stages, nk, n_ops = problem.stages, len(problem.kinds), problem.n_slots * len(problem.kinds)
+    slot, kind = np.divmod(np.arange(n_ops), nk)
+    stage = slot % stages
+    pred = np.full((n_ops, 2), -1, dtype=np.int64)
+    lat = np.zeros((n_ops, 2))
+    f = (kind == 0) & (stage > 0)
+    pred[f, 0], lat[f, 0] = (slot[f] - 1) * nk, problem.costs.p2p
+    b = kind == 1
+    pred[b, 0] = slot[b] * nk
+    b2 = b & (stage < stages - 1)
+    pred[b2, 1], lat[b2, 1] = (slot[b2] + 1) * nk + 1, problem.costs.p2p
+    w = kind == 2
+    pred[w, 0] = slot[w] * nk + 1
+    return pred, lat
 
 
 def time_sequences(
@@ -84,8 +102,11 @@ def time_sequences(
     iterations: int = 4,
     synchronous: bool = False,
 ) -> Timing:
-    """Time per-worker op sequences (worker id -> op ids) over `iterations`; `DEADLOCK` if they cannot run."""
-    pp, nk, costs = problem.pp, len(problem.kinds), problem.costs
+    """Time per-worker op sequences (worker id -> op ids) over `iterations`; `DEADLOCK` if they cannot run.
+
+    Each live worker is a lane of the timing core (`schedcomp.timecore.run_levels`): its ops, then its
+    place's all-reduce and its step."""
+    pp, nk = problem.pp, len(problem.kinds)
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     n_ops = problem.n_slots * nk
     lists = [np.asarray(seqs.get(wid, ()), dtype=np.int64) for wid in live]
@@ -97,93 +118,15 @@ def time_sequences(
     owner = np.repeat(np.arange(len(live)), lens)  # index into `live`
     node_of = np.empty(n_ops, dtype=np.int64)
     node_of[ops] = np.arange(n)
-
-    # Predecessor indices into the `end` array; index n + i holds worker i's release time (its first op's
-    # "previous end"), index n + len(live) is -inf (no predecessor).
-    base_at = n + np.arange(len(live))
-    none = n + len(live)
-    starts_at = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else np.zeros(0, dtype=np.int64)
-    prev = np.arange(n) - 1
-    firsts = starts_at[lens > 0]
-    prev[firsts] = base_at[lens > 0]
-    kind = ops % nk
-    slot = ops // nk
-    stage = slot % pp
-    p1 = np.full(n, none)
-    p2 = np.full(n, none)
-    l1 = np.zeros(n)
-    l2 = np.zeros(n)
-    f = (kind == 0) & (stage > 0)
-    p1[f] = node_of[(slot[f] - 1) * nk]
-    l1[f] = costs.p2p
-    b = kind == 1
-    p1[b] = node_of[slot[b] * nk]
-    b2 = b & (stage < pp - 1)
-    p2[b2] = node_of[(slot[b2] + 1) * nk + 1]
-    l2[b2] = costs.p2p
-    w = kind == 2
-    p1[w] = node_of[slot[w] * nk + 1]
-    levels = _levels(n, prev, p1, p2)
-    if levels is None:
+    op_pred, op_lat = op_dependencies(problem)
+    pred = op_pred[ops]
+    pred = np.where(pred >= 0, node_of[np.maximum(pred, 0)], -1)
+    snk = problem.stages * nk  # op % snk = (virtual) stage * nk + kind
+    durations = np.array([problem.op_times[wid] for wid in live]).reshape(len(live), snk)
+    group = np.array([wid % pp for wid in live], dtype=np.int64)
+    tail = np.column_stack((np.array(problem.allreduce_times)[group], [problem.step_time(wid) for wid in live]))
+    run = run_levels(lens, pred, op_lat[ops], durations[owner, ops % snk], group, tail, iterations, synchronous)
+    if run is None:
         return DEADLOCK
-
-    durations = np.zeros((len(live), nk))
-    for i, wid in enumerate(live):
-        worker = problem.worker_of(wid)
-        durations[i] = [problem.duration(k, worker) for k in problem.kinds]
-    dur = durations[owner, kind]
-    wstage = np.array([wid % pp for wid in live], dtype=np.int64)
-    last_of = starts_at + lens - 1
-    has_ops = lens > 0
-    allreduce = np.array(problem.allreduce_times)
-    step = np.array([problem.step_time(wid) for wid in live])
-
-    end = np.zeros(n + len(live) + 1)
-    end[none] = -INF
-    start = np.zeros(n)
-    first = start
-    ends: list[float] = []
-    for it in range(iterations):
-        for idx in levels:
-            t = np.maximum(end[prev[idx]], end[p1[idx]] + l1[idx])
-            t = np.maximum(t, end[p2[idx]] + l2[idx])
-            start[idx] = t
-            end[idx] = t + dur[idx]
-        if it == 0:
-            first = start.copy()
-        finish = end[base_at].copy()
-        finish[has_ops] = end[last_of[has_ops]]
-        arrive = np.zeros(pp)
-        np.maximum.at(arrive, wstage, finish)
-        step_end = arrive[wstage] + allreduce[wstage] + step
-        ends.append(max(float(step_end.max()), ends[-1] if ends else 0.0))
-        end[base_at] = ends[-1] if synchronous else step_end
-    return Timing(period_from_ends(ends), ends[0], tuple(ends), ops, first, start.copy())
-
-
-def _levels(n: int, prev: np.ndarray, p1: np.ndarray, p2: np.ndarray) -> list[np.ndarray] | None:
-    """Nodes grouped by topological level (Kahn's algorithm, a frontier at a time); None on a cycle."""
-    src = np.concatenate((prev, p1, p2))
-    dst = np.concatenate((np.arange(n),) * 3)
-    real = src < n
-    src, dst = src[real], dst[real]
-    indeg = np.bincount(dst, minlength=n)
-    order = np.argsort(src, kind="stable")
-    succ = dst[order]
-    bounds = np.searchsorted(src[order], np.arange(n + 1))
-    frontier = np.flatnonzero(indeg == 0)
-    levels: list[np.ndarray] = []
-    done = 0
-    while len(frontier):
-        levels.append(frontier)
-        done += len(frontier)
-        lo, hi = bounds[frontier], bounds[frontier + 1]
-        counts = hi - lo
-        if not counts.sum():
-            break
-        idx = np.repeat(lo - np.cumsum(np.concatenate(([0], counts[:-1]))), counts) + np.arange(counts.sum())
-        targets = succ[idx]
-        np.subtract.at(indeg, targets, 1)
-        cand = np.unique(targets)
-        frontier = cand[indeg[cand] == 0]
-    return levels if done == n else None
+    ends = run.iteration_ends
+    return Timing(period_from_ends(ends), ends[0], ends, ops, run.first, run.last)

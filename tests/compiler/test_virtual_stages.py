@@ -235,11 +235,6 @@ def test_interleaved_1f1b_is_pytorchs_interleaved_order(pp: int, v: int, m: int)
     assert [[f"{op}@{op.stage}" for op in ops] for ops in FAMILIES["interleaved-1f1b"].orders(pp, m, v)] == theirs
 
 
-def test_failures_with_chunks_are_refused_until_re_routing_handles_them() -> None:
-    with pytest.raises(ScheduleError, match="virtual stages"):
-        compile(4, dp=2, microbatches=8, schedule="zb-v", failed=[(1, 2)])
-
-
 def test_a_family_needs_a_topology_of_its_shape() -> None:
     from schedcomp.schedules import fault_free_order
 
