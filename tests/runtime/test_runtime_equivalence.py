@@ -263,3 +263,15 @@ def test_virtual_stage_plans_match_reference(tmp_path: Path) -> None:
     configs.append(Config("traced", (plans[("zb-v", 2)],), profile=True))
     launch(configs, 4, tmp_path)
     check_trace(plans[("zb-v", 2)], tmp_path / "traced.trace.json")
+
+
+@pytest.mark.timeout(240)
+def test_rerouted_virtual_stage_plans_match_reference(tmp_path: Path) -> None:
+    """Adaptive re-routing with chunks: worker 1:0 of pp 2, dp 2 failed, two chunks per worker; the
+    slots of both chunks it held run on 0:0, which holds the same chunks. Three processes for the
+    three live workers, interleaved and V placements, the same model as one process."""
+    plans = [compile(2, 2, 4, schedule=f, chunks=2, failed=[(1, 0)]) for f in ("interleaved-1f1b", "zb-v")]
+    assert [plan.topology.placement for plan in plans] == ["loop", "v"]
+    assert all(plan.topology.chunks == 2 and rerouted_ops(plan) > 0 for plan in plans)
+    launch([Config(f"rerouted-{plan.topology.placement}", (plan,)) for plan in plans], 3, tmp_path)
+
