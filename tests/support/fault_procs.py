@@ -21,6 +21,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 CHILD_DEADLINE = 100.0  # seconds; a child that runs longer dumps its stacks and exits
+# Set by `run_job` for the processes of its job: when the job's own timeout runs out (epoch seconds).
+JOB_DEADLINE = "SCHEDCOMP_TEST_JOB_DEADLINE"
+DUMP_MARGIN = 5.0  # a child dumps its stacks this long before its job's timeout, while the launcher still reads them
+
+
+def child_deadline() -> float:
+    """Seconds this child may run before it dumps its stacks and exits: until just before its job's
+    timeout (`run_job`), so that the test's one budget decides, or CHILD_DEADLINE for a child that
+    is not part of such a job. (A deadline shorter than the job's killed workers that were merely
+    slow: on a machine at load 25-30 a replacement took a minute to import torch.)"""
+    at = os.environ.get(JOB_DEADLINE)
+    return CHILD_DEADLINE if at is None else max(1.0, float(at) - DUMP_MARGIN - time.time())
 
 
 # ---- parent side -------------------------------------------------------------------------------
@@ -72,11 +84,12 @@ def run_job(pp: int, dp: int, launcher_args: Sequence[str], worker_args: Sequenc
     (by worker: a later line, a replacement's or a later run's, wins) and the job's stderr.
 
     Fails the test when the launcher exits non-zero or the job outlives `timeout` (then with the
-    stacks the workers dump after CHILD_DEADLINE).
+    stacks the workers dump just before it, `child_deadline`).
     """
     cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(pp), "--dp", str(dp),
            *launcher_args, "--", sys.executable, *worker_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, JOB_DEADLINE: f"{time.time() + timeout:.3f}"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -430,6 +443,6 @@ SCENARIOS = {"regroup": scenario_regroup, "transfer": scenario_transfer, "train"
              "die_before_groups": scenario_die_before_groups, "stalled_recipient": scenario_stalled_recipient}
 
 if __name__ == "__main__":
-    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.dump_traceback_later(child_deadline(), exit=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

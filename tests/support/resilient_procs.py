@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from fault_procs import CHILD_DEADLINE, emit, setup_logging
+from fault_procs import child_deadline, emit, setup_logging
 
 HERE = Path(__file__).resolve()
 
@@ -182,7 +182,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     def before(iteration: int, index: int, ins) -> None:
         if iteration in gates and index == 0:
             session.store.add(f"at_gate/{iteration}", 1)
-            deadline = time.monotonic() + CHILD_DEADLINE
+            deadline = time.monotonic() + child_deadline()
             while not session.store.check([f"gate/{iteration}"]) and time.monotonic() < deadline:
                 time.sleep(0.01)
         if iteration == int(hold) and index == 0 and session.view.failed:
@@ -313,6 +313,6 @@ SCENARIOS = {"resilient": scenario_resilient, "restart": scenario_restart}
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)
-    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.dump_traceback_later(child_deadline(), exit=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

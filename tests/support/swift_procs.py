@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from fault_procs import CHILD_DEADLINE, emit
+from fault_procs import child_deadline, emit
 from resilient_procs import chaos_batch, chaos_stage, restarting_worker
 
 
@@ -62,6 +62,6 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)
-    faulthandler.dump_traceback_later(CHILD_DEADLINE, exit=True)
+    faulthandler.dump_traceback_later(child_deadline(), exit=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     worker(*sys.argv[1:])
