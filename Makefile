@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s): under a minute.
+# Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s): about 3 minutes of CPU.
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
