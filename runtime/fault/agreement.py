@@ -110,6 +110,22 @@ def announce_join(store: Store, me: Worker, incarnation: int) -> None:
     store.add(Keys.events(), 1)
 
 
+def admit(store: Store, me: Worker, incarnation: int, pp: int, dp: int, detector: FailureDetector, *,
+          timeout: float) -> tuple[View, float]:
+    """A replacement for `me`: announce itself, wait until the survivors admit it; (the view, when it announced).
+
+    The newest view is read *before* announcing: the survivors propose the view that admits us only
+    after they see the announcement, so it comes after the one read. Read after announcing, it could
+    already be that view; we would then wait for the generation after it, while it waits for our
+    acknowledgement (both until the agreement timeout). The exhaustive model starts a replacement
+    the same way (`tests/support/protocol_model.admission`).
+    """
+    known = latest_view(store) or View(-1, View.initial(pp, dp).topology)
+    announce_join(store, me, incarnation)
+    announced_at = time.time()
+    return agree(store, known, me, detector, propose=False, timeout=timeout), announced_at
+
+
 def pending_joins(store: Store, view: View) -> frozenset[Worker]:
     """Failed workers of `view` whose replacement is up and waiting (costs nothing when none failed)."""
     return frozenset(w for w in view.failed if get_int(store, Keys.join(w)) > get_int(store, Keys.dead(w)))

@@ -247,29 +247,39 @@ def _make_group_abortably(prefix: str, args: tuple, device: torch.device,
 
 def _make_group(store: Store, rank: int, size: int, spec: dict[str, str], host: str,
                 timeout: datetime.timedelta, name: str) -> ProcessGroup:
-    """A `ProcessGroup` with one backend object per device type of `spec`, built directly on `store`
-    (what `new_group` does inside). Each backend gets its own key space in the store."""
+    """A `ProcessGroup` with one backend object per backend of `spec`, built directly on `store` (what
+    `new_group` does inside), each in its own key space of the store.
+
+    One object per backend, not per device type: a `ProcessGroup` keeps the first object registered
+    for a backend type and silently drops any later one ("cpu:gloo,cuda:gloo" would build a second
+    gloo context for cuda and destroy it at once). The dropped context closes its connections while
+    slower members are still connecting to them, and they fail with "Connection closed by peer"."""
     pg = ProcessGroup(store, rank, size)
+    built: dict[str, tuple[ProcessGroup.BackendType, object]] = {}
     for device, impl_name in spec.items():
-        sub = PrefixStore(device, store) if len(spec) > 1 else store
-        if impl_name == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # listen where the user said
-            impl = dist.ProcessGroupGloo(sub, rank, size, options)
-            kind = ProcessGroup.BackendType.GLOO
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            options.group_name = name
-            with _nccl_env():
-                impl = dist.ProcessGroupNCCL(sub, rank, size, options)
-            kind = ProcessGroup.BackendType.NCCL
+        if impl_name not in built:
+            sub = PrefixStore(impl_name, store) if len(set(spec.values())) > 1 else store
+            built[impl_name] = _make_backend(sub, rank, size, impl_name, host, timeout, name)
+        kind, impl = built[impl_name]
         if device == "cuda" or len(spec) == 1:
             pg._set_default_backend(kind)  # the GPU's backend answers `get_backend` on a GPU job
         pg._register_backend(torch.device(device), kind, impl)
     pg._set_group_name(name)
     return pg
+
+
+def _make_backend(store: Store, rank: int, size: int, impl_name: str, host: str, timeout: datetime.timedelta,
+                  name: str) -> tuple[ProcessGroup.BackendType, object]:
+    if impl_name == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # listen where the user said
+        return ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, rank, size, options)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.group_name = name
+    with _nccl_env():
+        return ProcessGroup.BackendType.NCCL, dist.ProcessGroupNCCL(store, rank, size, options)
 
 
 @contextlib.contextmanager

@@ -41,11 +41,10 @@ from schedcomp.runtime.comm import backend_spec, local_device, pick_backend
 from schedcomp.runtime.fault.agreement import (
     CommitLog,
     Switch,
+    admit,
     agree,
     agreed_switch,
-    announce_join,
     join_job,
-    latest_view,
     pending_joins,
     propose_switch,
     sealed_before,
@@ -93,10 +92,8 @@ class FaultSession:
         self.heartbeat.start()
         self.detector.start()
         if self.env.rejoining:
-            announce_join(self.store, self.me, self.env.incarnation)
-            self.announced_at = time.time()
-            known = latest_view(self.store) or View(-1, View.initial(self.env.pp, self.env.dp).topology)
-            view = agree(self.store, known, self.me, self.detector, propose=False, timeout=self.agree_timeout)
+            view, self.announced_at = admit(self.store, self.me, self.env.incarnation, self.env.pp, self.env.dp,
+                                            self.detector, timeout=self.agree_timeout)
         else:
             view = join_job(self.store, self.env.pp, self.env.dp, self.me, self.detector, timeout=self.agree_timeout)
         self._enter(view)

@@ -9,6 +9,7 @@ on an NCCL-only group would fail. The unit tests use gloo registered for cuda on
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -104,6 +105,31 @@ def test_served_devices_without_torchs_list_asks_each_backend(one_process_job) -
     for backend in ("cpu:gloo,cuda:gloo", "cpu:gloo", "cuda:gloo"):
         group = dist.new_group([0], backend=backend)
         assert served_devices(Bare(group)) == served_devices(group)
+
+
+def test_a_backend_serving_two_devices_is_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ProcessGroup keeps the first object registered per backend type and drops later ones; a dropped
+    # gloo context closes its connections while slower members still connect ("Connection closed by
+    # peer" under load). So "cpu:gloo,cuda:gloo" must build one gloo context that serves both devices.
+    from schedcomp.runtime.fault import groups
+
+    built = []
+    real = dist.ProcessGroupGloo
+
+    class Counting:
+        _Options = real._Options
+        create_device = staticmethod(real.create_device)
+
+        def __new__(cls, *args):
+            built.append(real(*args))
+            return built[-1]
+
+    monkeypatch.setattr(dist, "ProcessGroupGloo", Counting)
+    pg = groups._make_group(dist.HashStore(), 0, 1, {"cpu": "gloo", "cuda": "gloo"}, "127.0.0.1",
+                            datetime.timedelta(seconds=10), "both")
+    assert len(built) == 1
+    assert pg._get_backend(torch.device("cpu")) is built[0] and pg._get_backend(torch.device("cuda")) is built[0]
+    assert served_devices(pg) == {"cpu", "cuda"}
 
 
 def test_audit_catches_a_cpu_tensor_on_a_group_without_a_cpu_backend(one_process_job) -> None:
