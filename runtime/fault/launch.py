@@ -89,6 +89,7 @@ from schedcomp.runtime.fault.store import (
     run_store,
     serve_store,
 )
+from schedcomp.runtime.fault.zygote import ForkedProcess, Zygote
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class Slot:
 
     worker: Worker
     incarnation: int = 0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     spawned_after: int = -1  # the newest generation proposed when this process started
     admitted: int | None = None  # the first sealed generation after that with this worker a member
     respawns_left: int = 0
@@ -115,7 +116,8 @@ class Launcher:
                  store: StoreAddress | None = None, serve: StoreAddress | None = None, bind: str = LOOPBACK,
                  respawn: int = 0, respawn_delay: float = 0.0, fence: bool = True, incarnation: int = 0,
                  max_restarts: int = 3, restart_grace: float = 5.0, poll: float = 0.02,
-                 store_timeout: float = DEFAULT_STORE_TIMEOUT, linger: float = 6.0) -> None:
+                 store_timeout: float = DEFAULT_STORE_TIMEOUT, linger: float = 6.0,
+                 preload: Sequence[str] = ()) -> None:
         if not command:
             raise RecoveryError("no worker command given: put it after `--`, e.g. -- python train.py")
         if shutil.which(command[0]) is None:  # found now, not as a FileNotFoundError once some workers run
@@ -148,6 +150,7 @@ class Launcher:
         self._next_view = 0  # the first generation whose outcome we have not read yet
         self._finished = False  # some worker completed its training: no more replacements
         self._retired = False  # replacements that can no longer be admitted were stopped
+        self.zygote = Zygote(preload) if preload else None  # forks workers with `preload` imported (`zygote`)
 
     # ---- running ---------------------------------------------------------------------------------------
 
@@ -186,6 +189,8 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.terminate()
+            if self.zygote is not None:
+                self.zygote.close()
 
     def _cut_off(self, message: str) -> None:
         """The store is out of reach: kill every local worker (they fence themselves too) and exit 75."""
@@ -294,7 +299,8 @@ class Launcher:
         local = self.slots.index(slot)
         child_env = {**os.environ, **env.to_env(), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(self.slots))}
         try:
-            slot.proc = subprocess.Popen(self.command, env=child_env)
+            slot.proc = (self.zygote.spawn(self.command, child_env) if self.zygote is not None
+                         else subprocess.Popen(self.command, env=child_env))
         except OSError as e:  # e.g. the program was removed or made non-executable since the launch
             raise RecoveryError(f"cannot start worker {slot.worker} with {self.command[0]!r}: "
                                 f"{e.strerror or e}") from None
@@ -387,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launcher = Launcher(command, args.pp, args.dp, args.workers, store=args.store, serve=args.serve_store,
                             bind=args.bind, respawn=args.respawn, respawn_delay=args.respawn_delay,
                             fence=not args.no_fence, incarnation=args.incarnation, max_restarts=args.max_restarts,
-                            store_timeout=args.store_timeout)
+                            store_timeout=args.store_timeout, preload=args.preload)
         print(f"schedcomp launch: store at {launcher.address}", file=sys.stderr, flush=True)
         return launcher.run()
     except SchedcompError as e:

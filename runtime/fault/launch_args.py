@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from schedcomp.cli.common import ArgumentError, Parser
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.runtime.fault.store import LOOPBACK, StoreAddress
+from schedcomp.runtime.fault.zygote import python_target
 from schedcomp.topology import Worker
 
 PROG = "python -m schedcomp.runtime.fault.launch"
@@ -91,6 +93,15 @@ def _workers(text: str) -> list[Worker]:
     return [Worker.parse(w) for w in text.split(",") if w.strip()]
 
 
+def _modules(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ArgumentError(f"--preload: {name[:60]!r} is not a module name: "
+                                "give names such as torch,schedcomp.runtime")
+    return names
+
+
 def _pipelines(text: str) -> list[int]:
     return [count(d.strip()) for d in text.split(",") if d.strip()]
 
@@ -120,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-local-workers", type=local_limit, default=MAX_LOCAL_WORKERS,
                    help=f"refuse to start more worker processes than this here (default {MAX_LOCAL_WORKERS})")
     p.add_argument("--no-fence", action="store_true", help="do not kill workers the others declared failed")
+    p.add_argument("--preload", type=_arg(_modules), default=[],
+                   help="import these modules once (e.g. torch,schedcomp.runtime) and fork Python workers from "
+                        "that process instead of starting each interpreter afresh (see runtime/fault/zygote.py)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -145,6 +159,9 @@ def _check_together(args: argparse.Namespace, command: list[str]) -> list[Worker
 
     if not command:
         raise fail("no worker command given: put it after `--`, e.g. -- python train.py")
+    if args.preload and python_target(command) is None:
+        raise fail("--preload forks Python workers: the worker command must be this interpreter "
+                   f"({sys.executable}) with a script or -m module")
     if args.store is not None and args.serve_store is not None:
         raise fail("give --store (join a store) or --serve-store (serve it), not both")
     if args.workers is not None and args.pipelines is not None:

@@ -52,8 +52,10 @@ def test_launcher_reports_deaths_and_replaces_only_the_dead() -> None:
 @pytest.mark.slow
 def test_training_survives_a_sigkill_and_the_replacement_rejoins_bit_exact() -> None:
     iterations, victim, kill_at, hold_at = 14, Worker(1, 1), 3, 6
+    # each worker a fresh interpreter (no --preload): the plain way keeps a test of its own
     results, err = run_job(2, 2, ["--respawn", "1"],
-                           [str(HERE), "train", str(iterations), str(victim), str(kill_at), str(hold_at)], 130)
+                           [str(HERE), "train", str(iterations), str(victim), str(kill_at), str(hold_at)], 130,
+                           preload=False)
     assert set(results) == {"0:0", "0:1", "1:0", "1:1"}, err[-4000:]
     assert results[str(victim)]["incarnation"] == 1
     # every survivor recovered once and re-ran from the same iteration

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fault_procs import run_job
@@ -11,6 +12,13 @@ from schedcomp.cache import PlanCache, precompile
 from schedcomp.ir import Plan
 
 PP, DP, MICROBATCHES, ITERATIONS = 4, 2, 4, 5
+
+
+def seeds(default: int) -> list[int]:
+    """The random trials' seeds: one in `make test` (CI's time), any list for a soak run
+    (`SCHEDCOMP_CHAOS_SEEDS=0,1,2,3,4`): each seed is a different victim and point of death."""
+    given = os.environ.get("SCHEDCOMP_CHAOS_SEEDS", "")
+    return [int(s) for s in given.split(",") if s.strip()] or [default]
 
 
 def precompile_chaos_plans(directory: Path) -> str:

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fault_procs import PRELOAD
 from netns_hosts import Hosts
 
 HERE = Path(__file__).resolve()
@@ -50,7 +51,7 @@ class HostJob:
         for h in range(dp):
             where = ["--serve-store", self.store] if h == 0 else ["--store", self.store]
             argv = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(pp), "--dp", str(dp),
-                    "--pipelines", str(h), *where, "--bind", hosts.addresses[h], *timeout, "--", *worker]
+                    "--pipelines", str(h), *where, "--bind", hosts.addresses[h], *timeout, *PRELOAD, "--", *worker]
             self.launchers.append(hosts.popen(h, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True))
         self.control = hosts.popen(0, [sys.executable, str(HERE), "control", self.store], env=env,
