@@ -189,8 +189,8 @@ def test_agreement_times_out_when_the_store_never_answers(job) -> None:
         agree(j.address.connect(), View.initial(1, 2), me, j.detectors[me], propose=False, timeout=0.3)
 
 
-def test_replacement_is_admitted_at_the_agreed_switch(job) -> None:
-    j = job(2, 2)
+def _lose_one(j: Job) -> tuple[list[Worker], Worker, View]:
+    """A pp = 2, dp = 2 job that lost worker 0:1: its workers, the lost one, and the survivors' generation."""
     workers = list(Topology.of(2, 2).workers)
     j.start_all(workers)
     v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
@@ -198,6 +198,12 @@ def test_replacement_is_admitted_at_the_agreed_switch(job) -> None:
     j.kill(lost)
     survivors = [w for w in workers if w != lost]
     v1 = in_parallel(survivors, lambda w: agree(j.address.connect(), v0, w, j.detectors[w], timeout=20))[survivors[0]]
+    return workers, lost, v1
+
+
+def test_replacement_is_admitted_at_the_agreed_switch(job) -> None:
+    j = job(2, 2)
+    workers, lost, v1 = _lose_one(j)
     assert v1.failed == {lost}
     store = j.address.connect()
     assert pending_joins(store, v1) == frozenset()
@@ -226,13 +232,7 @@ def test_a_replacement_admitted_as_soon_as_it_announces_itself_is_not_left_waiti
     # took that view as known, waited for the next generation, and the admitting one waited for its
     # acknowledgement: both until the agreement timeout (seen in CI, test_fault_swift).
     j = job(2, 2)
-    workers = list(Topology.of(2, 2).workers)
-    j.start_all(workers)
-    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
-    lost = Worker(0, 1)
-    j.kill(lost)
-    survivors = [w for w in workers if w != lost]
-    v1 = in_parallel(survivors, lambda w: agree(j.address.connect(), v0, w, j.detectors[w], timeout=20))[survivors[0]]
+    workers, lost, v1 = _lose_one(j)
     j.start(lost, incarnation=1)
     survivors_store = j.address.connect()
 
