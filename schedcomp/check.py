@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from schedcomp.check_order import OrderRules, error_grid, text_of
+from schedcomp.check_transfers import TransferRules
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
@@ -42,7 +43,6 @@ from schedcomp.semantics import (
     ROLE_RECV,
     ROLE_SEND,
     ROLE_STEP,
-    SEMANTICS,
     roles,
     semantics_of,
 )
@@ -108,7 +108,7 @@ class _Roles(dict):  # type: ignore[type-arg]
         return -1
 
 
-class _Checker(OrderRules):
+class _Checker(TransferRules, OrderRules):
     """One validation run: the scan's indexes, then one method per rule.
 
     Ops and tensors are keyed by integers, not by dataclasses (hashing those in Python dominated the
@@ -126,22 +126,25 @@ class _Checker(OrderRules):
         # `Worker`: hashing the dataclass cost more than the rules (a 200k-row CSV has 200k workers).
         self.nw = plan.topology.dp * self.pp
         self.workers: list[Worker] = []  # the streams' workers, in rank order (set by `scan`)
-        self.comp: dict[int, Where] = {}  # op id -> where it runs
-        self.sends: list[tuple[Worker, int, Instruction, int]] = []  # (worker, index, instruction, slot)
-        self.recvs: list[tuple[Worker, int, Instruction, int]] = []
-        self.loads: dict[int, Where] = {}  # slot -> its LOAD
+        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
+        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds),
+        # and two places of one rank compare as their indexes.
+        self.comp: dict[int, int] = {}  # op id -> where it runs
+        self.sends: list[tuple[int, Instruction, int]] = []  # (packed place, instruction, slot)
+        self.recvs: list[tuple[int, Instruction, int]] = []
+        self.loads: dict[int, int] = {}  # slot -> its LOAD, packed
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
-        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds).
         self.sent: dict[int, int] = {}  # tensor -> its send
         self.received: dict[int, int] = {}  # tensor -> its receive
         self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
-        # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
-        self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
-        self.into: dict[int, list[int]] = {}  # channel -> tensors in receive order
-        # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
-        # for its ALLREDUCE.
+        # Set by `transfers`, as columns: per send and per receive its channel (sender rank * workers +
+        # receiver rank, ranks as in `Topology.rank`) and tensor; per transfer (rank, index, 0 needs / 1
+        # sends, tensor), what the deadlock pass walks.
+        self.channels: tuple[Any, ...] = ()
+        self.transfer_events: tuple[Any, ...] = ()
+        # Per rank, what the deadlock pass walks in stream order: (index, 0 needs / 1 sends, tensor), or
+        # (index, 2, -1) for its ALLREDUCE (set by `deadlock`).
         self.events: list[list[tuple[int, int, int]]] = []
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
@@ -227,7 +230,9 @@ class _Checker(OrderRules):
             chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
             step: list[int] = []
-            self.tail[w.pipeline * pp + ws] = (reduce, step)
+            rank = w.pipeline * pp + ws
+            self.tail[rank] = (reduce, step)
+            base = rank << 32
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
                 role = role_of[kind]
@@ -247,14 +252,15 @@ class _Checker(OrderRules):
                     self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
                 slot = (d * mbs + m) * ns + os
                 if role == ROLE_SEND:
-                    sends.append((w, i, ins, slot))
+                    sends.append((base | i, ins, slot))
                 elif role == ROLE_RECV:
-                    recvs.append((w, i, ins, slot))
+                    recvs.append((base | i, ins, slot))
                 elif role == ROLE_COMPUTE:
-                    here = (w, i)
+                    here = base | i
                     first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place
-                    if first is not here:
-                        self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
+                    if first != here:
+                        fw, fi = self.where(first)
+                        self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
                     if limited:
                         held += chunk_deltas[os][kind] if chunked else deltas[kind]
                         if held > top and w not in self.over:
@@ -263,46 +269,52 @@ class _Checker(OrderRules):
                     if op.kind is not OpKind.F or 0 < os < ns - 1:
                         self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                     if slot in loads:
-                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
-                    loads[slot] = (w, i)
+                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot] & _LOW})")
+                    loads[slot] = base | i
                 elif role < 0:
                     self.unknown(w, i, kind)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 
     def exactly_once(self) -> None:
-        get, streams = self.comp.get, self.plan.streams
+        get = self.comp.get
         for slot in range(self.plan.topology.dp * self.mbs * self.ns):  # in (pipeline, micro-batch, stage) order
             base = slot * 4
             f, b, w, bw = get(base), get(base + 1), get(base + 2), get(base + 3)
+            # The common, sound cases, checked without building messages: packed places of one rank
+            # compare as their indexes, so `f < b < w` on one rank is "same worker, in this order".
             if f is not None and bw is None and b is not None and w is not None:
-                # The common, sound case, checked without building messages.
-                fw = f[0]
-                if (b[0] is fw or b[0] == fw) and (w[0] is fw or w[0] == fw) and f[1] < b[1] < w[1]:
+                if f >> 32 == w >> 32 and f < b < w:
                     continue
-            elif (f is not None and bw is not None and b is None and w is None
-                  and (bw[0] is f[0] or bw[0] == f[0]) and f[1] < bw[1]):
+            elif f is not None and bw is not None and b is None and w is None and f >> 32 == bw >> 32 and f < bw:
                 continue
-            key = self.key_of(slot)
-            d, m, s = key
-            name = f"micro-batch {m} of pipeline {d} at stage {s}"
-            if f is None:
-                self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
-            if bw is not None and (b is not None or w is not None):
-                later = max(x for x in (b, w, bw) if x is not None)
-                self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
-            if bw is None and (b is None or w is None):
-                lack, after = ("B", f) if b is None else ("W", b)
-                self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
-            for other in (b, w, bw):
-                if other is not None and other[0] != f[0]:
-                    self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
-            for first, then, why in ((f, b, "a B needs its F's activations"),
-                                     (b, w, "a W needs the gradient its B computes"),
-                                     (f, bw, "a BW needs its F's activations")):
-                if first is not None and then is not None and then[1] < first[1]:
-                    before = streams[first[0]][first[1]]
-                    self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
+            self.slot_failure(slot, f, b, w, bw)
+
+    def slot_failure(self, slot: int, *places: int | None) -> None:
+        """Name what is wrong with a slot whose F, B, W and BW (packed places, or None) are not
+        sound (every such slot breaks one of these rules)."""
+        streams = self.plan.streams
+        f, b, w, bw = (None if at is None else self.where(at) for at in places)
+        key = self.key_of(slot)
+        d, m, s = key
+        name = f"micro-batch {m} of pipeline {d} at stage {s}"
+        if f is None:
+            self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
+        if bw is not None and (b is not None or w is not None):
+            later = max(x for x in (b, w, bw) if x is not None)
+            self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
+        if bw is None and (b is None or w is None):
+            lack, after = ("B", f) if b is None else ("W", b)
+            self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
+        for other in (b, w, bw):
+            if other is not None and other[0] != f[0]:
+                self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
+        for first, then, why in ((f, b, "a B needs its F's activations"),
+                                 (b, w, "a W needs the gradient its B computes"),
+                                 (f, bw, "a BW needs its F's activations")):
+            if first is not None and then is not None and then[1] < first[1]:
+                before = streams[first[0]][first[1]]
+                self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
 
     def missing(self, key: Key, problem: str) -> NoReturn:
         """Fail for a missing op: at the first instruction naming its slot, on the worker that has one."""
@@ -317,116 +329,18 @@ class _Checker(OrderRules):
 
     def loads_present(self) -> None:
         ns, loads, comp = self.ns, self.loads, self.comp
-        for cid, (w, i) in comp.items():
-            if cid & 3 == 0:  # an F
-                slot = cid >> 2
-                s = slot % ns
-                if s == 0 or s == ns - 1:
-                    load = loads.get(slot)
-                    if load is None or (load[0] is not w and load[0] != w) or load[1] > i:
-                        ins = self.plan.streams[w][i]
-                        self.fail(w, i, f"needs LOAD[{ins}] earlier in this stream (inputs/targets)")
-        for slot, (w, i) in loads.items():
-            if slot * 4 not in comp:
-                self.fail(w, i, "loads a micro-batch no forward here uses: drop it")
-
-    # ---- transfers --------------------------------------------------------------------------
-
-    def transfers(self) -> None:
-        """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
-        pp, ns, comp, kid = self.pp, self.ns, self.comp, _KIND_ID
-        if ns != pp:
-            self.handoffs()
-        sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
-        # Per kind, the row's fields this pass reads: one dict lookup per transfer, not one per field.
-        rows = {k: (sem.op_kinds, sem.peer_stage, sem.channel) for k, sem in SEMANTICS.items() if sem.is_transfer}
-        nw = self.plan.topology.dp * pp
-        events = self.events = [[] for _ in range(nw)]
-        ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
-        ev: list[tuple[int, int, int]] = []
-        rank = -1
-        for w, i, ins, slot in self.sends:
-            if w is not ev_of:
-                ev_of, rank = w, w.pipeline * pp + w.stage
-                ev = events[rank]
-            op, peer = ins.op, ins.peer
-            opk = op.kind
-            op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < ns:
-                self.fail(w, i, SEMANTICS[ins.kind].rule)
-            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
-            # Stream keys are distinct workers: a peer that is its consumer's key but not `w` differs from `w`,
-            # which settles both peer rules in the common case without `Worker.__eq__` (a Python call).
-            to_consumer = target is not None and target[0] is peer and peer is not w
-            if not to_consumer and (peer is w or peer == w):
-                self.fail(w, i, "sends to its own worker: a tensor between two chunks of one worker is handed off "
-                                "locally, drop the SEND and its RECV")
-            producer = comp.get(slot * 4 + kid[opk])
-            if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
-                self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            if not to_consumer and (target is None or target[0] != peer):
-                expect = "nobody" if target is None else target[0]
-                self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor, here = slot * 2 + channel, rank << 32 | i
-            first = sent.setdefault(tensor, here)  # one lookup: where the tensor is first sent
-            if first != here:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {first & _LOW}): keep one")
-            key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
-            queue = out.get(key)
-            if queue is None:
-                out[key] = [tensor]
-            else:
-                queue.append(tensor)
-            ev.append((i, 1, tensor))
-        ev_of = None
-        for w, j, ins, slot in self.recvs:
-            if w is not ev_of:
-                ev_of, rank = w, w.pipeline * pp + w.stage
-                ev = events[rank]
-            op, peer = ins.op, ins.peer
-            opk = op.kind
-            op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < ns:
-                self.fail(w, j, SEMANTICS[ins.kind].rule)
-            consumer = comp.get(slot * 4 + kid[opk])
-            if consumer is None or (consumer[0] is not w and consumer[0] != w):
-                self.fail(w, j, f"receives for {op}, which does not run on this worker")
-            if consumer[1] < j:
-                self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((slot + step) * 4)
-            if source is None or (source[0] is not peer and source[0] != peer):
-                expect = "nobody" if source is None else source[0]
-                self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor, here = (slot + step) * 2 + channel, rank << 32 | j
-            first = received.setdefault(tensor, here)
-            if first != here:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {first & _LOW})")
-            consumed[tensor] = consumer[1]
-            key = (peer.pipeline * pp + peer.stage) * nw + rank
-            queue = into.get(key)
-            if queue is None:
-                into[key] = [tensor]
-            else:
-                queue.append(tensor)
-            ev.append((consumer[1], 0, tensor))
-        # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
-        # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
-        # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
-        # the first one that is not.
-        local = self.local
-        if len(sent) != 2 * self.plan.topology.dp * self.mbs * (ns - 1) - len(local):
-            for cid, (w, i) in comp.items():
-                k, slot = cid & 3, cid >> 2
-                s = slot % ns
-                if k == 0 and s < ns - 1 and slot * 2 not in sent and slot * 2 not in local:
-                    self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
-                    self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
-        if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
-            for tensor, at in sent.items():
+        # The F of every slot at the first or last stage, visited in stream order (packed places sort so).
+        slots = self.plan.topology.dp * self.mbs * ns
+        edge = [(at, slot) for slot in {*range(0, slots, ns), *range(ns - 1, slots, ns)}
+                if (at := comp.get(slot * 4)) is not None]
+        for at, slot in sorted(edge):
+            load = loads.get(slot)
+            if load is None or load >> 32 != at >> 32 or load > at:
                 w, i = self.where(at)
-                if tensor not in received:
-                    self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
+                self.fail(w, i, f"needs LOAD[{self.plan.streams[w][i]}] earlier in this stream (inputs/targets)")
+        for slot, at in loads.items():
+            if slot * 4 not in comp:
+                self.fail(*self.where(at), "loads a micro-batch no forward here uses: drop it")
 
     def memory(self) -> None:
         costs = self.plan.costs

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import numpy as np
+
 from schedcomp.ir import Instruction, Plan, staged_text
 from schedcomp.topology import Worker
 
@@ -33,14 +35,15 @@ class OrderRules:
     workers: list[Worker]
     events: list[list[tuple[int, int, int]]]
     tail: list[Any]
-    out: dict[int, list[int]]
-    into: dict[int, list[int]]
+    nw: int
+    channels: tuple[Any, ...]
+    transfer_events: tuple[Any, ...]
     sent: dict[int, int]
     received: dict[int, int]
     consumer: Any
     order_ranks: Any
     order_stops: Any
-    comp: dict[int, Where]  # op id -> where it runs (see `check._Checker`)
+    comp: dict[int, int]  # op id -> where it runs, packed as rank << 32 | index (see `check._Checker`)
     ns: int  # virtual stages per pipeline
     local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
 
@@ -54,27 +57,42 @@ class OrderRules:
         """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
         transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
         comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
-        for cid, (w, i) in comp.items():
+        for cid, at in comp.items():
             k, slot = cid & 3, cid >> 2
             s = slot % ns
             if k == 0 and s < ns - 1:
                 to = comp.get((slot + 1) * 4)  # the next chunk's F
                 tensor, why = slot * 2, "it consumes the activation"
             elif (k == 1 or k == 3) and s > 0:
-                to = comp.get((slot - 1) * 4 + 1) or comp.get((slot - 1) * 4 + 3)  # the previous chunk's B or BW
+                to = comp.get((slot - 1) * 4 + 1)  # the previous chunk's B, or else its BW
+                if to is None:
+                    to = comp.get((slot - 1) * 4 + 3)
                 tensor, why = slot * 2 + 1, "it consumes the input gradient"
             else:
                 continue
-            if to is None or (to[0] is not w and to[0] != w):
+            if to is None or to >> 32 != at >> 32:
                 continue
-            if to[1] < i:
-                self.fail(*to, f"runs before {staged_text(streams[w][i])} (instruction {i}) of the neighbouring "
-                               f"chunk: {why} that op hands off here")
+            if to < at:
+                w, i = self.where(at)
+                self.fail(*self.where(to), f"runs before {staged_text(streams[w][i])} (instruction {i}) of the "
+                                           f"neighbouring chunk: {why} that op hands off here")
             local.add(tensor)
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
-        topo, out, into = self.plan.topology, self.out, self.into
+        send_channels, send_tensors, recv_channels, recv_tensors = self.channels
+        # The sound case in a few array operations: every channel receives exactly what it sends, in order
+        # (stable sorts by channel keep each side's stream order within a channel).
+        by_send, by_recv = np.argsort(send_channels, kind="stable"), np.argsort(recv_channels, kind="stable")
+        if (len(by_send) == len(by_recv) and np.array_equal(send_channels[by_send], recv_channels[by_recv])
+                and np.array_equal(send_tensors[by_send], recv_tensors[by_recv])):
+            return
+        out: dict[int, list[int]] = {}  # channel -> tensors in send order
+        into: dict[int, list[int]] = {}  # channel -> tensors in receive order
+        for table, channels, tensors in ((out, send_channels, send_tensors), (into, recv_channels, recv_tensors)):
+            for key, tensor in zip(channels.tolist(), tensors.tolist(), strict=True):
+                table.setdefault(key, []).append(tensor)
+        topo = self.plan.topology
         nw = topo.dp * topo.pp
         # Compare every channel in one comparison each; only when some disagree, report the first of them
         # in (sender, receiver) order (sorting all channels up front cost more than comparing them).
@@ -105,6 +123,21 @@ class OrderRules:
                 extra = reduce[0] + 1 if step[0] != reduce[0] + 1 else step[0] + 1
                 self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
 
+    def stream_events(self, ranks: list[int]) -> list[list[tuple[int, int, int]]]:
+        """Per rank, its transfers' events and its one ALLREDUCE (checked by `tails`), in stream order."""
+        rank, index, code, tensor = self.transfer_events
+        tail = self.tail
+        rank = np.concatenate([rank, np.array(ranks, dtype=np.int64)])
+        index = np.concatenate([index, np.array([tail[r][0][0] for r in ranks], dtype=np.int64)])
+        code = np.concatenate([code, np.full(len(ranks), 2, dtype=np.int64)])
+        tensor = np.concatenate([tensor, np.full(len(ranks), -1, dtype=np.int64)])
+        # One instruction is at most one event (a receive's is its consumer's, one per op), so
+        # (rank, index) orders them; one int key sorts faster than several.
+        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index)
+        flat = list(zip(index[by].tolist(), code[by].tolist(), tensor[by].tolist(), strict=True))
+        bounds = np.searchsorted(rank[by], np.arange(self.nw + 1)).tolist()
+        return [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
+
     def deadlock(self) -> None:
         """Kahn's pass over the wait-for graph, walked stream by stream.
 
@@ -113,11 +146,9 @@ class OrderRules:
         sender has not reached the SEND) or it reaches ALLREDUCE before the rest of its stage
         group; it resumes when that changes. Whoever cannot finish waits on a cycle.
         """
-        streams, events, tail, pp, workers = self.plan.streams, self.events, self.tail, self.pp, self.workers
+        streams, pp, workers = self.plan.streams, self.pp, self.workers
         ranks = [w.pipeline * pp + w.stage for w in workers]  # in rank order, as `workers`
-        for r in ranks:
-            events[r].append((tail[r][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
-            events[r].sort()  # one instruction is at most one event, so the index decides
+        events = self.events = self.stream_events(ranks)
         group = [0] * pp  # live workers per stage, in one pass: a pass per stage was quadratic in workers
         for w in workers:
             group[w.stage] += 1
