@@ -233,6 +233,7 @@ class _Checker(TransferRules, OrderRules):
             rank = w.pipeline * pp + ws
             self.tail[rank] = (reduce, step)
             base = rank << 32
+            last = None  # the op of the previous instruction: a lowered stream names one in a row (LOAD, op, SEND)
             for i, ins in enumerate(plan.streams[w]):
                 op, kind = ins.op, ins.kind
                 role = role_of[kind]
@@ -244,13 +245,15 @@ class _Checker(TransferRules, OrderRules):
                     elif role < 0:
                         self.unknown(w, i, kind)
                     continue
-                d, m, os = op.pipeline, op.microbatch, op.stage
-                if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
-                    held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
-                    self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
-                if not (0 <= d < dp and 0 <= m < mbs):
-                    self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
-                slot = (d * mbs + m) * ns + os
+                if op is not last:  # the same op object again passed these already, on this worker
+                    last = op
+                    d, m, os = op.pipeline, op.microbatch, op.stage
+                    if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
+                        held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
+                        self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
+                    if not (0 <= d < dp and 0 <= m < mbs):
+                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
+                    slot = (d * mbs + m) * ns + os
                 if role == ROLE_SEND:
                     sends.append((base | i, ins, slot))
                 elif role == ROLE_RECV:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -160,10 +161,9 @@ class OrderRules:
         order_ranks, order_stops = self.order_ranks, self.order_stops
         while todo:
             r = todo.popleft()
-            ev, e = events[r], at[r]
-            n = len(ev)
-            while e < n:
-                _, code, tensor = ev[e]
+            ev, start = events[r], at[r]
+            e = len(ev)  # unless it stops at an event
+            for e, (_, code, tensor) in enumerate(islice(ev, start, None), start):  # noqa: B007 - `e` is read after
                 if code == 0:  # a compute op needs this input
                     if tensor not in reached:
                         parked[tensor] = r
@@ -181,7 +181,8 @@ class OrderRules:
                             todo.extend(v for v in here if v != r)
                     if len(here) < group[s]:
                         break
-                e += 1
+            else:
+                e = len(ev)
             at[r] = e
             order_ranks.append(r)
             order_stops.append(e)
