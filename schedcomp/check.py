@@ -33,7 +33,7 @@ from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.ir import OpKind, Plan
 from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
 from schedcomp.planindex import PlanIndex
 from schedcomp.semantics import (
@@ -130,8 +130,9 @@ class _Checker(TransferRules, OrderRules):
         # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds),
         # and two places of one rank compare as their indexes.
         self.comp: dict[int, int] = {}  # op id -> where it runs
-        self.sends: list[tuple[int, Instruction, int]] = []  # (packed place, instruction, slot)
-        self.recvs: list[tuple[int, Instruction, int]] = []
+        # Per send (receive), six items in a row: packed place, slot, kind, its op's kind and stage, peer.
+        self.sends: list[Any] = []
+        self.recvs: list[Any] = []
         self.loads: dict[int, int] = {}  # slot -> its LOAD, packed
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
@@ -254,10 +255,10 @@ class _Checker(TransferRules, OrderRules):
                     if not (0 <= d < dp and 0 <= m < mbs):
                         self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
                     slot = (d * mbs + m) * ns + os
-                if role == ROLE_SEND:
-                    sends.append((base | i, ins, slot))
+                if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
+                    sends.extend((base | i, slot, kind, op.kind, os, ins.peer))
                 elif role == ROLE_RECV:
-                    recvs.append((base | i, ins, slot))
+                    recvs.extend((base | i, slot, kind, op.kind, os, ins.peer))
                 elif role == ROLE_COMPUTE:
                     here = base | i
                     first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place

@@ -18,7 +18,6 @@ plan's peers are those very keys) and by equality where identity does not settle
 from __future__ import annotations
 
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -32,8 +31,7 @@ if TYPE_CHECKING:
 
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}  # an op id is `slot * 4 + _KIND_ID[kind]`
 _LOW = (1 << 32) - 1
-_OP, _KIND, _PEER = attrgetter("op"), attrgetter("kind"), attrgetter("peer")
-_STAGE = attrgetter("stage")
+_FIELDS = 6  # items per transfer in the scan's flat lists (see `check._Checker.sends`)
 
 
 class _Codes(dict):  # type: ignore[type-arg]
@@ -46,20 +44,16 @@ class _Codes(dict):  # type: ignore[type-arg]
 class _Columns:
     """One side's transfers (all sends, or all receives) as columns, in stream order."""
 
-    def __init__(self, items: list[tuple[int, Instruction, int]], ns: int, comp: dict[int, int]) -> None:
-        n = len(items)
-        self.n = n
-        here, self.ins, slot = zip(*items, strict=True) if n else ((), (), ())
-        self.here = np.array(here, dtype=np.int64).reshape(n)  # packed places
-        self.slot = np.array(slot, dtype=np.int64).reshape(n)
-        ops = list(map(_OP, self.ins))
-        self.peers = list(map(_PEER, self.ins))
-        kinds = list(map(_KIND, self.ins))
+    def __init__(self, flat: list[Any], ns: int, comp: dict[int, int]) -> None:
+        n = self.n = len(flat) // _FIELDS
+        self.here = np.fromiter(flat[0::_FIELDS], np.int64, n)  # packed places
+        self.slot = np.fromiter(flat[1::_FIELDS], np.int64, n)
         rows = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
-        code = _Codes({k: c for c, k in enumerate(rows)})
-        kcode = np.fromiter(map(code.__getitem__, kinds), np.int64, n)  # a transfer kind per scan's role
-        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, map(_KIND, ops)), np.int64, n)
-        stage = np.fromiter(map(_STAGE, ops), np.int64, n)  # an int: the scan checked it
+        code = {k: c for c, k in enumerate(rows)}  # the scan gave transfer kinds only
+        kcode = np.fromiter(map(code.__getitem__, flat[2::_FIELDS]), np.int64, n)
+        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, flat[3::_FIELDS]), np.int64, n)
+        stage = np.fromiter(flat[4::_FIELDS], np.int64, n)  # ints: the scan checked them
+        self.peers = flat[5::_FIELDS]
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
         self.channel = np.array([SEMANTICS[r].channel for r in rows], dtype=np.int64)[kcode]
@@ -74,6 +68,17 @@ class _Columns:
         return np.fromiter(map(self.comp.get, op_ids.tolist(), repeat(-1)), np.int64, self.n)
 
 
+class _Instructions:
+    """The instruction at each packed place of a column, looked up when a message names one."""
+
+    def __init__(self, plan: Plan, by_rank: list[Worker | None], here: NDArray[np.int64]) -> None:
+        self.plan, self.by_rank, self.here = plan, by_rank, here
+
+    def __getitem__(self, k: int) -> Instruction:
+        at = int(self.here[k])
+        return self.plan.streams[self.by_rank[at >> 32]][at & _LOW]  # type: ignore[index]
+
+
 class TransferRules:
     """Sends and receives, checked and paired (mixed into `check._Checker`, which provides these)."""
 
@@ -83,8 +88,8 @@ class TransferRules:
     nw: int
     comp: dict[int, int]
     by_rank: list[Worker | None]
-    sends: list[tuple[int, Instruction, int]]
-    recvs: list[tuple[int, Instruction, int]]
+    sends: list[Any]
+    recvs: list[Any]
     sent: dict[int, int]
     received: dict[int, int]
     consumer: Any
@@ -142,7 +147,8 @@ class TransferRules:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
         sends = _Columns(self.sends, ns, comp)
-        ins, slot, rank = sends.ins, sends.slot, sends.rank
+        slot, rank = sends.slot, sends.rank
+        ins = _Instructions(self.plan, by_rank, sends.here)  # for messages only
 
         def rule(k: int) -> str:
             return SEMANTICS[ins[k].kind].rule
@@ -183,7 +189,8 @@ class TransferRules:
         self.sent = dict(zip(tensors, sends.here.tolist(), strict=True))
 
         recvs = _Columns(self.recvs, ns, comp)
-        rins, rslot, rrank = recvs.ins, recvs.slot, recvs.rank
+        rslot, rrank = recvs.slot, recvs.rank
+        rins = _Instructions(self.plan, by_rank, recvs.here)
         consumer = recvs.place(rslot * 4 + recvs.opk)
         source = recvs.place((rslot + recvs.step) * 4)
         frm = np.where(source >= 0, source >> 32, -1)  # the producer's rank
