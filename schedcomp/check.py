@@ -7,9 +7,11 @@ producer, each receive before its consumer, right peers, matched one to one); FI
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
 The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run), and per-worker tables are lists indexed by
-rank; the checks that hold for every sound plan (every output sent, every send received, FIFO per
-channel) compare counts or whole sets first and only walk item by item to name the first failure.
+channel ids: hashing dataclasses dominated the run; places packed as `rank << 32 | index`), and
+per-worker tables are lists indexed by rank; the transfer rules are numpy expressions over columns of
+all sends and all receives (`schedcomp.check_transfers`); the checks that hold for every sound plan
+(every output sent, every send received, FIFO per channel) compare counts or whole sequences first and
+only walk item by item to name the first failure.
 
 Virtual stages (`Topology.chunks` > 1): an op's stage is its chunk and must be one its worker holds
 (`Topology.place_of`); every rule above holds per virtual stage, slots count `Topology.stages`; a
