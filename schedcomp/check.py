@@ -35,7 +35,7 @@ from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import OpKind, Plan
+from schedcomp.ir import Instruction, OpKind, Plan
 from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
 from schedcomp.planindex import PlanIndex
 from schedcomp.semantics import (
@@ -152,6 +152,7 @@ class _Checker(TransferRules, OrderRules):
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
+        self.stream_of: list[tuple[Instruction, ...]] = []  # the streams by rank, () for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -216,16 +217,22 @@ class _Checker(TransferRules, OrderRules):
             for w in topo.live_workers:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
-        self.workers = sorted(plan.streams)
-        self.by_rank = [None] * self.nw
-        for w in self.workers:
-            self.by_rank[w.pipeline * pp + w.stage] = w
+        # Workers and streams by rank, in one pass over the items: rank order is the workers' sorted order,
+        # and neither sorting nor `plan.streams[w]` hashes a `Worker` (a Python call each, 200k of them).
+        by_rank: list[Worker | None] = [None] * self.nw
+        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
+        for w, stream in plan.streams.items():
+            r = w.pipeline * pp + w.stage
+            by_rank[r], stream_of[r] = w, stream
+        self.by_rank, self.stream_of = by_rank, stream_of
+        self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
+            rank = w.pipeline * pp + ws
             top = tops[ws]
             limited = top != _INF  # memory is tracked only under a limit
             deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
@@ -233,11 +240,10 @@ class _Checker(TransferRules, OrderRules):
             chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
             step: list[int] = []
-            rank = w.pipeline * pp + ws
             self.tail[rank] = (reduce, step)
             base = rank << 32
             last = None  # the op of the previous instruction: a lowered stream names one in a row (LOAD, op, SEND)
-            for i, ins in enumerate(plan.streams[w]):
+            for i, ins in enumerate(stream_of[rank]):
                 op, kind = ins.op, ins.kind
                 role = role_of[kind]
                 if op is None:

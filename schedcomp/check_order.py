@@ -44,6 +44,7 @@ class OrderRules:
     consumer: Any
     order_ranks: Any
     order_stops: Any
+    stream_of: list[tuple[Instruction, ...]]  # the streams by rank
     comp: dict[int, int]  # op id -> where it runs, packed as rank << 32 | index (see `check._Checker`)
     ns: int  # virtual stages per pipeline
     local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
@@ -109,10 +110,11 @@ class OrderRules:
                                     "post receives in the order the peer sends")
 
     def tails(self) -> None:
-        streams, tail, pp = self.plan.streams, self.tail, self.pp
+        tail, pp, stream_of = self.tail, self.pp, self.stream_of
         for w in self.workers:
-            n = len(streams[w])
-            reduce, step = tail[w.pipeline * pp + w.stage]
+            rank = w.pipeline * pp + w.stage
+            n = len(stream_of[rank])
+            reduce, step = tail[rank]
             rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
             if not reduce or not step:
                 self.fail(w, n - 1 if n else None, f"no {'ALLREDUCE' if not reduce else 'STEP'}: {rule}")
