@@ -127,19 +127,20 @@ class OrderRules:
                 self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
 
     def stream_events(self, ranks: list[int]) -> list[list[tuple[int, int, int]]]:
-        """Per rank, its transfers' events and its one ALLREDUCE (checked by `tails`), in stream order."""
+        """Per rank, its transfers' events and then its one ALLREDUCE (`tails` proved it comes after all
+        of them), in stream order."""
         rank, index, code, tensor = self.transfer_events
-        tail = self.tail
-        rank = np.concatenate([rank, np.array(ranks, dtype=np.int64)])
-        index = np.concatenate([index, np.array([tail[r][0][0] for r in ranks], dtype=np.int64)])
-        code = np.concatenate([code, np.full(len(ranks), 2, dtype=np.int64)])
-        tensor = np.concatenate([tensor, np.full(len(ranks), -1, dtype=np.int64)])
         # One instruction is at most one event (a receive's is its consumer's, one per op), so
-        # (rank, index) orders them; one int key sorts faster than several.
-        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index)
+        # (rank, index) orders them; one int key sorts faster than several, and a stable sort (a merge)
+        # is quick on the scan's order, where only each rank's receives are out of place.
+        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index, kind="stable")
         flat = list(zip(index[by].tolist(), code[by].tolist(), tensor[by].tolist(), strict=True))
         bounds = np.searchsorted(rank[by], np.arange(self.nw + 1)).tolist()
-        return [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
+        events = [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
+        tail = self.tail
+        for r in ranks:
+            events[r].append((tail[r][0][0], 2, -1))
+        return events
 
     def deadlock(self) -> None:
         """Kahn's pass over the wait-for graph, walked stream by stream.
