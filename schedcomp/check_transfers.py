@@ -128,10 +128,10 @@ class TransferRules:
         raise AssertionError("a transfer failed no rule")
 
     @staticmethod
-    def _once(tensors: list[int]) -> NDArray[np.bool_]:
-        """Whether no earlier item of `tensors` is the same tensor."""
+    def _once(tensors: list[int], distinct: int) -> NDArray[np.bool_]:
+        """Whether no earlier item of `tensors` (of which `distinct` differ) is the same tensor."""
         n = len(tensors)
-        if len(set(tensors)) == n:
+        if distinct == n:
             return np.ones(n, bool)
         seen: set[int] = set()
         once = np.ones(n, bool)
@@ -179,14 +179,15 @@ class TransferRules:
             first = int(sends.here[tensors.index(tensors[k])]) & _LOW
             return f"sends the same tensor twice (first at instruction {first}): keep one"
 
+        # The pairing `PlanIndex` keeps, built first: its size says whether any tensor is sent twice.
+        sent = self.sent = dict(zip(tensors, sends.here.tolist(), strict=True))
         self._first_bad(sends, [
             (sends.kind_ok, rule),
             (~own, own_worker),
             ((producer >= 0) & (producer >> 32 == rank) & (producer < sends.here), unproduced),
             (to_consumer, elsewhere),
-            (self._once(tensors), twice),
+            (self._once(tensors, len(sent)), twice),
         ])
-        self.sent = dict(zip(tensors, sends.here.tolist(), strict=True))
 
         recvs = _Columns(self.recvs, ns, comp)
         rslot, rrank = recvs.slot, recvs.rank
@@ -214,14 +215,14 @@ class TransferRules:
             first = int(recvs.here[rtensors.index(rtensors[k])]) & _LOW
             return f"receives the same tensor twice (first at instruction {first})"
 
+        received = self.received = dict(zip(rtensors, recvs.here.tolist(), strict=True))
         self._first_bad(recvs, [
             (recvs.kind_ok, rrule),
             ((consumer >= 0) & (consumer >> 32 == rrank), not_here),
             (consumer > recvs.here, late),
             (self._peers_are(recvs, frm), not_from),
-            (self._once(rtensors), rtwice),
+            (self._once(rtensors, len(received)), rtwice),
         ])
-        self.received = dict(zip(rtensors, recvs.here.tolist(), strict=True))
         self.consumer = dict(zip(rtensors, used.tolist(), strict=True))
         # What `fifo` and `deadlock` read: each side's channels (sender rank * workers + receiver rank) and
         # tensors in stream order, and the deadlock pass's events ((rank, index, 0 needs / 1 sends, tensor)).
