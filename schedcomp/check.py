@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
 
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
@@ -49,6 +51,9 @@ from schedcomp.semantics import (
     semantics_of,
 )
 from schedcomp.topology import Worker
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
 Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
@@ -131,7 +136,9 @@ class _Checker(TransferRules, OrderRules):
         # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
         # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds),
         # and two places of one rank compare as their indexes.
-        self.comp: dict[int, int] = {}  # op id -> where it runs
+        # Op id -> where it runs, -1 where no op runs: one int64 per possible op id (the validator walks every
+        # slot anyway), so the transfer rules look places up as one numpy index, not a dict lookup each.
+        self.comp = array("q")
         # Per send (receive), six items in a row: packed place, slot, kind, its op's kind and stage, peer.
         self.sends: list[Any] = []
         self.recvs: list[Any] = []
@@ -227,7 +234,8 @@ class _Checker(TransferRules, OrderRules):
         self.by_rank, self.stream_of = by_rank, stream_of
         self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
-        comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
+        comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
+        loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
@@ -268,11 +276,12 @@ class _Checker(TransferRules, OrderRules):
                 elif role == ROLE_RECV:
                     recvs.extend((base | i, slot, kind, op.kind, os, ins.peer))
                 elif role == ROLE_COMPUTE:
-                    here = base | i
-                    first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place
-                    if first != here:
+                    cid = slot * 4 + kid[op.kind]
+                    first = comp[cid]
+                    if first >= 0:
                         fw, fi = self.where(first)
                         self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
+                    comp[cid] = base | i
                     if limited:
                         held += chunk_deltas[os][kind] if chunked else deltas[kind]
                         if held > top and w not in self.over:
@@ -289,24 +298,33 @@ class _Checker(TransferRules, OrderRules):
     # ---- exactly once, same worker, dependency order --------------------------------------
 
     def exactly_once(self) -> None:
-        get = self.comp.get
-        for slot in range(self.plan.topology.dp * self.mbs * self.ns):  # in (pipeline, micro-batch, stage) order
-            base = slot * 4
-            f, b, w, bw = get(base), get(base + 1), get(base + 2), get(base + 3)
-            # The common, sound cases, checked without building messages: packed places of one rank
-            # compare as their indexes, so `f < b < w` on one rank is "same worker, in this order".
-            if f is not None and bw is None and b is not None and w is not None:
-                if f >> 32 == w >> 32 and f < b < w:
-                    continue
-            elif f is not None and bw is not None and b is None and w is None and f >> 32 == bw >> 32 and f < bw:
-                continue
-            self.slot_failure(slot, f, b, w, bw)
+        # Per slot (in (pipeline, micro-batch, stage) order) the places of its F, B, W and BW, and the two
+        # sound cases as array expressions: packed places of one rank compare as their indexes, so
+        # `f < b < w` on one rank is "same worker, in this order".
+        f, b, w, bw = self.comp_array().reshape(-1, 4).T
+        split = (f >= 0) & (b >= 0) & (w >= 0) & (bw < 0) & (f >> 32 == w >> 32) & (f < b) & (b < w)
+        fused = (f >= 0) & (bw >= 0) & (b < 0) & (w < 0) & (f >> 32 == bw >> 32) & (f < bw)
+        sound = split | fused
+        if not sound.all():
+            slot = int(np.argmin(sound))
+            self.slot_failure(slot, *(None if at < 0 else at for at in (f[slot], b[slot], w[slot], bw[slot])))
+
+    def comp_array(self) -> NDArray[np.int64]:
+        """`comp` as a numpy array (a view, no copy)."""
+        return np.frombuffer(self.comp, dtype=np.int64) if len(self.comp) else np.zeros(0, np.int64)
+
+    def placed(self) -> list[tuple[int, int]]:
+        """(op id, packed place) of every op that runs, in the scan's order (by place)."""
+        places = self.comp_array()
+        ids = np.flatnonzero(places >= 0)
+        ids = ids[np.argsort(places[ids], kind="stable")]
+        return list(zip(ids.tolist(), places[ids].tolist(), strict=True))
 
     def slot_failure(self, slot: int, *places: int | None) -> None:
         """Name what is wrong with a slot whose F, B, W and BW (packed places, or None) are not
         sound (every such slot breaks one of these rules)."""
         streams = self.plan.streams
-        f, b, w, bw = (None if at is None else self.where(at) for at in places)
+        f, b, w, bw = (None if at is None else self.where(int(at)) for at in places)
         key = self.key_of(slot)
         d, m, s = key
         name = f"micro-batch {m} of pipeline {d} at stage {s}"
@@ -344,14 +362,14 @@ class _Checker(TransferRules, OrderRules):
         # The F of every slot at the first or last stage, visited in stream order (packed places sort so).
         slots = self.plan.topology.dp * self.mbs * ns
         edge = [(at, slot) for slot in {*range(0, slots, ns), *range(ns - 1, slots, ns)}
-                if (at := comp.get(slot * 4)) is not None]
+                if (at := comp[slot * 4]) >= 0]
         for at, slot in sorted(edge):
             load = loads.get(slot)
             if load is None or load >> 32 != at >> 32 or load > at:
                 w, i = self.where(at)
                 self.fail(w, i, f"needs LOAD[{self.plan.streams[w][i]}] earlier in this stream (inputs/targets)")
         for slot, at in loads.items():
-            if slot * 4 not in comp:
+            if comp[slot * 4] < 0:
                 self.fail(*self.where(at), "loads a micro-batch no forward here uses: drop it")
 
     def memory(self) -> None:

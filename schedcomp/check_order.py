@@ -45,7 +45,7 @@ class OrderRules:
     order_ranks: Any
     order_stops: Any
     stream_of: list[tuple[Instruction, ...]]  # the streams by rank
-    comp: dict[int, int]  # op id -> where it runs, packed as rank << 32 | index (see `check._Checker`)
+    comp: Any  # op id -> where it runs, packed as rank << 32 | index, -1 for none (see `check._Checker`)
     ns: int  # virtual stages per pipeline
     local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
 
@@ -55,24 +55,27 @@ class OrderRules:
     def where(self, at: int) -> Where:
         raise NotImplementedError
 
+    def placed(self) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
     def handoffs(self) -> None:
         """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
         transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
         comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
-        for cid, at in comp.items():
+        for cid, at in self.placed():
             k, slot = cid & 3, cid >> 2
             s = slot % ns
             if k == 0 and s < ns - 1:
-                to = comp.get((slot + 1) * 4)  # the next chunk's F
+                to = comp[(slot + 1) * 4]  # the next chunk's F
                 tensor, why = slot * 2, "it consumes the activation"
             elif (k == 1 or k == 3) and s > 0:
-                to = comp.get((slot - 1) * 4 + 1)  # the previous chunk's B, or else its BW
-                if to is None:
-                    to = comp.get((slot - 1) * 4 + 3)
+                to = comp[(slot - 1) * 4 + 1]  # the previous chunk's B, or else its BW
+                if to < 0:
+                    to = comp[(slot - 1) * 4 + 3]
                 tensor, why = slot * 2 + 1, "it consumes the input gradient"
             else:
                 continue
-            if to is None or to >> 32 != at >> 32:
+            if to < 0 or to >> 32 != at >> 32:
                 continue
             if to < at:
                 w, i = self.where(at)

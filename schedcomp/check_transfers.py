@@ -17,7 +17,6 @@ plan's peers are those very keys) and by equality where identity does not settle
 
 from __future__ import annotations
 
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -44,7 +43,7 @@ class _Codes(dict):  # type: ignore[type-arg]
 class _Columns:
     """One side's transfers (all sends, or all receives) as columns, in stream order."""
 
-    def __init__(self, flat: list[Any], ns: int, comp: dict[int, int]) -> None:
+    def __init__(self, flat: list[Any], ns: int, comp: NDArray[np.int64]) -> None:
         n = self.n = len(flat) // _FIELDS
         self.here = np.fromiter(flat[0::_FIELDS], np.int64, n)  # packed places
         self.slot = np.fromiter(flat[1::_FIELDS], np.int64, n)
@@ -65,7 +64,9 @@ class _Columns:
 
     def place(self, op_ids: NDArray[np.int64]) -> NDArray[np.int64]:
         """The packed place of each op id (-1 where no such op runs)."""
-        return np.fromiter(map(self.comp.get, op_ids.tolist(), repeat(-1)), np.int64, self.n)
+        comp = self.comp
+        known = (op_ids >= 0) & (op_ids < len(comp))
+        return np.where(known, comp[np.where(known, op_ids, 0)], -1) if len(comp) else np.full(self.n, -1)
 
 
 class _Instructions:
@@ -86,7 +87,7 @@ class TransferRules:
     pp: int
     ns: int
     nw: int
-    comp: dict[int, int]
+    comp: Any  # op id -> packed place, -1 for none (an int64 array: see `check._Checker`)
     by_rank: list[Worker | None]
     sends: list[Any]
     recvs: list[Any]
@@ -97,6 +98,12 @@ class TransferRules:
     channels: tuple[Any, ...]
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
+        raise NotImplementedError
+
+    def comp_array(self) -> NDArray[np.int64]:
+        raise NotImplementedError
+
+    def placed(self) -> list[tuple[int, int]]:
         raise NotImplementedError
 
     def _rank_ids(self) -> NDArray[np.uint64]:
@@ -142,7 +149,7 @@ class TransferRules:
 
     def transfers(self) -> None:
         """Check every send and receive and pair them up (the tables keep the scan's stream order)."""
-        pp, ns, comp = self.pp, self.ns, self.comp
+        pp, ns, comp = self.pp, self.ns, self.comp_array()
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
@@ -235,13 +242,13 @@ class TransferRules:
 
     def all_sent(self) -> None:
         """Every output that has a neighbouring stage is sent (unless handed off), and received."""
-        comp, ns, sent, received, local = self.comp, self.ns, self.sent, self.received, self.local  # type: ignore[attr-defined]
+        ns, sent, received, local = self.ns, self.sent, self.received, self.local  # type: ignore[attr-defined]
         # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
         # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
         # the first one that is not.
         if len(sent) != 2 * self.plan.topology.dp * self.plan.microbatches * (ns - 1) - len(local):
-            for cid, at in comp.items():
+            for cid, at in self.placed():
                 k, slot = cid & 3, cid >> 2
                 s = slot % ns
                 w, i = self.by_rank[at >> 32], at & _LOW
