@@ -153,9 +153,10 @@ class _Checker(TransferRules, OrderRules):
         # sends, tensor), what the deadlock pass walks.
         self.channels: tuple[Any, ...] = ()
         self.transfer_events: tuple[Any, ...] = ()
-        # Per rank, what the deadlock pass walks in stream order: (index, 0 needs / 1 sends, tensor), or
-        # (index, 2, -1) for its ALLREDUCE (set by `deadlock`).
-        self.events: list[list[tuple[int, int, int]]] = []
+        # Per rank, what the deadlock pass walks in stream order: tensor t as t where an op needs it, as ~t
+        # where it is sent, and its ALLREDUCE last (set by `deadlock`, with their instructions' indexes).
+        self.events: list[list[int]] = []
+        self.event_places: tuple[list[int], list[int]] = ([], [])
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
@@ -173,11 +174,9 @@ class _Checker(TransferRules, OrderRules):
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        events, tail, stops = self.events, self.tail, self.order_stops
+        stops, event_index = self.order_stops, self.event_index
         for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
-            ev, e = events[r], stops[n]
-            # Past its last event a worker runs to its end: one past its STEP, the last instruction (`tails`).
-            stops[n] = ev[e][0] if e < len(ev) else tail[r][1][0] + 1
+            stops[n] = event_index(r, stops[n])
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
                          self.order_ranks, stops, streams, self.plan.costs, self.ns)

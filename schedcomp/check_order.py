@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     Where = tuple[Worker, int]
 
 _LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
+_ALLREDUCE = -(1 << 62)  # a rank's ALLREDUCE among its events (tensor t: t >= 0 needed there, ~t sent there)
 
 
 class OrderRules:
@@ -34,7 +35,8 @@ class OrderRules:
     plan: Plan
     pp: int
     workers: list[Worker]
-    events: list[list[tuple[int, int, int]]]
+    events: list[list[int]]
+    event_places: tuple[list[int], list[int]]
     tail: list[Any]
     nw: int
     channels: tuple[Any, ...]
@@ -129,21 +131,29 @@ class OrderRules:
                 extra = reduce[0] + 1 if step[0] != reduce[0] + 1 else step[0] + 1
                 self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
 
-    def stream_events(self, ranks: list[int]) -> list[list[tuple[int, int, int]]]:
+    def stream_events(self, ranks: list[int]) -> list[list[int]]:
         """Per rank, its transfers' events and then its one ALLREDUCE (`tails` proved it comes after all
-        of them), in stream order."""
+        of them), in stream order, as ints (see `events`); sets `event_places` for `event_index`."""
         rank, index, code, tensor = self.transfer_events
         # One instruction is at most one event (a receive's is its consumer's, one per op), so
         # (rank, index) orders them; one int key sorts faster than several, and a stable sort (a merge)
         # is quick on the scan's order, where only each rank's receives are out of place.
         by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index, kind="stable")
-        flat = list(zip(index[by].tolist(), code[by].tolist(), tensor[by].tolist(), strict=True))
+        flat = np.where(code[by] == 0, tensor[by], ~tensor[by]).tolist()
         bounds = np.searchsorted(rank[by], np.arange(self.nw + 1)).tolist()
+        self.event_places = (index[by].tolist(), bounds)
         events = [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
-        tail = self.tail
         for r in ranks:
-            events[r].append((tail[r][0][0], 2, -1))
+            events[r].append(_ALLREDUCE)
         return events
+
+    def event_index(self, r: int, e: int) -> int:
+        """The instruction of event `e` of rank `r` (one past the stream's STEP for one past its events)."""
+        index, bounds = self.event_places
+        at = bounds[r] + e
+        if at < bounds[r + 1]:
+            return index[at]
+        return self.tail[r][0][0] if at == bounds[r + 1] else self.tail[r][1][0] + 1
 
     def deadlock(self) -> None:
         """Kahn's pass over the wait-for graph, walked stream by stream.
@@ -169,12 +179,13 @@ class OrderRules:
             r = todo.popleft()
             ev, start = events[r], at[r]
             e = len(ev)  # unless it stops at an event
-            for e, (_, code, tensor) in enumerate(islice(ev, start, None), start):  # noqa: B007 - `e` is read after
-                if code == 0:  # a compute op needs this input
+            for e, tensor in enumerate(islice(ev, start, None), start):  # noqa: B007 - `e` is read after
+                if tensor >= 0:  # a compute op needs this input
                     if tensor not in reached:
                         parked[tensor] = r
                         break
-                elif code == 1:  # a send is posted
+                elif tensor != _ALLREDUCE:  # a send of ~tensor is posted
+                    tensor = ~tensor
                     reached.add(tensor)
                     if tensor in parked:
                         todo.append(parked.pop(tensor))
@@ -193,7 +204,7 @@ class OrderRules:
             order_ranks.append(r)
             order_stops.append(e)
         # A worker that did not reach the end of its events waits at the instruction of the next one.
-        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
+        pos = {w: self.event_index(r, at[r]) for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)
         if stuck:
             topo = self.plan.topology
