@@ -227,15 +227,9 @@ def _string_list(stream: Sequence[Instruction], sep: str,
                  text: Callable[[Sequence[Instruction]], list[str]] = stream_texts) -> str:
     """`json.dumps(text(stream), separators=(sep, ...))`, fast for plain texts."""
     texts = text(stream)
-    if not texts:
-        return "[]"
-    quoted = f'"{sep}"'.join(texts)
-    # `json` writes a printable ASCII text without `"` or `\\` as it is, between quotes: checked on the
-    # joined line with str methods in C (its only quotes are the separators'), not a regex per text.
-    if (quoted.isascii() and quoted.isprintable() and "\\" not in quoted
-            and quoted.count('"') == 2 * (len(texts) - 1)):
-        return f'["{quoted}"]'
-    return _dumps(texts, separators=(sep, ":"))
+    if not _PLAIN.fullmatch("".join(texts)):
+        return _dumps(texts, separators=(sep, ":"))
+    return '["' + f'"{sep}"'.join(texts) + '"]' if texts else "[]"
 
 
 def plan_from_json(text: str) -> Plan:
