@@ -43,7 +43,9 @@ class _Codes(dict):  # type: ignore[type-arg]
 class _Columns:
     """One side's transfers (all sends, or all receives) as columns, in stream order."""
 
-    def __init__(self, flat: list[Any], ns: int, comp: NDArray[np.int64]) -> None:
+    def __init__(self, flat: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
+                 by_rank: list[Worker | None]) -> None:
+        self.plan, self.by_rank = plan, by_rank  # for messages only
         n = self.n = len(flat) // _FIELDS
         self.here = np.fromiter(flat[0::_FIELDS], np.int64, n)  # packed places
         self.slot = np.fromiter(flat[1::_FIELDS], np.int64, n)
@@ -62,22 +64,23 @@ class _Columns:
         self.rank = self.here >> 32
         self.comp = comp
 
+    def instruction(self, k: int) -> Instruction:
+        at = int(self.here[k])
+        return self.plan.streams[self.by_rank[at >> 32]][at & _LOW]  # type: ignore[index]
+
+    def kind_rule(self, k: int) -> str:
+        """What transfer k's kind requires (the message of the first rule)."""
+        return SEMANTICS[self.instruction(k).kind].rule
+
+    def first_of(self, tensors: list[int], k: int) -> int:
+        """The instruction index of the first transfer of transfer k's tensor."""
+        return int(self.here[tensors.index(tensors[k])]) & _LOW
+
     def place(self, op_ids: NDArray[np.int64]) -> NDArray[np.int64]:
         """The packed place of each op id (-1 where no such op runs)."""
         comp = self.comp
         known = (op_ids >= 0) & (op_ids < len(comp))
         return np.where(known, comp[np.where(known, op_ids, 0)], -1) if len(comp) else np.full(self.n, -1)
-
-
-class _Instructions:
-    """The instruction at each packed place of a column, looked up when a message names one."""
-
-    def __init__(self, plan: Plan, by_rank: list[Worker | None], here: NDArray[np.int64]) -> None:
-        self.plan, self.by_rank, self.here = plan, by_rank, here
-
-    def __getitem__(self, k: int) -> Instruction:
-        at = int(self.here[k])
-        return self.plan.streams[self.by_rank[at >> 32]][at & _LOW]  # type: ignore[index]
 
 
 class TransferRules:
@@ -153,13 +156,8 @@ class TransferRules:
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
-        sends = _Columns(self.sends, ns, comp)
-        slot, rank = sends.slot, sends.rank
-        ins = _Instructions(self.plan, by_rank, sends.here)  # for messages only
-
-        def rule(k: int) -> str:
-            return SEMANTICS[ins[k].kind].rule
-
+        sends = _Columns(self.sends, ns, comp, self.plan, by_rank)
+        slot, rank, ins = sends.slot, sends.rank, sends.instruction
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
         to = np.where(target >= 0, target >> 32, -1)  # the consumer's rank
         to_consumer = self._peers_are(sends, to) & (to != rank)
@@ -175,56 +173,50 @@ class TransferRules:
                     "the SEND and its RECV")
 
         def unproduced(k: int) -> str:
-            op = ins[k].op
+            op = ins(k).op
             return f"sends the output of {op} before (or without) running it here: move it after {op}"
 
         def elsewhere(k: int) -> str:
             expect = "nobody" if to[k] < 0 else by_rank[int(to[k])]
-            return f"goes to {ins[k].peer} but the consumer of {ins[k].op}'s output runs on {expect}"
+            return f"goes to {ins(k).peer} but the consumer of {ins(k).op}'s output runs on {expect}"
 
         def twice(k: int) -> str:
-            first = int(sends.here[tensors.index(tensors[k])]) & _LOW
-            return f"sends the same tensor twice (first at instruction {first}): keep one"
+            return f"sends the same tensor twice (first at instruction {sends.first_of(tensors, k)}): keep one"
 
         # The pairing `PlanIndex` keeps, built first: its size says whether any tensor is sent twice.
         sent = self.sent = dict(zip(tensors, sends.here.tolist(), strict=True))
         self._first_bad(sends, [
-            (sends.kind_ok, rule),
+            (sends.kind_ok, sends.kind_rule),
             (~own, own_worker),
             ((producer >= 0) & (producer >> 32 == rank) & (producer < sends.here), unproduced),
             (to_consumer, elsewhere),
             (self._once(tensors, len(sent)), twice),
         ])
 
-        recvs = _Columns(self.recvs, ns, comp)
-        rslot, rrank = recvs.slot, recvs.rank
-        rins = _Instructions(self.plan, by_rank, recvs.here)
+        recvs = _Columns(self.recvs, ns, comp, self.plan, by_rank)
+        rslot, rrank, rins = recvs.slot, recvs.rank, recvs.instruction
         consumer = recvs.place(rslot * 4 + recvs.opk)
         source = recvs.place((rslot + recvs.step) * 4)
         frm = np.where(source >= 0, source >> 32, -1)  # the producer's rank
         rtensors = ((rslot + recvs.step) * 2 + recvs.channel).tolist()
         used = consumer & _LOW
 
-        def rrule(k: int) -> str:
-            return SEMANTICS[rins[k].kind].rule
-
         def not_here(k: int) -> str:
-            return f"receives for {rins[k].op}, which does not run on this worker"
+            return f"receives for {rins(k).op}, which does not run on this worker"
 
         def late(k: int) -> str:
-            return f"posted after its consumer {rins[k].op} (instruction {used[k]}): post it before"
+            return f"posted after its consumer {rins(k).op} (instruction {used[k]}): post it before"
 
         def not_from(k: int) -> str:
             expect = "nobody" if frm[k] < 0 else by_rank[int(frm[k])]
-            return f"receives from {rins[k].peer} but the producer of {rins[k].op}'s input runs on {expect}"
+            return f"receives from {rins(k).peer} but the producer of {rins(k).op}'s input runs on {expect}"
 
         def rtwice(k: int) -> str:
-            first = int(recvs.here[rtensors.index(rtensors[k])]) & _LOW
-            return f"receives the same tensor twice (first at instruction {first})"
+            return f"receives the same tensor twice (first at instruction {recvs.first_of(rtensors, k)})"
 
         received = self.received = dict(zip(rtensors, recvs.here.tolist(), strict=True))
         self._first_bad(recvs, [
-            (recvs.kind_ok, rrule),
+            (recvs.kind_ok, recvs.kind_rule),
             ((consumer >= 0) & (consumer >> 32 == rrank), not_here),
             (consumer > recvs.here, late),
             (self._peers_are(recvs, frm), not_from),
