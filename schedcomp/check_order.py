@@ -5,8 +5,9 @@ instructions: local hand-offs between two chunks of one worker (the producer fir
 channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
 then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
 deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
-built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `received`,
-`consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail` and `where`.
+built (`plan`, `pp`, `nw`, `workers`, `stream_of`, `tail`, `channels`, `transfer_events`, `sent`,
+`received`, `consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail`
+and `where`.
 """
 
 from __future__ import annotations
