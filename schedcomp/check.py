@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from schedcomp import limits
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
 from schedcomp.errors import SchedcompTypeError, ValidationError
@@ -233,6 +234,7 @@ class _Checker(TransferRules, OrderRules):
         self.by_rank, self.stream_of = by_rank, stream_of
         self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
+        limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
         comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
         loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
