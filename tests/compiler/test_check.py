@@ -303,3 +303,12 @@ def test_grid_marks_the_bad_cell() -> None:
     assert [cell.strip() for cell in grid[0].split(" | ")] == ["step", "0:0", "0:1", "0:2", "0:3"]
     marked = [line for line in grid if ">>B3.0<<" in line]
     assert len(marked) == 1 and marked[0].startswith(str(b + 1))
+
+
+def test_a_plan_beyond_the_job_limits_is_refused_in_one_line() -> None:
+    """The validator's op table is sized by the job's slots: a hand-made plan claiming 2^40 micro-batches
+    gets a LimitError, not an allocation of terabytes."""
+    from schedcomp.errors import LimitError
+
+    with pytest.raises(LimitError, match="micro-batches, over the limit"):
+        check(replace(plan_of(), microbatches=2**40))
