@@ -9,6 +9,7 @@ worktree):
 
     python bench/bench_import_ab.py OTHER                # 200,000 rows, 3 runs each
     python bench/bench_import_ab.py OTHER --rows 20000 --repeat 2
+    python bench/bench_import_ab.py OTHER --phases       # and each phase's CPU seconds, alternating too
 
 The other checkout's `schedcomp/` and `schedules/` are copied to a temporary directory as the package
 `schedcomp_other` (its `schedcomp` imports renamed), so both import side by side without installing.
@@ -55,11 +56,31 @@ def run(cli: ModuleType, csv: Path, out: Path) -> tuple[float, float, bytes]:
     return cpu, wall, out.read_bytes()
 
 
+def phases(package: str, text: str) -> tuple[float, ...]:
+    """CPU seconds of parse, lower, check, JSON and freeing the plan, in `package` (the collector paused)."""
+    serialize, lower, check, costs, gcpause = (
+        importlib.import_module(f"{package}.{m}") for m in ("serialize", "lower", "check", "costs", "gcpause"))
+    with gcpause.paused_gc():
+        c0 = time.process_time()
+        order = serialize.order_from_torch_csv(text)
+        c1 = time.process_time()
+        plan = lower.lower(order, costs.CostModel.uniform(order.topology.pp))
+        c2 = time.process_time()
+        check.check(plan)
+        c3 = time.process_time()
+        serialize.plan_to_json(plan)
+        c4 = time.process_time()
+        del plan, order
+        c5 = time.process_time()
+    return c1 - c0, c2 - c1, c3 - c2, c4 - c3, c5 - c4
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("other", type=Path, help="the other checkout (its root, holding schedcomp/ and schedules/)")
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--phases", action="store_true", help="also time each phase, alternating, best of --repeat")
     args = ap.parse_args(argv)
 
     import schedcomp.cli as this
@@ -77,11 +98,19 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append((cpu, wall))
             if written["other"] != written["this"]:
                 raise SystemExit("the two checkouts wrote different plans")
+        split: dict[str, list[tuple[float, ...]]] = {"other": [], "this": []}
+        for _ in range(args.repeat if args.phases else 0):
+            for name, package in (("other", "schedcomp_other"), ("this", "schedcomp")):
+                split[name].append(phases(package, csv.read_text()))
     print(f"import-torch of a {args.rows:,}-row CSV, alternating, same bytes written ({len(written['this']):,})")
     for name, path in (("other", args.other), ("this", Path.cwd())):
         cpu = " ".join(f"{c:.2f}" for c, _ in times[name])
         wall = " ".join(f"{w:.1f}" for _, w in times[name])
         print(f"  {name:5} ({path}): CPU s {cpu} | wall s {wall}")
+        if split[name]:
+            best = [min(column) for column in zip(*split[name], strict=True)]
+            print("        phases, best of {} (CPU s): parse {:.2f}, lower {:.2f}, check {:.2f}, JSON {:.2f}, "
+                  "free {:.2f}".format(len(split[name]), *best))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ producer, each receive before its consumer, right peers, matched one to one); FI
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
 The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run), and per-worker tables are lists indexed by
-rank; the checks that hold for every sound plan (every output sent, every send received, FIFO per
-channel) compare counts or whole sets first and only walk item by item to name the first failure.
+channel ids: hashing dataclasses dominated the run; places packed as `rank << 32 | index`), and
+per-worker tables are lists indexed by rank; the transfer rules are numpy expressions over columns of
+all sends and all receives (`schedcomp.check_transfers`); the checks that hold for every sound plan
+(every output sent, every send received, FIFO per channel) compare counts or whole sequences first and
+only walk item by item to name the first failure.
 
 Virtual stages (`Topology.chunks` > 1): an op's stage is its chunk and must be one its worker holds
 (`Topology.place_of`); every rule above holds per virtual stage, slots count `Topology.stages`; a
@@ -27,9 +29,13 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import numpy as np
+
+from schedcomp import limits
 from schedcomp.check_order import OrderRules, error_grid, text_of
+from schedcomp.check_transfers import TransferRules
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
@@ -42,11 +48,13 @@ from schedcomp.semantics import (
     ROLE_RECV,
     ROLE_SEND,
     ROLE_STEP,
-    SEMANTICS,
     roles,
     semantics_of,
 )
 from schedcomp.topology import Worker
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 Key = tuple[int, int, int]  # (pipeline, microbatch, stage)
 Tensor = int  # producing slot * 2 + (0 for an activation, 1 for a gradient): see `_Checker`
@@ -108,7 +116,7 @@ class _Roles(dict):  # type: ignore[type-arg]
         return -1
 
 
-class _Checker(OrderRules):
+class _Checker(TransferRules, OrderRules):
     """One validation run: the scan's indexes, then one method per rule.
 
     Ops and tensors are keyed by integers, not by dataclasses (hashing those in Python dominated the
@@ -126,26 +134,34 @@ class _Checker(OrderRules):
         # `Worker`: hashing the dataclass cost more than the rules (a 200k-row CSV has 200k workers).
         self.nw = plan.topology.dp * self.pp
         self.workers: list[Worker] = []  # the streams' workers, in rank order (set by `scan`)
-        self.comp: dict[int, Where] = {}  # op id -> where it runs
-        self.sends: list[tuple[Worker, int, Instruction, int]] = []  # (worker, index, instruction, slot)
-        self.recvs: list[tuple[Worker, int, Instruction, int]] = []
-        self.loads: dict[int, Where] = {}  # slot -> its LOAD
+        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
+        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds),
+        # and two places of one rank compare as their indexes.
+        # Op id -> where it runs, -1 where no op runs: one int64 per possible op id (the validator walks every
+        # slot anyway), so the transfer rules look places up as one numpy index, not a dict lookup each.
+        self.comp = array("q")
+        # Per send (receive), six items in a row: packed place, slot, kind, its op's kind and stage, peer.
+        self.sends: list[Any] = []
+        self.recvs: list[Any] = []
+        self.loads: dict[int, int] = {}  # slot -> its LOAD, packed
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        # Places are packed ints, rank << 32 | index: dicts of ints are not tracked by the cyclic
-        # collector, so the `PlanIndex` that keeps them costs it nothing (tuples of workers cost seconds).
         self.sent: dict[int, int] = {}  # tensor -> its send
         self.received: dict[int, int] = {}  # tensor -> its receive
         self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
-        # Channels (sender rank * workers + receiver rank, ranks as in `Topology.rank`): ints, not pairs.
-        self.out: dict[int, list[int]] = {}  # channel -> tensors in send order
-        self.into: dict[int, list[int]] = {}  # channel -> tensors in receive order
-        # Per rank, what the deadlock pass walks: (index, 0 needs / 1 sends, tensor), or (index, 2, -1)
-        # for its ALLREDUCE.
-        self.events: list[list[tuple[int, int, int]]] = []
+        # Set by `transfers`, as columns: per send and per receive its channel (sender rank * workers +
+        # receiver rank, ranks as in `Topology.rank`) and tensor; per transfer (rank, index, 0 needs / 1
+        # sends, tensor), what the deadlock pass walks.
+        self.channels: tuple[Any, ...] = ()
+        self.transfer_events: tuple[Any, ...] = ()
+        # Per rank, what the deadlock pass walks in stream order: tensor t as t where an op needs it, as ~t
+        # where it is sent, and its ALLREDUCE last (set by `deadlock`, with their instructions' indexes).
+        self.events: list[list[int]] = []
+        self.event_places: tuple[list[int], list[int]] = ([], [])
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
+        self.stream_of: list[tuple[Instruction, ...]] = []  # the streams by rank, () for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -159,11 +175,9 @@ class _Checker(OrderRules):
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        events, tail, stops = self.events, self.tail, self.order_stops
+        stops, event_index = self.order_stops, self.event_index
         for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
-            ev, e = events[r], stops[n]
-            # Past its last event a worker runs to its end: one past its STEP, the last instruction (`tails`).
-            stops[n] = ev[e][0] if e < len(ev) else tail[r][1][0] + 1
+            stops[n] = event_index(r, stops[n])
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
                          self.order_ranks, stops, streams, self.plan.costs, self.ns)
@@ -210,16 +224,24 @@ class _Checker(OrderRules):
             for w in topo.live_workers:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
-        self.workers = sorted(plan.streams)
-        self.by_rank = [None] * self.nw
-        for w in self.workers:
-            self.by_rank[w.pipeline * pp + w.stage] = w
+        # Workers and streams by rank, in one pass over the items: rank order is the workers' sorted order,
+        # and neither sorting nor `plan.streams[w]` hashes a `Worker` (a Python call each, 200k of them).
+        by_rank: list[Worker | None] = [None] * self.nw
+        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
+        for w, stream in plan.streams.items():
+            r = w.pipeline * pp + w.stage
+            by_rank[r], stream_of[r] = w, stream
+        self.by_rank, self.stream_of = by_rank, stream_of
+        self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
-        comp, loads, sends, recvs, kid = self.comp, self.loads, self.sends, self.recvs, _KIND_ID
+        limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
+        comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
+        loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
         for w in self.workers:
             ws = w.stage
+            rank = w.pipeline * pp + ws
             top = tops[ws]
             limited = top != _INF  # memory is tracked only under a limit
             deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
@@ -227,8 +249,10 @@ class _Checker(OrderRules):
             chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
             reduce: list[int] = []
             step: list[int] = []
-            self.tail[w.pipeline * pp + ws] = (reduce, step)
-            for i, ins in enumerate(plan.streams[w]):
+            self.tail[rank] = (reduce, step)
+            base = rank << 32
+            last = None  # the op of the previous instruction: a lowered stream names one in a row (LOAD, op, SEND)
+            for i, ins in enumerate(stream_of[rank]):
                 op, kind = ins.op, ins.kind
                 role = role_of[kind]
                 if op is None:
@@ -239,22 +263,26 @@ class _Checker(OrderRules):
                     elif role < 0:
                         self.unknown(w, i, kind)
                     continue
-                d, m, os = op.pipeline, op.microbatch, op.stage
-                if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
-                    held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
-                    self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
-                if not (0 <= d < dp and 0 <= m < mbs):
-                    self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
-                slot = (d * mbs + m) * ns + os
-                if role == ROLE_SEND:
-                    sends.append((w, i, ins, slot))
+                if op is not last:  # the same op object again passed these already, on this worker
+                    last = op
+                    d, m, os = op.pipeline, op.microbatch, op.stage
+                    if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
+                        held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
+                        self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
+                    if not (0 <= d < dp and 0 <= m < mbs):
+                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
+                    slot = (d * mbs + m) * ns + os
+                if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
+                    sends.extend((base | i, slot, kind, op.kind, os, ins.peer))
                 elif role == ROLE_RECV:
-                    recvs.append((w, i, ins, slot))
+                    recvs.extend((base | i, slot, kind, op.kind, os, ins.peer))
                 elif role == ROLE_COMPUTE:
-                    here = (w, i)
-                    first = comp.setdefault(slot * 4 + kid[op.kind], here)  # one lookup: the op's first place
-                    if first is not here:
-                        self.fail(w, i, f"{op} runs twice (first on {first[0]} at instruction {first[1]}): keep one")
+                    cid = slot * 4 + kid[op.kind]
+                    first = comp[cid]
+                    if first >= 0:
+                        fw, fi = self.where(first)
+                        self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
+                    comp[cid] = base | i
                     if limited:
                         held += chunk_deltas[os][kind] if chunked else deltas[kind]
                         if held > top and w not in self.over:
@@ -263,46 +291,61 @@ class _Checker(OrderRules):
                     if op.kind is not OpKind.F or 0 < os < ns - 1:
                         self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                     if slot in loads:
-                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot][1]})")
-                    loads[slot] = (w, i)
+                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot] & _LOW})")
+                    loads[slot] = base | i
                 elif role < 0:
                     self.unknown(w, i, kind)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 
     def exactly_once(self) -> None:
-        get, streams = self.comp.get, self.plan.streams
-        for slot in range(self.plan.topology.dp * self.mbs * self.ns):  # in (pipeline, micro-batch, stage) order
-            base = slot * 4
-            f, b, w, bw = get(base), get(base + 1), get(base + 2), get(base + 3)
-            if f is not None and bw is None and b is not None and w is not None:
-                # The common, sound case, checked without building messages.
-                fw = f[0]
-                if (b[0] is fw or b[0] == fw) and (w[0] is fw or w[0] == fw) and f[1] < b[1] < w[1]:
-                    continue
-            elif (f is not None and bw is not None and b is None and w is None
-                  and (bw[0] is f[0] or bw[0] == f[0]) and f[1] < bw[1]):
-                continue
-            key = self.key_of(slot)
-            d, m, s = key
-            name = f"micro-batch {m} of pipeline {d} at stage {s}"
-            if f is None:
-                self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
-            if bw is not None and (b is not None or w is not None):
-                later = max(x for x in (b, w, bw) if x is not None)
-                self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
-            if bw is None and (b is None or w is None):
-                lack, after = ("B", f) if b is None else ("W", b)
-                self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
-            for other in (b, w, bw):
-                if other is not None and other[0] != f[0]:
-                    self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
-            for first, then, why in ((f, b, "a B needs its F's activations"),
-                                     (b, w, "a W needs the gradient its B computes"),
-                                     (f, bw, "a BW needs its F's activations")):
-                if first is not None and then is not None and then[1] < first[1]:
-                    before = streams[first[0]][first[1]]
-                    self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
+        # Per slot (in (pipeline, micro-batch, stage) order) the places of its F, B, W and BW, and the two
+        # sound cases as array expressions: packed places of one rank compare as their indexes, so
+        # `f < b < w` on one rank is "same worker, in this order".
+        f, b, w, bw = self.comp_array().reshape(-1, 4).T
+        split = (f >= 0) & (b >= 0) & (w >= 0) & (bw < 0) & (f >> 32 == w >> 32) & (f < b) & (b < w)
+        fused = (f >= 0) & (bw >= 0) & (b < 0) & (w < 0) & (f >> 32 == bw >> 32) & (f < bw)
+        sound = split | fused
+        if not sound.all():
+            slot = int(np.argmin(sound))
+            self.slot_failure(slot, *(None if at < 0 else at for at in (f[slot], b[slot], w[slot], bw[slot])))
+
+    def comp_array(self) -> NDArray[np.int64]:
+        """`comp` as a numpy array (a view, no copy)."""
+        return np.frombuffer(self.comp, dtype=np.int64) if len(self.comp) else np.zeros(0, np.int64)
+
+    def placed(self) -> list[tuple[int, int]]:
+        """(op id, packed place) of every op that runs, in the scan's order (by place)."""
+        places = self.comp_array()
+        ids = np.flatnonzero(places >= 0)
+        ids = ids[np.argsort(places[ids], kind="stable")]
+        return list(zip(ids.tolist(), places[ids].tolist(), strict=True))
+
+    def slot_failure(self, slot: int, *places: int | None) -> None:
+        """Name what is wrong with a slot whose F, B, W and BW (packed places, or None) are not
+        sound (every such slot breaks one of these rules)."""
+        streams = self.plan.streams
+        f, b, w, bw = (None if at is None else self.where(int(at)) for at in places)
+        key = self.key_of(slot)
+        d, m, s = key
+        name = f"micro-batch {m} of pipeline {d} at stage {s}"
+        if f is None:
+            self.missing(key, f"no F for {name}: every (pipeline, micro-batch, stage) needs exactly one F")
+        if bw is not None and (b is not None or w is not None):
+            later = max(x for x in (b, w, bw) if x is not None)
+            self.fail(*later, f"{name} has both BW and split B/W: use one or the other")
+        if bw is None and (b is None or w is None):
+            lack, after = ("B", f) if b is None else ("W", b)
+            self.fail(*after, f"no {lack} (nor BW) for {name}: add it after this op, on this worker")
+        for other in (b, w, bw):
+            if other is not None and other[0] != f[0]:
+                self.fail(*other, f"runs on {other[0]} but its F runs on {f[0]}: activations are local")
+        for first, then, why in ((f, b, "a B needs its F's activations"),
+                                 (b, w, "a W needs the gradient its B computes"),
+                                 (f, bw, "a BW needs its F's activations")):
+            if first is not None and then is not None and then[1] < first[1]:
+                before = streams[first[0]][first[1]]
+                self.fail(*then, f"runs before {before} (instruction {first[1]}): {why}")
 
     def missing(self, key: Key, problem: str) -> NoReturn:
         """Fail for a missing op: at the first instruction naming its slot, on the worker that has one."""
@@ -317,116 +360,18 @@ class _Checker(OrderRules):
 
     def loads_present(self) -> None:
         ns, loads, comp = self.ns, self.loads, self.comp
-        for cid, (w, i) in comp.items():
-            if cid & 3 == 0:  # an F
-                slot = cid >> 2
-                s = slot % ns
-                if s == 0 or s == ns - 1:
-                    load = loads.get(slot)
-                    if load is None or (load[0] is not w and load[0] != w) or load[1] > i:
-                        ins = self.plan.streams[w][i]
-                        self.fail(w, i, f"needs LOAD[{ins}] earlier in this stream (inputs/targets)")
-        for slot, (w, i) in loads.items():
-            if slot * 4 not in comp:
-                self.fail(w, i, "loads a micro-batch no forward here uses: drop it")
-
-    # ---- transfers --------------------------------------------------------------------------
-
-    def transfers(self) -> None:
-        """Check every send and receive and pair them up (dicts keep the scan's stream order)."""
-        pp, ns, comp, kid = self.pp, self.ns, self.comp, _KIND_ID
-        if ns != pp:
-            self.handoffs()
-        sent, received, consumed, out, into = self.sent, self.received, self.consumer, self.out, self.into
-        # Per kind, the row's fields this pass reads: one dict lookup per transfer, not one per field.
-        rows = {k: (sem.op_kinds, sem.peer_stage, sem.channel) for k, sem in SEMANTICS.items() if sem.is_transfer}
-        nw = self.plan.topology.dp * pp
-        events = self.events = [[] for _ in range(nw)]
-        ev_of: Worker | None = None  # the scan grouped sends and receives by worker: look up once per group
-        ev: list[tuple[int, int, int]] = []
-        rank = -1
-        for w, i, ins, slot in self.sends:
-            if w is not ev_of:
-                ev_of, rank = w, w.pipeline * pp + w.stage
-                ev = events[rank]
-            op, peer = ins.op, ins.peer
-            opk = op.kind
-            op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < ns:
-                self.fail(w, i, SEMANTICS[ins.kind].rule)
-            target = comp.get((slot + step) * 4)  # the F of the peer's slot: where it is consumed
-            # Stream keys are distinct workers: a peer that is its consumer's key but not `w` differs from `w`,
-            # which settles both peer rules in the common case without `Worker.__eq__` (a Python call).
-            to_consumer = target is not None and target[0] is peer and peer is not w
-            if not to_consumer and (peer is w or peer == w):
-                self.fail(w, i, "sends to its own worker: a tensor between two chunks of one worker is handed off "
-                                "locally, drop the SEND and its RECV")
-            producer = comp.get(slot * 4 + kid[opk])
-            if producer is None or (producer[0] is not w and producer[0] != w) or producer[1] > i:
-                self.fail(w, i, f"sends the output of {op} before (or without) running it here: move it after {op}")
-            if not to_consumer and (target is None or target[0] != peer):
-                expect = "nobody" if target is None else target[0]
-                self.fail(w, i, f"goes to {peer} but the consumer of {op}'s output runs on {expect}")
-            tensor, here = slot * 2 + channel, rank << 32 | i
-            first = sent.setdefault(tensor, here)  # one lookup: where the tensor is first sent
-            if first != here:
-                self.fail(w, i, f"sends the same tensor twice (first at instruction {first & _LOW}): keep one")
-            key = rank * nw + peer.pipeline * pp + peer.stage  # peer is a live worker
-            queue = out.get(key)
-            if queue is None:
-                out[key] = [tensor]
-            else:
-                queue.append(tensor)
-            ev.append((i, 1, tensor))
-        ev_of = None
-        for w, j, ins, slot in self.recvs:
-            if w is not ev_of:
-                ev_of, rank = w, w.pipeline * pp + w.stage
-                ev = events[rank]
-            op, peer = ins.op, ins.peer
-            opk = op.kind
-            op_kinds, step, channel = rows[ins.kind]
-            if opk not in op_kinds or not 0 <= op.stage + step < ns:
-                self.fail(w, j, SEMANTICS[ins.kind].rule)
-            consumer = comp.get(slot * 4 + kid[opk])
-            if consumer is None or (consumer[0] is not w and consumer[0] != w):
-                self.fail(w, j, f"receives for {op}, which does not run on this worker")
-            if consumer[1] < j:
-                self.fail(w, j, f"posted after its consumer {op} (instruction {consumer[1]}): post it before")
-            source = comp.get((slot + step) * 4)
-            if source is None or (source[0] is not peer and source[0] != peer):
-                expect = "nobody" if source is None else source[0]
-                self.fail(w, j, f"receives from {peer} but the producer of {op}'s input runs on {expect}")
-            tensor, here = (slot + step) * 2 + channel, rank << 32 | j
-            first = received.setdefault(tensor, here)
-            if first != here:
-                self.fail(w, j, f"receives the same tensor twice (first at instruction {first & _LOW})")
-            consumed[tensor] = consumer[1]
-            key = (peer.pipeline * pp + peer.stage) * nw + rank
-            queue = into.get(key)
-            if queue is None:
-                into[key] = [tensor]
-            else:
-                queue.append(tensor)
-            ev.append((consumer[1], 0, tensor))
-        # Each send above names a distinct producer that needs one, and `exactly_once` found an F and one
-        # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
-        # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
-        # the first one that is not.
-        local = self.local
-        if len(sent) != 2 * self.plan.topology.dp * self.mbs * (ns - 1) - len(local):
-            for cid, (w, i) in comp.items():
-                k, slot = cid & 3, cid >> 2
-                s = slot % ns
-                if k == 0 and s < ns - 1 and slot * 2 not in sent and slot * 2 not in local:
-                    self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
-                    self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
-        if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
-            for tensor, at in sent.items():
+        # The F of every slot at the first or last stage, visited in stream order (packed places sort so).
+        slots = self.plan.topology.dp * self.mbs * ns
+        edge = [(at, slot) for slot in {*range(0, slots, ns), *range(ns - 1, slots, ns)}
+                if (at := comp[slot * 4]) >= 0]
+        for at, slot in sorted(edge):
+            load = loads.get(slot)
+            if load is None or load >> 32 != at >> 32 or load > at:
                 w, i = self.where(at)
-                if tensor not in received:
-                    self.fail(w, i, f"nobody receives it: add the matching receive to {self.plan.streams[w][i].peer}")
+                self.fail(w, i, f"needs LOAD[{self.plan.streams[w][i]}] earlier in this stream (inputs/targets)")
+        for slot, at in loads.items():
+            if comp[slot * 4] < 0:
+                self.fail(*self.where(at), "loads a micro-batch no forward here uses: drop it")
 
     def memory(self) -> None:
         costs = self.plan.costs

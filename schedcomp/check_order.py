@@ -5,15 +5,19 @@ instructions: local hand-offs between two chunks of one worker (the producer fir
 channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
 then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
 deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
-built (`plan`, `pp`, `nw`, `workers`, `events`, `tail`, `out`, `into`, `sent`, `received`,
-`consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail` and `where`.
+built (`plan`, `pp`, `nw`, `workers`, `stream_of`, `tail`, `channels`, `transfer_events`, `sent`,
+`received`, `consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail`
+and `where`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
 
 from schedcomp.ir import Instruction, Plan, staged_text
 from schedcomp.topology import Worker
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     Where = tuple[Worker, int]
 
 _LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
+_ALLREDUCE = -(1 << 62)  # a rank's ALLREDUCE among its events (tensor t: t >= 0 needed there, ~t sent there)
 
 
 class OrderRules:
@@ -31,16 +36,19 @@ class OrderRules:
     plan: Plan
     pp: int
     workers: list[Worker]
-    events: list[list[tuple[int, int, int]]]
+    events: list[list[int]]
+    event_places: tuple[list[int], list[int]]
     tail: list[Any]
-    out: dict[int, list[int]]
-    into: dict[int, list[int]]
+    nw: int
+    channels: tuple[Any, ...]
+    transfer_events: tuple[Any, ...]
     sent: dict[int, int]
     received: dict[int, int]
     consumer: Any
     order_ranks: Any
     order_stops: Any
-    comp: dict[int, Where]  # op id -> where it runs (see `check._Checker`)
+    stream_of: list[tuple[Instruction, ...]]  # the streams by rank
+    comp: Any  # op id -> where it runs, packed as rank << 32 | index, -1 for none (see `check._Checker`)
     ns: int  # virtual stages per pipeline
     local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
 
@@ -50,31 +58,49 @@ class OrderRules:
     def where(self, at: int) -> Where:
         raise NotImplementedError
 
+    def placed(self) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
     def handoffs(self) -> None:
         """With virtual stages: find the tensors whose producer and consumer run on the same worker (no
         transfer carries them) and prove the producer runs first, which is all a local hand-off needs."""
         comp, ns, local, streams = self.comp, self.ns, self.local, self.plan.streams
-        for cid, (w, i) in comp.items():
+        for cid, at in self.placed():
             k, slot = cid & 3, cid >> 2
             s = slot % ns
             if k == 0 and s < ns - 1:
-                to = comp.get((slot + 1) * 4)  # the next chunk's F
+                to = comp[(slot + 1) * 4]  # the next chunk's F
                 tensor, why = slot * 2, "it consumes the activation"
             elif (k == 1 or k == 3) and s > 0:
-                to = comp.get((slot - 1) * 4 + 1) or comp.get((slot - 1) * 4 + 3)  # the previous chunk's B or BW
+                to = comp[(slot - 1) * 4 + 1]  # the previous chunk's B, or else its BW
+                if to < 0:
+                    to = comp[(slot - 1) * 4 + 3]
                 tensor, why = slot * 2 + 1, "it consumes the input gradient"
             else:
                 continue
-            if to is None or (to[0] is not w and to[0] != w):
+            if to < 0 or to >> 32 != at >> 32:
                 continue
-            if to[1] < i:
-                self.fail(*to, f"runs before {staged_text(streams[w][i])} (instruction {i}) of the neighbouring "
-                               f"chunk: {why} that op hands off here")
+            if to < at:
+                w, i = self.where(at)
+                self.fail(*self.where(to), f"runs before {staged_text(streams[w][i])} (instruction {i}) of the "
+                                           f"neighbouring chunk: {why} that op hands off here")
             local.add(tensor)
 
     def fifo(self) -> None:
         """NCCL pairs sends and receives between two ranks in posting order: both ends must agree."""
-        topo, out, into = self.plan.topology, self.out, self.into
+        send_channels, send_tensors, recv_channels, recv_tensors = self.channels
+        # The sound case in a few array operations: every channel receives exactly what it sends, in order
+        # (stable sorts by channel keep each side's stream order within a channel).
+        by_send, by_recv = np.argsort(send_channels, kind="stable"), np.argsort(recv_channels, kind="stable")
+        if (len(by_send) == len(by_recv) and np.array_equal(send_channels[by_send], recv_channels[by_recv])
+                and np.array_equal(send_tensors[by_send], recv_tensors[by_recv])):
+            return
+        out: dict[int, list[int]] = {}  # channel -> tensors in send order
+        into: dict[int, list[int]] = {}  # channel -> tensors in receive order
+        for table, channels, tensors in ((out, send_channels, send_tensors), (into, recv_channels, recv_tensors)):
+            for key, tensor in zip(channels.tolist(), tensors.tolist(), strict=True):
+                table.setdefault(key, []).append(tensor)
+        topo = self.plan.topology
         nw = topo.dp * topo.pp
         # Compare every channel in one comparison each; only when some disagree, report the first of them
         # in (sender, receiver) order (sorting all channels up front cost more than comparing them).
@@ -90,10 +116,11 @@ class OrderRules:
                                     "post receives in the order the peer sends")
 
     def tails(self) -> None:
-        streams, tail, pp = self.plan.streams, self.tail, self.pp
+        tail, pp, stream_of = self.tail, self.pp, self.stream_of
         for w in self.workers:
-            n = len(streams[w])
-            reduce, step = tail[w.pipeline * pp + w.stage]
+            rank = w.pipeline * pp + w.stage
+            n = len(stream_of[rank])
+            reduce, step = tail[rank]
             rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
             if not reduce or not step:
                 self.fail(w, n - 1 if n else None, f"no {'ALLREDUCE' if not reduce else 'STEP'}: {rule}")
@@ -105,6 +132,30 @@ class OrderRules:
                 extra = reduce[0] + 1 if step[0] != reduce[0] + 1 else step[0] + 1
                 self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
 
+    def stream_events(self, ranks: list[int]) -> list[list[int]]:
+        """Per rank, its transfers' events and then its one ALLREDUCE (`tails` proved it comes after all
+        of them), in stream order, as ints (see `events`); sets `event_places` for `event_index`."""
+        rank, index, code, tensor = self.transfer_events
+        # One instruction is at most one event (a receive's is its consumer's, one per op), so
+        # (rank, index) orders them; one int key sorts faster than several, and a stable sort (a merge)
+        # is quick on the scan's order, where only each rank's receives are out of place.
+        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index, kind="stable")
+        flat = np.where(code[by] == 0, tensor[by], ~tensor[by]).tolist()
+        bounds = np.searchsorted(rank[by], np.arange(self.nw + 1)).tolist()
+        self.event_places = (index[by].tolist(), bounds)
+        events = [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
+        for r in ranks:
+            events[r].append(_ALLREDUCE)
+        return events
+
+    def event_index(self, r: int, e: int) -> int:
+        """The instruction of event `e` of rank `r` (one past the stream's STEP for one past its events)."""
+        index, bounds = self.event_places
+        at = bounds[r] + e
+        if at < bounds[r + 1]:
+            return index[at]
+        return self.tail[r][0][0] if at == bounds[r + 1] else self.tail[r][1][0] + 1
+
     def deadlock(self) -> None:
         """Kahn's pass over the wait-for graph, walked stream by stream.
 
@@ -113,11 +164,9 @@ class OrderRules:
         sender has not reached the SEND) or it reaches ALLREDUCE before the rest of its stage
         group; it resumes when that changes. Whoever cannot finish waits on a cycle.
         """
-        streams, events, tail, pp, workers = self.plan.streams, self.events, self.tail, self.pp, self.workers
+        streams, pp, workers = self.plan.streams, self.pp, self.workers
         ranks = [w.pipeline * pp + w.stage for w in workers]  # in rank order, as `workers`
-        for r in ranks:
-            events[r].append((tail[r][0][0], 2, -1))  # its one ALLREDUCE (checked by `tails`)
-            events[r].sort()  # one instruction is at most one event, so the index decides
+        events = self.events = self.stream_events(ranks)
         group = [0] * pp  # live workers per stage, in one pass: a pass per stage was quadratic in workers
         for w in workers:
             group[w.stage] += 1
@@ -129,15 +178,15 @@ class OrderRules:
         order_ranks, order_stops = self.order_ranks, self.order_stops
         while todo:
             r = todo.popleft()
-            ev, e = events[r], at[r]
-            n = len(ev)
-            while e < n:
-                _, code, tensor = ev[e]
-                if code == 0:  # a compute op needs this input
+            ev, start = events[r], at[r]
+            e = len(ev)  # unless it stops at an event
+            for e, tensor in enumerate(islice(ev, start, None), start):  # noqa: B007 - `e` is read after
+                if tensor >= 0:  # a compute op needs this input
                     if tensor not in reached:
                         parked[tensor] = r
                         break
-                elif code == 1:  # a send is posted
+                elif tensor != _ALLREDUCE:  # a send of ~tensor is posted
+                    tensor = ~tensor
                     reached.add(tensor)
                     if tensor in parked:
                         todo.append(parked.pop(tensor))
@@ -150,12 +199,13 @@ class OrderRules:
                             todo.extend(v for v in here if v != r)
                     if len(here) < group[s]:
                         break
-                e += 1
+            else:
+                e = len(ev)
             at[r] = e
             order_ranks.append(r)
             order_stops.append(e)
         # A worker that did not reach the end of its events waits at the instruction of the next one.
-        pos = {w: events[r][at[r]][0] for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
+        pos = {w: self.event_index(r, at[r]) for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
         stuck = set(pos)
         if stuck:
             topo = self.plan.topology

@@ -35,6 +35,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from schedcomp import fileio, limits
@@ -194,7 +195,9 @@ def plan_to_json(plan: Plan, indent: bool = True) -> str:
     # time for plans of 100k+ workers). Anything else (a hand-made op with odd fields) goes through `json`.
     item, sep = (": ", ", ") if indent else (":", ",")
     text = _text_of(plan)
-    streams = [f"{_string(str(w))}{item}{_string_list(plan.streams[w], sep, text)}" for w in sorted(plan.streams)]
+    # Sorted items, not `plan.streams[w]` per sorted key: that hashes each `Worker` (a Python call) once more.
+    streams = [f"{_string(str(w))}{item}{_string_list(stream, sep, text)}"
+               for w, stream in sorted(plan.streams.items(), key=itemgetter(0))]
     if not indent:
         head = _dumps(data, separators=(",", ":"))
         return f'{head[:-1]},"streams":{{{",".join(streams)}}}}}'

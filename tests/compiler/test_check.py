@@ -171,6 +171,45 @@ def test_wrong_peer() -> None:
     rejected(edit(plan, "1:1", stream), "1:1", i, "goes to 0:2", "runs on 1:2")
 
 
+def test_repeated_and_misrouted_transfers() -> None:
+    """Each transfer rule names its own failure, at the transfer that breaks it."""
+    plan = plan_of(dp=2)
+    stream = list(plan.streams[W("0:1")])
+    i = at(plan, "0:1", "SEND_ACT[F2.0>0:2]")
+    stream.insert(i + 1, stream[i])
+    rejected(edit(plan, "0:1", stream), "0:1", i + 1, f"sends the same tensor twice (first at instruction {i})")
+    stream = list(plan.streams[W("0:2")])
+    j = at(plan, "0:2", "RECV_ACT[F2.0<0:1]")
+    stream.insert(j + 1, stream[j])
+    rejected(edit(plan, "0:2", stream), "0:2", j + 1, f"receives the same tensor twice (first at instruction {j})")
+    stream = list(plan.streams[W("0:2")])
+    stream[j] = parse("0:2", "RECV_ACT[F2.0<0:3]")
+    rejected(edit(plan, "0:2", stream), "0:2", j, "receives from 0:3", "input runs on 0:1")
+    stream = list(plan.streams[W("1:2")])
+    k = at(plan, "1:2", "RECV_ACT[F2.1<1:1]")
+    stream[k] = Instruction(InstrKind.RECV_ACT, Op(OpKind.F, 0, 2, 2), W("1:1"))
+    rejected(edit(plan, "1:2", stream), "1:2", k, "receives for F2.0, which does not run on this worker")
+
+
+def test_the_first_broken_transfer_in_stream_order_is_reported() -> None:
+    """Sends are checked before receives, each side in stream order (worker, then index), whichever rule breaks."""
+    plan = plan_of(dp=2)
+    late = list(plan.streams[W("1:1")])
+    i = at(plan, "1:1", "SEND_ACT[F2.1>1:2]")
+    late[i] = parse("1:1", "SEND_ACT[F2.1>0:2]")  # goes to the wrong worker
+    early = list(plan.streams[W("0:2")])
+    j = at(plan, "0:2", "SEND_ACT[F4.0>0:3]")
+    early.insert(j + 1, early[j])  # sent twice, on an earlier worker
+    recv = list(plan.streams[W("0:1")])
+    k = at(plan, "0:1", "RECV_ACT[F2.0<0:0]")
+    recv[k] = parse("0:1", "RECV_ACT[F2.0<0:3]")  # a receive from the wrong worker, on the earliest worker
+    bad = edit(edit(edit(plan, "1:1", late), "0:2", early), "0:1", recv)
+    rejected(bad, "0:2", j + 1, "sends the same tensor twice")
+    rejected(edit(bad, "0:2", list(plan.streams[W("0:2")])), "1:1", i, "goes to 0:2")
+    rejected(edit(edit(bad, "0:2", list(plan.streams[W("0:2")])), "1:1", list(plan.streams[W("1:1")])),
+             "0:1", k, "receives from 0:3")
+
+
 def test_memory_limit_overflow() -> None:
     plan = plan_of("zb-h2")
     profile = memory_profile(plan, W("0:0"))
@@ -264,3 +303,12 @@ def test_grid_marks_the_bad_cell() -> None:
     assert [cell.strip() for cell in grid[0].split(" | ")] == ["step", "0:0", "0:1", "0:2", "0:3"]
     marked = [line for line in grid if ">>B3.0<<" in line]
     assert len(marked) == 1 and marked[0].startswith(str(b + 1))
+
+
+def test_a_plan_beyond_the_job_limits_is_refused_in_one_line() -> None:
+    """The validator's op table is sized by the job's slots: a hand-made plan claiming 2^40 micro-batches
+    gets a LimitError, not an allocation of terabytes."""
+    from schedcomp.errors import LimitError
+
+    with pytest.raises(LimitError, match="micro-batches, over the limit"):
+        check(replace(plan_of(), microbatches=2**40))

@@ -235,3 +235,12 @@ def test_torch_csv_export_needs_a_fault_free_plan_of_own_stages_and_pipelines():
     streams[Worker(0, 0)] = (*streams[Worker(0, 0)], Instruction.compute(Op(OpKind.F, 1, 9, 0)))
     with pytest.raises(PlanFormatError, match="own stages and pipeline"):
         plan_to_torch_csv(Plan(plan.topology, plan.costs, 4, streams))
+
+
+@given(st.lists(st.text(st.characters(max_codepoint=0x3000)) | st.sampled_from(['", "', "a\\b", "F1.0", ""])),
+       st.sampled_from([", ", ","]))
+def test_stream_lines_are_what_json_writes(texts: list[str], sep: str) -> None:
+    """The writer's fast path (texts joined as they are) gives `json.dumps`'s bytes, whatever the texts."""
+    from schedcomp.serialize import _string_list
+
+    assert _string_list(texts, sep, text=list) == json.dumps(texts, separators=(sep, ":"))
