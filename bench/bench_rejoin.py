@@ -5,6 +5,10 @@ Reproduce (about 4 minutes on a busy 2-core machine, the 384 MB job most of it):
     python bench/bench_rejoin.py            # stages of 3, 48 and 384 MB of float32 parameters
     python bench/bench_rejoin.py --quick    # 3 and 48 MB (about 1 minute)
     python bench/bench_rejoin.py --sizes 96 # any stage sizes, MB of parameters
+    python bench/bench_rejoin.py --quick --preload both  # each size fresh, then with `launch --preload`
+
+`--preload` forks the workers from a process that imported REJOIN_PRELOAD's modules (default
+torch,torch._dynamo,schedcomp.runtime).
 
 The job: `ResilientTrainer` (`schedcomp.runtime.resilient`) on CPU/gloo, pp = 2, dp = 2 (4
 processes), started by `python -m schedcomp.runtime.fault.launch --pp 2 --dp 2 --respawn 1 -- python
@@ -21,6 +25,8 @@ imported torch). The replacement is admitted at the boundary the survivors fix, 
 from its live replica 0:1 and the job switches back to the fault-free plan.
 
 Columns (seconds, all `time.time()` on one host; one run per size):
+- `preload`: 1 when the workers are forked from a process that already imported torch and the runtime
+  (`launch --preload`, `runtime/fault/zygote.py`), 0 for a fresh interpreter each.
 - `death->start`: victim's death (it stamps the time just before SIGKILL) -> its replacement's
   process start (from /proc: fork time, 10 ms resolution); the launcher's reaping and respawn.
 - `start->ann`: replacement process start -> announced (`Report.rejoined.announced_at`): Python, torch and
@@ -171,10 +177,12 @@ def worker(iterations: str, cache_dir: str, megabytes: str) -> None:
 # ---- the parent ----------------------------------------------------------------------------------------
 
 
-def run_job(cache_dir: str, megabytes: float, iterations: int, timeout: float = 400.0) -> dict[str, dict]:
+def run_job(cache_dir: str, megabytes: float, iterations: int, timeout: float = 400.0,
+            preload: bool = False) -> dict[str, dict]:
     """Launch the job once; returns each worker's JSON line (the replacement's under its worker name)."""
     cmd = [sys.executable, "-m", "schedcomp.runtime.fault.launch", "--pp", str(PP), "--dp", str(DP),
-           "--respawn", "1", "--", sys.executable, HERE, "worker", str(iterations), cache_dir, str(megabytes)]
+           "--respawn", "1", *(["--preload", PRELOAD] if preload else []),
+           "--", sys.executable, HERE, "worker", str(iterations), cache_dir, str(megabytes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -226,8 +234,9 @@ def measure(results: dict[str, dict], iterations: int) -> dict[str, float]:
     }
 
 
-COLUMNS = ["MB", "state MB", "it s", "deg it", "death->start", "start->ann", "ann->adm", "build", "xfer s", "GB/s",
-           "1st it", "adm->1st", "total", "stall", "stall x"]
+PRELOAD = os.environ.get("REJOIN_PRELOAD", "torch,torch._dynamo,schedcomp.runtime")  # torch.optim imports _dynamo
+COLUMNS = ["MB", "preload", "state MB", "it s", "deg it", "death->start", "start->ann", "ann->adm", "build", "xfer s",
+           "GB/s", "1st it", "adm->1st", "total", "stall", "stall x"]
 
 
 def main() -> None:
@@ -236,7 +245,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 and 48 MB only")
     p.add_argument("--sizes", type=float, nargs="+", help="stage sizes in MB of parameters")
+    p.add_argument("--preload", choices=("no", "yes", "both"), default="no",
+                   help="fork the workers from a process that imported torch (launch --preload); both: "
+                        "each size without, then with")
     args = p.parse_args()
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.preload]
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     # the replacement enters `lead` + 1 = 3 iterations after the hold at the earliest
     iterations = HOLD_ITERATION + 3 + 1 + AFTER
@@ -244,12 +257,14 @@ def main() -> None:
     print(" ".join(f"{c:>{max(len(c), 6)}}" for c in COLUMNS), flush=True)
     with tempfile.TemporaryDirectory(prefix="schedcomp-rejoin-") as folder:
         precompile(PP, DP, MICROBATCHES, 1, directory=folder, time_limit=1.0)
-        for mb in sizes:
-            row = {"MB": mb, **measure(run_job(folder, mb, iterations), iterations)}
+        for mb, preload in ((mb, preload) for mb in sizes for preload in modes):
+            row = {"MB": mb, "preload": float(preload),
+                   **measure(run_job(folder, mb, iterations, preload=preload), iterations)}
             cells = []
             for c in COLUMNS:
                 v = row[c]
-                cells.append(f"{v:>{max(len(c), 6)}.{0 if c in ('MB', 'state MB') else 2 if c == 'stall x' else 3}f}")
+                digits = 0 if c in ("MB", "preload", "state MB") else 2 if c == "stall x" else 3
+                cells.append(f"{v:>{max(len(c), 6)}.{digits}f}")
             print(" ".join(cells), flush=True)
 
 
