@@ -29,10 +29,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s): about 3 minutes of CPU.
+# Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s), on every core (pytest-xdist).
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -174,6 +174,7 @@ def become(request: Request) -> int:
     os.environ.clear()
     os.environ.update(request.env)
     random.seed()  # a fork shares the zygote's generator state: reseed as a new interpreter would
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote ignores ^C; a worker takes it as usual
     code = 0
     try:
         if request.module is not None:
@@ -191,6 +192,9 @@ def become(request: Request) -> int:
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # the interpreter then dies by SIGINT itself, so its parent sees the signal
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -204,7 +208,14 @@ def become(request: Request) -> int:
 
 
 if __name__ == "__main__":
+    # ^C in a terminal reaches the whole process group: the launcher stops the workers, and the
+    # zygote ends when the launcher closes its requests (not with a KeyboardInterrupt traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _requests, _replies, _modules = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     for _name in filter(None, _modules.split(",")):
         importlib.import_module(_name)
-    os._exit(become(serve(_requests, _replies)))
+    _code = become(serve(_requests, _replies))
+    if _code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(_code)

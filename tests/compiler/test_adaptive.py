@@ -103,6 +103,7 @@ def test_adaptive_plans_validate_round_trip_and_beat_the_plain_construction(job)
 # alternation here (19.75 against 19.5); the greedy solver times the plain construction too.
 @example((Topology.of(3, 3), 3, CostModel(forward=[0.5, 2.0, 0.5], backward_input=[1.25, 0.5, 0.5],
                                           backward_weight=[2.0, 2.0, 0.5], p2p=0.5, b_frees=0.25)))
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 @given(jobs(max_pp=3, max_dp=3, max_mb=4))
 def test_fused_and_synchronous_variants_validate(job):
     topology, mb, costs = job

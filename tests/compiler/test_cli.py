@@ -55,6 +55,7 @@ def test_sync_optimizer_costs_zb_h2_its_overlap(capsys):
     assert json.loads(out)["period"] == 27
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_show_writes_charts_and_traces_and_draws_a_measured_trace(capsys, tmp_path):
     png, svg, trace = tmp_path / "a.png", tmp_path / "a.svg", tmp_path / "a.json"
     status, _, err = run(capsys, *SHOW, "--png", str(png), "--svg", str(svg), "--trace", str(trace),

@@ -62,6 +62,7 @@ def test_greedy_plan_does_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPatc
     assert compile(**GREEDY_JOB).to_json() == plan.to_json()
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_greedy_plan_does_not_depend_on_the_load() -> None:
     plan = compile(**GREEDY_JOB)
     with busy_cpu():

@@ -247,6 +247,7 @@ def cli_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 @fuzz("cli")
 @given(argv=_argv())
 def test_fuzz_command_line(cli_dir, argv):

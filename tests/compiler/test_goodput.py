@@ -61,6 +61,7 @@ def test_checkpoint_restart_matches_the_first_order_model_and_young_daly():
     assert abs(best.relative_goodput - first_order(c, best.checkpoint_interval_s, s, mtbf)) < 0.02
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_without_failures_goodput_is_the_fault_free_plans_throughput_exactly():
     pp, dp, m = 4, 2, 8
     costs = CostModel.uniform(pp, forward=1.5, backward_input=2.0, backward_weight=1.0, p2p=0.25, allreduce=0.5,
@@ -137,6 +138,7 @@ def test_a_strategy_that_cannot_go_on_restarts_from_its_checkpoint():
 # ---- rates: fast against exact, one evaluation per canonical failure set -----------------------------------
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_fast_rates_agree_with_the_full_compiler():
     rng = random.Random(3)
     pp, dp, m = 4, 4, 8
@@ -210,6 +212,7 @@ def test_bad_arguments_are_one_line(capsys, tmp_path):
 # ---- the CLI ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_cli_json_and_png(capsys, tmp_path):
     assert CLI_STRATEGIES == STRATEGIES
     png = tmp_path / "goodput.png"

@@ -176,6 +176,7 @@ def test_compare_holds_every_scheduling_strategy_to_the_same_limit():
     assert lifted["adaptive"].period <= outcomes["adaptive"].period
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_precompiled_plans_report_their_peaks_against_the_limit(tmp_path):
     cache = precompile(3, 3, 4, 1, solver="greedy", directory=tmp_path)
     report = cache.memory_report()

@@ -201,6 +201,7 @@ def _lose_one(j: Job) -> tuple[list[Worker], Worker, View]:
     return workers, lost, v1
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 def test_replacement_is_admitted_at_the_agreed_switch(job) -> None:
     j = job(2, 2)
     workers, lost, v1 = _lose_one(j)

@@ -232,6 +232,7 @@ def audited_job(rank: int, outdir: str) -> None:
     (Path(outdir) / f"audit.{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow  # over ~5 s: make test-fast leaves it to make test
 @pytest.mark.timeout(240)
 def test_every_tensor_handed_to_a_collective_is_on_a_device_its_group_serves(tmp_path: Path) -> None:
     spawn(audited_job, 4, (str(tmp_path),), timeout=200, backend="cpu:gloo")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from schedcomp.runtime.fault.zygote import Zygote
@@ -29,6 +31,12 @@ if __name__ == "__main__":
         "sleep": zygote.spawn([sys.executable, WORKER, "sleep"], env),
     }
     procs["sleep"].kill()
+    os.kill(zygote.proc.pid, signal.SIGINT)  # ^C reaches the whole process group: the zygote carries on
+    ready = out / "sleeping"
+    procs["interrupted"] = zygote.spawn([sys.executable, WORKER, "sleep", str(ready)], env)
+    while not ready.exists():  # interrupt it in its own code, not while it is still becoming the worker
+        time.sleep(0.01)
+    os.kill(procs["interrupted"].pid, signal.SIGINT)
     codes = {name: p.wait(timeout=60) for name, p in procs.items()}
     zygote.close()
     print(json.dumps({"codes": codes, "zygote": zygote.proc.returncode}))

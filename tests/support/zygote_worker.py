@@ -1,4 +1,4 @@
-"""A worker the zygote tests fork (`fault.zygote`): `report OUT`, `exit N`, `raise` or `sleep`."""
+"""A worker the zygote tests fork (`fault.zygote`): `report OUT`, `exit N`, `raise` or `sleep [READY_FILE]`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def main(what: str, *args: str) -> None:
     elif what == "raise":
         raise ValueError("boom")
     elif what == "sleep":
+        if args:  # tell whoever waits that we are running our own code (signals are ours now)
+            open(args[0], "w").close()
         time.sleep(600)
 
 
