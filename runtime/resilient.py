@@ -228,6 +228,7 @@ class ResilientTrainer:
                 session.commit(start - 1)  # it holds the checkpoint's state after that step
             self.report.run, self.report.restored_from = session.env.run, resumed.restored_from
             self.report.iterations_lost = resumed.iterations_lost
+            self.report.restart_reason = resumed.previous.reason if resumed.previous is not None else None
         self.trainer.iteration = self.iteration = start
         self.policy.on_start(self, start)
         return start

@@ -54,6 +54,7 @@ class Report:
     run: int = 0  # restarts of the job from a checkpoint before this run
     restored_from: int | None = None  # the checkpoint this run started from (None: none, from scratch)
     iterations_lost: int | None = None  # a restarted run: iterations the restart threw away
+    restart_reason: str | None = None  # a restarted run: why the run before it asked for the restart
     replayed: list[int] = field(default_factory=list)  # logging: the iterations a rebuilt stage replayed here
     replay_seconds: float = 0.0  # logging: how long that replay took
     log_bytes: dict[int, int] = field(default_factory=dict)  # logging: iteration -> bytes this worker logged

@@ -26,7 +26,8 @@ recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
 3. Fallback: when two lost stages are adjacent, a lost stage's boundaries are not logged, it has
    no checkpoint at or before r - 1, a log has a gap (budget, or a neighbour that is itself a
    recent replacement), or no replacement shows up within the agreement timeout, `finish`
-   declines and the trainer restarts the job from its checkpoints as without logging.
+   raises `RecoveryError` saying which, and the trainer restarts the job from its checkpoints as
+   without logging; the restarted run's `Report.restart_reason` is that line.
 
 Exactness: the replacement sums the gradients of all the stage's micro-batches itself, where the
 original replicas summed theirs and all-reduced: the same values up to summation order (1e-10 in
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from schedcomp.errors import RecoveryError
 from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import pending_joins, propose_switch
@@ -64,6 +66,7 @@ from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
+DROPPED = "dropped"  # a coverage record's key: receiving stage -> the newest iteration its budget dropped
 Logged = dict[int, dict[Key, tuple[Tensor, ...]]]  # iteration -> chunk -> tensors received by the lost stage
 
 
@@ -125,11 +128,7 @@ class SwiftPolicy(RollbackPolicy):
         if not lost:
             return None  # a replica is left everywhere: rollback and re-planning
         sources = self._sources(host, lost, decision.rerun)
-        if sources is None:
-            return None
         joiners = self._replacements(host, lost)
-        if joiners is None:
-            return None
         rerun = decision.rerun
         session.admit(propose_switch(session.store, session.view, rerun, joiners))
         session.store.compare_set(f"swift/gen{session.view.generation}", "",
@@ -148,8 +147,12 @@ class SwiftPolicy(RollbackPolicy):
                     me, lost, sources, rerun)
         return rerun
 
-    def _sources(self, host: RecoveryHost, lost: list[int], rerun: int) -> dict[int, int] | None:
-        """Each lost stage's checkpoint to replay from, once all agree the logs cover it (None: fall back)."""
+    def _sources(self, host: RecoveryHost, lost: list[int], rerun: int) -> dict[int, int]:
+        """Each lost stage's checkpoint to replay from, once all agree the logs cover it.
+
+        Raises `RecoveryError` saying why not: the trainer restarts the job from its checkpoints, and
+        the restarted run's `Report.restart_reason` carries that line.
+        """
         session, pp = host.session, host.session.env.pp
         assert session.view is not None and self.log is not None and host.trainer is not None
         me, generation = session.me, session.view.generation
@@ -162,16 +165,17 @@ class SwiftPolicy(RollbackPolicy):
         mine = {str(s): {str(j): [list(k) for k in keys]
                          for j, keys in self.log.coverage(s, range(c + 1, rerun)).items()}
                 for s, c in sources.items() if abs(me.stage - s) == 1}
+        mine[DROPPED] = {str(s): self.log.gaps.get(s, -1) for s in sources}  # what the budget made it drop
         records = _exchange(host, f"swift/gen{generation}/coverage", mine)
         if why is None:
             why = _gap(records, sources, rerun, pp, session.env.dp, host.trainer.plan.microbatches)
         if why is not None:
-            log.warning("worker %s: stage(s) %s lost, cannot replay (%s): restarting from checkpoints", me, lost, why)
-            return None
+            raise RecoveryError(f"stage(s) {', '.join(map(str, lost))} lost, cannot replay ({why})")
         return sources
 
-    def _replacements(self, host: RecoveryHost, lost: list[int]) -> frozenset[Worker] | None:
-        """Wait until a replacement of every worker of the lost stages has announced itself (None: timed out)."""
+    def _replacements(self, host: RecoveryHost, lost: list[int]) -> frozenset[Worker]:
+        """Wait until a replacement of every worker of the lost stages has announced itself (`RecoveryError`: none
+        came within the agreement timeout)."""
         session = host.session
         view = session.view
         assert view is not None
@@ -179,9 +183,7 @@ class SwiftPolicy(RollbackPolicy):
         deadline = time.monotonic() + session.agree_timeout
         while pending_joins(session.store, view) & needed != needed:
             if time.monotonic() > deadline:
-                log.warning("worker %s: no replacement of stage(s) %s came: restarting from checkpoints",
-                            session.me, lost)
-                return None
+                raise RecoveryError(f"stage(s) {', '.join(map(str, lost))} lost, cannot replay (no replacement came)")
             if session.signal.wait(0.005):
                 raise GenerationAborted("a member failed while waiting for replacements: agree again")
         return needed
@@ -266,8 +268,10 @@ def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int,
                 held = {tuple(k) for w, r in records.items() if w.stage == neighbour
                         for k in r.get(str(s), {}).get(str(j), [])}
                 if held != every:
+                    dropped = any(r.get(DROPPED, {}).get(str(s), -1) >= j for w, r in records.items()
+                                  if w.stage == neighbour)
                     return f"stage {neighbour} holds {len(held)} of the {len(every)} chunks it sent stage {s} " \
-                           f"in iteration {j}"
+                           f"in iteration {j}" + (", dropped over the log budget" if dropped else "")
     return None
 
 

@@ -111,6 +111,9 @@ def test_a_gap_in_the_neighbours_logs_is_found() -> None:
     assert _gap(records, {1: 2}, 5, 3, 1, 2) == "stage 2 holds 1 of the 2 chunks it sent stage 1 in iteration 4"
     records[Worker(0, 2)]["1"]["4"] = every
     assert _gap(records, {1: 2}, 5, 3, 1, 2) is None
+    records[Worker(0, 0)].update({"1": {"4": every}, "dropped": {"1": 3}})  # the budget dropped its iteration 3
+    assert _gap(records, {1: 2}, 5, 3, 1, 2) == \
+        "stage 0 holds 0 of the 2 chunks it sent stage 1 in iteration 3, dropped over the log budget"
     assert lost_stages(Topology.of(3, 2, [Worker(0, 1), Worker(1, 1)])) == [1]
 
 
@@ -205,11 +208,12 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
 # ---- end to end ------------------------------------------------------------------------------------------------
 
 
-def _launch(tmp_path: Path, pp: int, dp: int, victims: str, iterations: int, every: int = 2) -> tuple[dict, str]:
+def _launch(tmp_path: Path, pp: int, dp: int, victims: str, iterations: int, every: int = 2,
+            budget: int = 1 << 30) -> tuple[dict, str]:
     plans, ckpt = tmp_path / "plans", tmp_path / "ckpt"
     precompile(pp, dp, 4, dp - 1, directory=plans, time_limit=1.0)
     return run_job(pp, dp, ["--respawn", "1", "--max-restarts", "1"],
-                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every)], 240)
+                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget)], 240)
 
 
 def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int) -> None:
@@ -271,6 +275,19 @@ def test_adjacent_lost_stages_fall_back_to_a_restart(tmp_path: Path) -> None:
     assert "adjacent stages lost" in err or "cannot replay" in err, err[-6000:]
     _assert_fault_free(results, 3, 1, 5)
     assert all(r["run"] == 1 and r["restored_from"] is not None for r in results.values())
+
+
+@pytest.mark.slow
+def test_a_log_over_its_budget_falls_back_to_a_restart(tmp_path: Path) -> None:
+    # Each end stage sends stage 1 512 bytes per iteration (4 chunks of 2 x 8 float64): a 512-byte
+    # budget holds one iteration, so killing stage 1 in iteration 6 (checkpoint 3) finds iteration 4 gone.
+    results, err = _launch(tmp_path, 3, 1, "0:1@6.0", 7, every=4, budget=512)
+    assert "Traceback" not in err, err[-6000:]
+    _assert_fault_free(results, 3, 1, 7)
+    for r in results.values():
+        assert r["run"] == 1 and r["restored_from"] == 3 and r["replayed"] == [], r["worker"]
+        assert r["restart_reason"] == "stage(s) 1 lost, cannot replay (stage 0 holds 0 of the 4 chunks it sent " \
+                                      "stage 1 in iteration 4, dropped over the log budget)", r["worker"]
 
 
 

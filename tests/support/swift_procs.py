@@ -48,7 +48,7 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     report = trainer.run(int(iterations))
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "run": report.run,
           "iterations": report.iterations, "restored_from": report.restored_from,
-          "iterations_lost": report.iterations_lost,
+          "iterations_lost": report.iterations_lost, "restart_reason": report.restart_reason,
           "resumed_at": report.resumed_at, "replayed": report.replayed, "replay_seconds": report.replay_seconds,
           "log_bytes": {str(i): n for i, n in report.log_bytes.items()}, "log_peak": report.log_peak,
           # a wide model's state would be megabytes of JSON in one write to a pipe: the benchmark needs none
