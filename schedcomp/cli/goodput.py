@@ -8,6 +8,7 @@ from typing import Any
 
 from schedcomp.cli.common import load_costs, positive_float, positive_int, print_json
 from schedcomp.cli.progress import ProgressBar
+from schedcomp.errors import SchedcompError
 
 STRATEGIES = ("adaptive", "lossy", "logging", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline",
               "oobleck", "bamboo")
@@ -61,6 +62,15 @@ def register(subparsers: Any) -> None:
                    help="failure agreement time (default: measured, 0.047)")
     p.add_argument("--switch-seconds", type=non_negative_float, metavar="X",
                    help="plan switch time, also paid when a repaired worker rejoins (default: measured, 0.008)")
+    logged = p.add_mutually_exclusive_group()
+    logged.add_argument("--logging-overhead", type=non_negative_float, metavar="F",
+                        help="the logging strategy's step-time overhead, measured (a fraction: 0.01 is 1 %%; e.g. "
+                        "bench/bench_logging.py --overhead's ms over the step's ms)")
+    logged.add_argument("--boundary-bytes", type=non_negative_float, metavar="B",
+                        help="bytes of one micro-batch's boundary tensor: the overhead is then modelled as the "
+                        "host copy of an activation and a gradient per micro-batch (default: neither, 2 %% assumed)")
+    p.add_argument("--copy-bytes-per-second", type=positive_float, metavar="W",
+                   help="device-to-host copy bandwidth for --boundary-bytes (default 1e10, pageable over PCIe 4)")
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, metavar="NAME",
                    help=f"only these strategies (default all: {', '.join(STRATEGIES)})")
     p.add_argument("--fidelity", choices=("auto", "exact", "fast"), default="auto",
@@ -77,6 +87,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from schedcomp.goodput import (
         MEASURED,
+        LoggingCosts,
         Recovery,
         goodput,
         load_trace,
@@ -100,13 +111,17 @@ def run(args: argparse.Namespace) -> int:
     recovery = Recovery(given(args.detection_seconds, MEASURED.detection_s),
                         given(args.agreement_seconds, MEASURED.agreement_s),
                         given(args.switch_seconds, MEASURED.switch_s))
+    copy = {} if args.copy_bytes_per_second is None else {"copy_bytes_per_s": args.copy_bytes_per_second}
+    if copy and args.boundary_bytes is None:
+        raise SchedcompError("--copy-bytes-per-second needs --boundary-bytes (it models the logging overhead)")
+    logging = LoggingCosts(overhead=args.logging_overhead, boundary_bytes=args.boundary_bytes, **copy)
     with ProgressBar("goodput", "strategy", quiet=args.quiet) as bar:
         result = goodput(args.pp, args.dp, args.microbatches, failures, duration_s=duration,
                          checkpoint_s=args.checkpoint_seconds, restart_s=args.restart_seconds, system_mtbf_s=mtbf,
                          costs=load_costs(args.costs, args.pp), iteration_s=args.iteration_seconds,
                          recovery=recovery, spares=not args.no_spares,
                          strategies=tuple(args.strategies or STRATEGIES), fidelity=args.fidelity,
-                         samples=400 if args.png else 0, progress=bar)
+                         samples=400 if args.png else 0, progress=bar, logging=logging)
     if args.png:
         from schedcomp.goodput.draw import draw_goodput
 
@@ -117,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"pp={args.pp} dp={args.dp} micro-batches={args.microbatches}: {args.days:g} days, "
           f"{len(result.failures)} failures (system MTBF {_hours(result.system_mtbf_s)}), fault-free "
           f"{result.fault_free_goodput:.4g} iterations/h, rates: {result.fidelity} ({result.scenarios} failure sets)")
+    if "logging" in (args.strategies or STRATEGIES):
+        how = "measured" if args.logging_overhead is not None else \
+            "modelled" if args.boundary_bytes is not None else "assumed"
+        print(f"  logging overhead {result.logging_overhead:.2%} per iteration ({how})")
     print(f"  {'strategy':<24} {'iter/h':>10} {'relative':>9} {'ceiling':>8} {'stops':>6} {'lost h':>8} "
           f"{'ckpt every':>11}")
     for r in result.runs:

@@ -5,8 +5,9 @@
     result = goodput(pp, dp, microbatches, fails, duration_s=..., checkpoint_s=60, restart_s=600,
                      system_mtbf_s=system_mtbf(pp, dp, 50_000))
 
-`model` holds the door and the strategies, `failures` the failure model and trace reader, `rates`
-each strategy's throughput per canonical failure set, `engine` the walk through time. No torch.
+`model` holds the door and the strategies, `replay_costs` logging-based recovery's terms, `failures`
+the failure model and trace reader, `rates` each strategy's throughput per canonical failure set,
+`engine` the walk through time. No torch.
 """
 
 from schedcomp.goodput.failures import Failure, load_trace, observed_mtbf, parse_trace, poisson_failures, system_mtbf
@@ -14,6 +15,7 @@ from schedcomp.goodput.model import (
     MEASURED,
     STRATEGIES,
     GoodputResult,
+    LoggingCosts,
     Recovery,
     StrategyRun,
     first_order,
@@ -26,6 +28,7 @@ __all__ = [
     "STRATEGIES",
     "Failure",
     "GoodputResult",
+    "LoggingCosts",
     "Recovery",
     "StrategyRun",
     "first_order",

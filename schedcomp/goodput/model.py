@@ -16,7 +16,8 @@ failure set); `engine.run` walks the run in time. Strategies:
   by replaying its neighbours' logs (SWIFT, `runtime.fault.swift`) instead of restarting the job:
   the pause, `restart_s` for the replacements to start, then `replay_s` per iteration since the
   checkpoint (one stage's share of an iteration, all its micro-batches, from the cost model); every
-  iteration costs `LoggingCosts.overhead` more. Two adjacent lost stages restart as adaptive does.
+  iteration costs logging's overhead more: measured, or modelled from the boundary tensors' bytes and
+  the copy bandwidth, or an assumed 2 % (`replay_costs`). Two adjacent lost stages restart as adaptive does.
 - drop-pipeline, oobleck, bamboo: `schedcomp.baselines`' models, recovering as adaptive does (the
   same measured pause: in their favour, as none of them was measured here).
 
@@ -37,6 +38,7 @@ from schedcomp.errors import SchedcompError
 from schedcomp.goodput.engine import Outcome, Policy, run
 from schedcomp.goodput.failures import HOUR, Failure
 from schedcomp.goodput.rates import Rates
+from schedcomp.goodput.replay_costs import LOGGING, LoggingCosts, replay_seconds
 from schedcomp.topology import Topology, Worker
 
 STRATEGIES = ("adaptive", "lossy", "logging", "checkpoint-restart", "checkpoint-restart-best", "drop-pipeline",
@@ -63,34 +65,6 @@ class Recovery:
 MEASURED = Recovery(detection_s=0.041, agreement_s=0.047, switch_s=0.008)
 """Measured by `python bench/bench_fault.py --quick` (Table 1, 4 processes on CPU/gloo, death notice
 path): broken 0.041 s, agreed 0.088 s, working on the new generation 0.096 s after the death."""
-
-
-@dataclass(frozen=True)
-class LoggingCosts:
-    """Logging-based recovery's terms: the step-time overhead of logging (a fraction) and replay's speed.
-
-    `replay_speed`: replaying an iteration of a stage takes its compute share (every micro-batch's
-    F, B and W and its optimizer step, from the cost model) divided by this.
-    """
-
-    overhead: float = 0.02
-    replay_speed: float = 1.0
-
-
-LOGGING = LoggingCosts()
-"""Defaults, assumed: 2 % step-time overhead, conservative (`python bench/bench_logging.py --overhead`
-measures tens of microseconds per CPU iteration for logging in host memory; a GPU job also copies each
-boundary tensor to the host); replay as fast as the original compute of the stage."""
-
-
-def replay_seconds(costs: CostModel, dp: int, microbatches: int, period: float, iteration_s: float,
-                   speed: float = 1.0) -> float:
-    """Seconds to replay one iteration of the slowest stage alone: all `dp x microbatches` micro-batches."""
-    def stage(s: int) -> float:
-        step = costs.optimizer[s] if costs.optimizer else 0.0
-        return dp * microbatches * (costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]) + step
-
-    return max(stage(s) for s in range(costs.pp)) * iteration_s / period / speed
 
 
 @dataclass(frozen=True)
@@ -125,6 +99,7 @@ class GoodputResult:
     failures: tuple[Failure, ...]
     fidelity: str
     scenarios: int  # distinct canonical failure sets evaluated
+    logging_overhead: float = 0.0  # the logging strategy's step-time overhead (a fraction; `replay_costs`)
 
 
 def young_daly(checkpoint_s: float, mtbf_s: float) -> float:
@@ -165,15 +140,14 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
     if iteration_s is None:
         iteration_s = period
     _check_seconds(iteration_s=iteration_s, positive=True)
-    if not (0 <= logging.overhead < math.inf and logging.replay_speed > 0):
-        raise SchedcompError(f"logging overhead must be >= 0 and replay speed > 0, got {logging}")
     replay_s = replay_seconds(costs, dp, microbatches, period, iteration_s, logging.replay_speed)
+    overhead = logging.step_overhead(microbatches, iteration_s)
     runs = []
     for name in strategies:
         outcome, interval = _strategy(name, failures, rates, recovery, duration_s=duration_s,
                                       checkpoint_s=checkpoint_s, restart_s=restart_s, mtbf_s=system_mtbf_s,
                                       iteration_s=iteration_s, spares=spares, samples=samples,
-                                      replay=(replay_s, 1.0 + logging.overhead))
+                                      replay=(replay_s, 1.0 + overhead))
         fault_free = duration_s / iteration_s  # iterations the fault-free job would deliver
         runs.append(StrategyRun(
             strategy=name, goodput=outcome.useful * HOUR / duration_s, relative_goodput=outcome.useful / fault_free,
@@ -184,7 +158,7 @@ def goodput(pp: int, dp: int, microbatches: int, failures: Sequence[Failure], *,
         if progress is not None:
             progress(len(runs), len(strategies), name)
     return GoodputResult(tuple(runs), HOUR / iteration_s, iteration_s, duration_s, system_mtbf_s,
-                         tuple(failures), rates.fidelity, rates.scenarios)
+                         tuple(failures), rates.fidelity, rates.scenarios, overhead)
 
 
 def _strategy(name: str, failures: Sequence[Failure], rates: Rates, recovery: Recovery, *, duration_s: float,

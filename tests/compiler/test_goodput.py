@@ -265,3 +265,44 @@ def test_logging_strategy_in_goodput_replays_where_adaptive_stops():
                          iteration_s=1.0, recovery=NO_PAUSE, strategies=("adaptive", "logging")))
     assert rows["adaptive"].stops == 1 and rows["logging"].stops == 0
     assert rows["logging"].relative_goodput > rows["adaptive"].relative_goodput
+
+
+def test_logging_overhead_is_measured_or_modelled_from_the_boundary_bytes_or_assumed():
+    from schedcomp.goodput.replay_costs import ASSUMED_OVERHEAD, LoggingCosts
+
+    # 8 micro-batches, 40 MB boundaries, 10 GB/s, 10 s iterations: 2 x 8 x 4e7 / 1e10 = 0.064 s of 10 s
+    assert LoggingCosts(boundary_bytes=4e7).step_overhead(8, 10.0) == pytest.approx(0.0064)
+    assert LoggingCosts(boundary_bytes=4e7, copy_bytes_per_s=2e10).step_overhead(8, 10.0) == pytest.approx(0.0032)
+    assert LoggingCosts(overhead=0.05).step_overhead(8, 10.0) == 0.05
+    assert LoggingCosts().step_overhead(8, 10.0) == ASSUMED_OVERHEAD
+    for bad in ({"overhead": 0.1, "boundary_bytes": 1.0}, {"overhead": -0.1}, {"boundary_bytes": math.inf},
+                {"copy_bytes_per_s": 0.0}, {"replay_speed": True}):
+        with pytest.raises(SchedcompError, match="logging"):
+            LoggingCosts(**bad)
+
+
+def test_goodput_charges_the_modelled_logging_overhead_on_every_iteration():
+    from schedcomp.goodput.replay_costs import LoggingCosts
+
+    # no failures: logging delivers the fault-free iterations divided by 1 + overhead (0.064 here)
+    result = goodput(4, 1, 8, (), duration_s=10000.0, checkpoint_s=10.0, restart_s=60.0, system_mtbf_s=1e5,
+                     iteration_s=1.0, recovery=NO_PAUSE, strategies=("adaptive", "logging"),
+                     logging=LoggingCosts(boundary_bytes=4e7))
+    assert result.logging_overhead == pytest.approx(0.064)
+    assert _rows(result)["logging"].relative_goodput == pytest.approx(1 / 1.064, rel=1e-3)
+    assert _rows(result)["adaptive"].relative_goodput == pytest.approx(1.0)
+
+
+def test_goodput_cli_takes_the_logging_overhead_measured_or_modelled(capsys):
+    base = ["goodput", "--pp", "4", "-m", "8", "--days", "1", "--gpu-mtbf-hours", "2000", "--iteration-seconds",
+            "10", "--strategies", "logging", "-q"]
+    assert main([*base, "--boundary-bytes", "4e7"]) == 0
+    assert "logging overhead 0.64% per iteration (modelled)" in capsys.readouterr().out
+    assert main([*base, "--logging-overhead", "0.05"]) == 0
+    assert "logging overhead 5.00% per iteration (measured)" in capsys.readouterr().out
+    assert main(base) == 0
+    assert "logging overhead 2.00% per iteration (assumed)" in capsys.readouterr().out
+    assert main([*base, "--copy-bytes-per-second", "2e10"]) == 2
+    assert "needs --boundary-bytes" in capsys.readouterr().err
+    assert main([*base, "--logging-overhead", "0.05", "--boundary-bytes", "4e7"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
