@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import socket
 import tempfile
 import time
@@ -29,14 +28,12 @@ import torch.multiprocessing as mp
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import backend_config, backend_spec, local_device
 from schedcomp.runtime.fault.store import LOOPBACK
+from schedcomp.runtime.fault.zygote import take_over
 
 
 def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: int, args: tuple[Any, ...],
            backend: str | None, port: int, env: dict[str, str], cwd: str) -> None:
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    random.seed()
+    take_over(env, cwd)
     torch.set_num_threads(threads)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     os.environ["LOCAL_RANK"] = str(rank)  # one host: the rank is the local rank (its GPU under NCCL)

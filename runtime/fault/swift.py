@@ -170,7 +170,7 @@ class SwiftPolicy(RollbackPolicy):
         if why is None:
             why = _gap(records, sources, rerun, pp, session.env.dp, host.trainer.plan.microbatches)
         if why is not None:
-            raise RecoveryError(f"stage(s) {', '.join(map(str, lost))} lost, cannot replay ({why})")
+            raise _cannot_replay(lost, why)
         return sources
 
     def _replacements(self, host: RecoveryHost, lost: list[int]) -> frozenset[Worker]:
@@ -183,7 +183,7 @@ class SwiftPolicy(RollbackPolicy):
         deadline = time.monotonic() + session.agree_timeout
         while pending_joins(session.store, view) & needed != needed:
             if time.monotonic() > deadline:
-                raise RecoveryError(f"stage(s) {', '.join(map(str, lost))} lost, cannot replay (no replacement came)")
+                raise _cannot_replay(lost, "no replacement came")
             if session.signal.wait(0.005):
                 raise GenerationAborted("a member failed while waiting for replacements: agree again")
         return needed
@@ -256,6 +256,11 @@ def replay_sources(lost: list[int], pp: int, logging: LoggingPolicy, complete: M
     if min(sources.values()) < 0:
         return sources, "no checkpoint of a lost stage before the iteration to re-run"
     return sources, None
+
+
+def _cannot_replay(lost: list[int], why: str) -> RecoveryError:
+    """The fallback's one line: the trainer restarts from checkpoints with it as the restart's reason."""
+    return RecoveryError(f"stage(s) {', '.join(map(str, lost))} lost, cannot replay ({why})")
 
 
 def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int, pp: int, dp: int,

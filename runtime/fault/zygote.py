@@ -6,7 +6,7 @@ a replacement it is time the survivors wait. With `--preload torch,schedcomp.run
 starts one *zygote* (`python -m schedcomp.runtime.fault.zygote`) that imports those modules once
 and then forks a worker per request: the worker runs its script (`python script.py ...` or
 `python -m module ...`) as the interpreter would, with its own environment, `sys.argv` and
-`sys.path[0]`, and exits through the normal interpreter shutdown.
+`sys.path[0]`, and ends as a forked `multiprocessing` child does (`become`).
 
 Why a separate process rather than forking the launcher: the launcher runs threads (the store's
 server, its fence) and a fork copies only the forking thread, with whatever locks the others held;
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from schedcomp.errors import RecoveryError
 
@@ -120,8 +120,7 @@ class Zygote:
     def spawn(self, command: Sequence[str], env: dict[str, str]) -> ForkedProcess:
         target = python_target(command)
         assert target is not None, command
-        script, module, args = target
-        line = json.dumps({"script": script, "module": module, "args": args, "env": env}) + "\n"
+        line = json.dumps(asdict(Request(*target, env))) + "\n"
         os.write(self._requests, line.encode())
         pid = self._reader.readline().strip()
         done = self._reader.readline().strip()  # the zygote reaped the middle process: the worker is ours
@@ -148,19 +147,29 @@ def serve(requests: int, replies: int) -> Request:
     """Fork a worker per request; returns only in a worker (the zygote itself exits when the launcher closes)."""
     reader = os.fdopen(requests, "r")
     while line := reader.readline():
-        fields = json.loads(line)
+        request = Request(**json.loads(line))
         middle = os.fork()
         if middle == 0:
             worker = os.fork()
             if worker == 0:
                 reader.close()
                 os.close(replies)
-                return Request(fields["script"], fields["module"], fields["args"], fields["env"])
+                return request
             os.write(replies, f"{worker}\n".encode())
             os._exit(0)
         os.waitpid(middle, 0)  # once it is gone, the worker is the launcher's (the subreaper's) child
         os.write(replies, b"ok\n")
     sys.exit(0)
+
+
+def take_over(env: dict[str, str], cwd: str | None = None) -> None:
+    """Make a forked process start as a fresh interpreter would: with `env` (and `cwd`) and a fresh random
+    seed, not the state of the process it was forked from (this zygote, or a multiprocessing fork server)."""
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    random.seed()
 
 
 def become(request: Request) -> int:
@@ -171,9 +180,7 @@ def become(request: Request) -> int:
     the interpreter's own shutdown: that would tear down every module the zygote imported, touching
     (and so copying) each page the worker shares with it, seconds of CPU per worker.
     """
-    os.environ.clear()
-    os.environ.update(request.env)
-    random.seed()  # a fork shares the zygote's generator state: reseed as a new interpreter would
+    take_over(request.env)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote ignores ^C; a worker takes it as usual
     code = 0
     try:
