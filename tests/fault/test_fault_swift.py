@@ -226,11 +226,11 @@ def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int) -> None
             assert diff <= TOLERANCE, (r["worker"], name, diff)
 
 
-def _assert_rebuilt_by_replay(results: dict, lost: int, every: int) -> None:
+def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) -> None:
     """The survivors never restarted nor restored anything; the replacements replayed since the checkpoint."""
     rebuilt = [r for r in results.values() if Worker.parse(r["worker"]).stage == lost]
     for r in results.values():
-        assert r["run"] == 0, r["worker"]
+        assert r["run"] == 0, (r["worker"], r["restart_reason"], err[-8000:])
         if r in rebuilt:
             source, start = r["restored_from"], r["resumed_at"]
             assert r["incarnation"] == 1 and source is not None and (source + 1) % every == 0
@@ -250,7 +250,7 @@ def test_a_lost_stage_of_a_dp1_pipeline_is_rebuilt_by_replay(tmp_path: Path) -> 
     results, err = _launch(tmp_path, 4, 1, f"0:{lost}@{iteration}.{index}", 6)
     assert "Traceback" not in err, err[-6000:]
     _assert_fault_free(results, 4, 1, 6)
-    _assert_rebuilt_by_replay(results, lost, 2)
+    _assert_rebuilt_by_replay(results, lost, 2, err)
 
 
 @pytest.mark.slow
@@ -263,7 +263,7 @@ def test_both_replicas_of_a_stage_lost_in_a_dp2_job_are_rebuilt_by_replay(tmp_pa
     results, err = _launch(tmp_path, 3, 2, victims, 6)
     assert "Traceback" not in err, err[-6000:]
     _assert_fault_free(results, 3, 2, 6)
-    _assert_rebuilt_by_replay(results, lost, 2)
+    _assert_rebuilt_by_replay(results, lost, 2, err)
 
 
 @pytest.mark.slow
