@@ -110,17 +110,34 @@ def announce_join(store: Store, me: Worker, incarnation: int) -> None:
     store.add(Keys.events(), 1)
 
 
-def admit(store: Store, me: Worker, incarnation: int, pp: int, dp: int, detector: FailureDetector, *,
+def counted_failed(store: Store, me: Worker, *, timeout: float, poll: float = 0.005) -> View:
+    """A replacement for `me`, before any sign of life: wait for a proposed view that counts `me` failed; return it.
+
+    Until the survivors propose one, they may not know yet that its predecessor died, and a
+    replacement must not hide it from them: its incarnation in the store makes the launcher's
+    death notice look stale to their detectors, its heartbeats (on the same key) make the
+    predecessor look alive, and acknowledging a view that still counts the predecessor, proposed
+    by a survivor that only saw a broken connection, would seal it with us taken for the
+    predecessor, state and all. Failed sets only grow from one proposal to the next except by an
+    admission, which needs our announcement, so every view after this one counts us failed too.
+    """
+    deadline = time.monotonic() + timeout
+    while (known := latest_view(store)) is None or me not in known.failed:
+        _tick(deadline, poll, f"no generation counts {me} failed yet, so no replacement of it can be admitted")
+    return known
+
+
+def admit(store: Store, me: Worker, incarnation: int, known: View, detector: FailureDetector, *,
           timeout: float) -> tuple[View, float]:
     """A replacement for `me`: announce itself, wait until the survivors admit it; (the view, when it announced).
 
-    The newest view is read *before* announcing: the survivors propose the view that admits us only
-    after they see the announcement, so it comes after the one read. Read after announcing, it could
-    already be that view; we would then wait for the generation after it, while it waits for our
-    acknowledgement (both until the agreement timeout). The exhaustive model starts a replacement
-    the same way (`tests/support/protocol_model.admission`).
+    `known` is the view `counted_failed` returned, read *before* announcing: the survivors propose
+    the view that admits us only after they see the announcement, so it comes after the one read.
+    Read after announcing, it could already be that view; we would then wait for the generation
+    after it, while it waits for our acknowledgement (both until the agreement timeout). The
+    exhaustive model starts a replacement the same way (`tests/support/protocol_model.admission`:
+    the joiner is failed in the view it knows).
     """
-    known = latest_view(store) or View(-1, View.initial(pp, dp).topology)
     announce_join(store, me, incarnation)
     announced_at = time.time()
     return agree(store, known, me, detector, propose=False, timeout=timeout), announced_at

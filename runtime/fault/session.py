@@ -44,6 +44,7 @@ from schedcomp.runtime.fault.agreement import (
     admit,
     agree,
     agreed_switch,
+    counted_failed,
     join_job,
     pending_joins,
     propose_switch,
@@ -89,11 +90,13 @@ class FaultSession:
 
     def start(self) -> View:
         """Join the job (generation 0) or, for a replacement, wait until the survivors admit it."""
+        # A replacement gives no sign of life before the survivors count its predecessor failed.
+        known = counted_failed(self.store, self.me, timeout=self.agree_timeout) if self.env.rejoining else None
         self.heartbeat.start()
         self.detector.start()
-        if self.env.rejoining:
-            view, self.announced_at = admit(self.store, self.me, self.env.incarnation, self.env.pp, self.env.dp,
-                                            self.detector, timeout=self.agree_timeout)
+        if known is not None:
+            view, self.announced_at = admit(self.store, self.me, self.env.incarnation, known, self.detector,
+                                            timeout=self.agree_timeout)
         else:
             view = join_job(self.store, self.env.pp, self.env.dp, self.me, self.detector, timeout=self.agree_timeout)
         self._enter(view)
