@@ -31,13 +31,12 @@ from schedcomp.solvers.bounds import _water_level
 from schedcomp.solvers.problem import Problem
 
 _TOL = 1e-9
-PIECES = (math.inf, 0.5)
-"""The largest piece, in micro-batches, of the cuts `adaptive_order` tries (inf: one piece per peer's part).
-Smaller pieces hold less activation, so under a memory limit they fill a peer's bubbles better; whole
-parts keep the fewest ops."""
+PIECES = (2.0, 0.5)
+"""The largest piece, in micro-batches, of the cuts `adaptive_order` tries. Smaller pieces hold less
+activation, so under a memory limit they fill a peer's bubbles better; larger ones keep fewer ops."""
 
 
-def recut(problem: Problem, piece: float = math.inf) -> tuple[Cut, dict[tuple[int, int, int], int]]:
+def recut(problem: Problem, piece: float = PIECES[0]) -> tuple[Cut, dict[tuple[int, int, int], int]]:
     """The cut and the routing of `problem`'s failed workers' micro-batches (see the module docstring), in
     pieces of at most `piece` micro-batches."""
     topology = problem.topology
@@ -45,6 +44,9 @@ def recut(problem: Problem, piece: float = math.inf) -> tuple[Cut, dict[tuple[in
         raise ScheduleError("re-cut micro-batches run one stage per worker, not chunks="
                             f"{topology.chunks}: drop recut or the virtual stages")
     m = problem.microbatches
+    costs = problem.costs
+    # A piece runs at every stage of its pipeline: no larger than what each stage's limit holds alone.
+    piece = min([piece, *(costs.limit_at(s) / costs.activation[s] for s in range(problem.pp) if costs.activation[s])])
     bounds: dict[int, tuple[float, ...]] = {}
     routing: dict[tuple[int, int, int], int] = {}  # (pipeline, piece, stage) -> worker id
     failed_at = [sorted(w.pipeline for w in topology.failed if w.stage == s) for s in range(problem.pp)]
