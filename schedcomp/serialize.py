@@ -365,6 +365,9 @@ def order_to_torch_csv(order: Order) -> str:
 
 def plan_to_torch_csv(plan: Plan) -> str:
     """PyTorch's compute-only CSV of a fault-free plan (PlanFormatError otherwise)."""
+    if plan.cut:
+        raise PlanFormatError("PyTorch's CSV has no micro-batch sizes: a plan with re-cut micro-batches cannot be "
+                              "written as one")
     order = Order(plan.topology, plan.microbatches, {w: plan.compute_ops(w) for w in plan.streams}, plan.family)
     return order_to_torch_csv(order)
 

@@ -180,3 +180,14 @@ def test_an_op_of_a_piece_is_named_like_a_micro_batch() -> None:
     ops = {op for w in plan.workers for op in plan.compute_ops(w) if op.pipeline == 1}
     assert {op.microbatch for op in ops} == {0, 1, 2}
     assert Instruction.compute(Op(OpKind.F, 1, 2, 0)) in plan.streams[plan.workers[2]]
+
+
+def test_critical_path_and_torch_csv_know_the_cut() -> None:
+    from schedcomp.graph import critical_path
+    from schedcomp.serialize import plan_to_torch_csv
+
+    plan = _cut_plan()
+    check(plan)
+    assert critical_path(plan)[0] == pytest.approx(simulate(plan).makespan)
+    with pytest.raises(PlanFormatError, match="re-cut"):
+        plan_to_torch_csv(plan)
