@@ -1,7 +1,7 @@
 """Re-cut micro-batches run exactly: unequal pieces, each loss weighted by its samples, equal the
 single-process model on the same global batch (CPU, gloo, float64, 1e-10).
 
-The model, optimizer and comparison are `test_runtime_equivalence`'s; the batch has more rows per
+The model, optimizer and single-process reference are `test_runtime_equivalence`'s; the batch has more rows per
 micro-batch so that every piece holds whole samples, and some pieces round to unequal row counts.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_runtime_equivalence import ITERATIONS, SEQ, H, build_block, make_optimizer
+from test_runtime_equivalence import ITERATIONS, SEQ, H, build_block, make_optimizer, reference
 from torch import Tensor
 
 from schedcomp import CostModel, Plan, Topology
@@ -50,29 +50,10 @@ def run_plan(rank: int, plan: Plan, outdir: str) -> None:
     torch.save(result, Path(outdir) / f"{rank}.pt")
 
 
-def reference(plan: Plan) -> tuple[list[float], list[dict[str, Tensor]]]:
-    """The whole model in this process, on the whole global batch."""
-    pp = plan.topology.pp
-    stages = [build_block(s, pp, DTYPE) for s in range(pp)]
-    optimizer = make_optimizer([p for m in stages for p in m.parameters()])
-    (x, positions), y = make_batch(plan.topology.dp * plan.microbatches)
-    losses = []
-    for _ in range(ITERATIONS):
-        out: Tensor | tuple[Tensor, Tensor] = (x, positions)
-        for m in stages:
-            out = m(*out) if isinstance(out, tuple) else m(out)
-        assert isinstance(out, Tensor)
-        loss = F.mse_loss(out, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, [m.state_dict() for m in stages]
-
-
 def run_and_compare(plan: Plan, tmp_path: Path) -> None:
     spawn(run_plan, len(plan.workers), (plan, str(tmp_path)), timeout=150.0)
-    want_losses, want_states = reference(plan)
+    chunks = plan.topology.dp * plan.microbatches
+    want_losses, want_states = reference(plan.topology.pp, chunks, DTYPE, make_batch(chunks))
     results = [torch.load(f) for f in sorted(tmp_path.glob("*.pt"))]
     assert sorted(r["worker"] for r in results) == sorted(map(str, plan.workers))
     for result in results:
