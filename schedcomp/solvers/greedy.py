@@ -188,8 +188,8 @@ def list_schedule(
             slot = wqw.popleft()
             kind = 2
         else:
-            room = limits[w] - mem[w] - reserved[w]
-            mem_ok = unit[s] * big <= room
+            held_now = mem[w] + reserved[w]
+            mem_ok = held_now + unit[s] * big <= limits[w]
             # Re-cut pieces are admitted by their own activation, not the largest micro-batch's.
             f_ok = infl[w] < window[w] - _EPS and (mem_ok or sizes is not None)
             pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
@@ -197,10 +197,11 @@ def list_schedule(
             own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
             other = pool[s][0] if f_ok and pool_ok and pool[s][0][0] <= t else None
             if sizes is not None:
-                own = own if own is None or unit[s] * sizes[own[3]] <= room else None
-                other = other if other is None or unit[s] * sizes[other[3]] <= room else None
+                own = own if own is None or held_now + unit[s] * sizes[own[3]] <= limits[w] else None
+                other = other if other is None or held_now + unit[s] * sizes[other[3]] <= limits[w] else None
                 xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
-                piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t and unit[s] * sizes[xqw[0][3]] <= room else None
+                piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
+                piece = piece if piece is None or held_now + unit[s] * sizes[piece[3]] <= limits[w] else None
                 if piece is not None and own is None and other is None and later is None:
                     slot = heapq.heappop(xqw)[3]
                     kind = 0
