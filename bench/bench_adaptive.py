@@ -13,7 +13,8 @@ Prints four tables, every figure measured in this run on the simulator:
 3. the gap of greedy and of CP-SAT (warm-started from it, fixed time) to the work-conservation bound on
    large jobs;
 4. compile time: greedy at pp=16, dp=64, M=32 with 8 failures (target 2 s), and precompiling every
-   scenario with up to 2 failures at pp=8, dp=16 (target 60 s).
+   scenario with up to 2 failures at pp=8, dp=16 (target 60 s);
+5. re-cut micro-batches against whole ones (`python bench/bench_adaptive.py --only 5`, under a minute).
 """
 
 from __future__ import annotations
@@ -210,6 +211,33 @@ def table_compile_time(quick: bool, precompile_m: int, jobs: int) -> None:
           f"{jobs} process(es): wall {wall:.1f} s (target 60 s for pp=8 dp=16)")
 
 
+RECUT_CASES = [  # (pp, dp, M, failed): issue 14's case first
+    (4, 8, 8, ["3:1"]),
+    (4, 4, 4, ["1:2"]),
+    (8, 4, 8, ["0:3", "2:5"]),
+    (8, 8, 16, ["1:1", "5:1"]),
+]
+
+
+def table_recut() -> None:
+    print("\n## 5. Re-cut micro-batches (`compile(..., recut=True)`): period, whole micro-batches against re-cut,")
+    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work bound")
+    print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9}")
+    from schedcomp.compiler import compile
+    from schedcomp.simulator import simulate
+
+    for pp, dp, m, failed in RECUT_CASES:
+        for limit in (None, "fault-free"):
+            whole = simulate(compile(pp, dp, m, failed=failed, memory_limit=limit)).period
+            began = time.perf_counter()
+            plan = compile(pp, dp, m, failed=failed, memory_limit=limit, recut=True)
+            seconds = time.perf_counter() - began
+            pieces = sum(len(b) - 1 for _, b in plan.cut.bounds)
+            case = f"pp={pp} dp={dp} M={m} fail {','.join(failed)}"
+            print(f"  {case:<30} {limit or 'none':<10} {whole:8.2f} {simulate(plan).period:8.2f} "
+                  f"{plan.lower_bound or 0:8.2f} {pieces:7d} {seconds:9.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tables (a smoke run)")
@@ -217,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-cpsat-seconds", type=float, default=15.0, help="CP-SAT time limit per large job")
     parser.add_argument("--precompile-microbatches", type=int, default=16)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="precompile processes")
-    parser.add_argument("--only", choices=("1", "2", "3", "4"), action="append", help="run only these tables")
+    parser.add_argument("--only", choices=("1", "2", "3", "4", "5"), action="append", help="run only these tables")
     args = parser.parse_args(argv)
-    only = set(args.only or "1234")
+    only = set(args.only or "12345")
     began = time.perf_counter()
     print(f"# bench_adaptive ({'quick' if args.quick else 'full'}), python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
@@ -231,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         table_large_gaps(args.quick, args.large_cpsat_seconds)
     if "4" in only:
         table_compile_time(args.quick, args.precompile_microbatches, args.jobs)
+    if "5" in only:
+        table_recut()
     print(f"\n(bench took {time.perf_counter() - began:.0f} s)")
     return 0
 

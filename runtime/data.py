@@ -3,12 +3,17 @@
 Micro-batch m of home pipeline p is chunk `p * microbatches + m` of the global batch, cut along
 dimension 0 into `dp * microbatches` equal chunks. Whoever runs the first or last stage of that
 micro-batch (its home pipeline or a peer it was re-routed to) loads the same samples and targets.
+
+A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's share (its M chunks
+together) into pieces of unequal sizes instead: piece m holds the rows `piece_rows` gives, rounded to
+whole samples, and its loss is weighted by its rows over the global batch's (`Iteration.scale_of`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from schedcomp.cut import Cut
 from schedcomp.errors import RuntimeSetupError
 
 Tensors = Tensor | tuple[Tensor, ...]
@@ -42,3 +47,35 @@ def micro_batch(value: Tensors, index: int, count: int) -> Tensors:
         rows = size // count
         return value[index * rows : (index + 1) * rows]
     return tuple(micro_batch(v, index, count) for v in as_tuple(value))
+
+
+def batch_rows(value: Tensors) -> int:
+    """Rows (samples) of a global batch: the leading dimension of its first tensor."""
+    first = as_tuple(value)[0]
+    return int(first.shape[0]) if first.dim() else 0
+
+
+def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chunks: int, rows: int) -> tuple[int, int]:
+    """The rows [start, stop) of the global batch (`rows` of them, cut into `chunks` regular micro-batches)
+    that micro-batch `microbatch` of `pipeline` covers, under `cut` (re-cut pieces, or whole micro-batches)."""
+    if rows == 0 or rows % chunks:
+        raise RuntimeSetupError(
+            f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
+            f"use a batch size that is a multiple of {chunks}"
+        )
+    per = rows // chunks
+    start, stop = cut.rows(pipeline, microbatch, per)
+    if stop <= start:
+        raise RuntimeSetupError(
+            f"micro-batch {microbatch} of pipeline {pipeline} is a piece of {cut.size(pipeline, microbatch):.3g} "
+            f"micro-batches, no whole sample of the {per} per micro-batch: use a larger batch with this re-cut plan"
+        )
+    offset = pipeline * microbatches * per
+    return offset + start, offset + stop
+
+
+def take_rows(value: Tensors, start: int, stop: int) -> Tensors:
+    """Rows [start, stop) of `value` (a tensor or a tuple of them) along dim 0."""
+    if isinstance(value, Tensor):
+        return value[start:stop]
+    return tuple(v[start:stop] for v in as_tuple(value))

@@ -4,7 +4,8 @@ Semantics (docs/design.md): receives are posted in stream order and never block;
 only for the receives of its own inputs; a send is posted right after its producer and never
 blocks; sends are waited on when the stream ends (their buffers live until then). ALLREDUCE sums
 the stage's gradients over its live workers (each micro-batch's loss was already scaled by
-1 / (dp * microbatches)); STEP runs the optimizer. Nothing waits on other stages after that: the
+1 / (dp * microbatches), or by its samples over the global batch's for a re-cut piece); STEP runs the
+optimizer. Nothing waits on other stages after that: the
 next iteration starts at once (staggered optimizer).
 
 Virtual stages: a worker holds one `Stage` per chunk (`Iteration.stages`, by virtual stage) and
@@ -29,7 +30,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
-from schedcomp.runtime.data import Tensors, as_tuple, chunk_index, micro_batch
+from schedcomp.runtime.data import Tensors, as_tuple, batch_rows, chunk_index, micro_batch, piece_rows, take_rows
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
@@ -90,6 +91,19 @@ class Iteration:
     def chunks(self) -> int:
         return self.plan.topology.dp * self.plan.microbatches
 
+    def rows_of(self, op: Op) -> tuple[int, int]:
+        """The rows of the global batch `op`'s micro-batch covers (a piece of it, in a re-cut plan)."""
+        plan = self.plan
+        return piece_rows(plan.cut, op.pipeline, op.microbatch, plan.microbatches, self.chunks,
+                          batch_rows(self.inputs))
+
+    def scale_of(self, op: Op) -> float:
+        """The weight of `op`'s micro-batch's (mean) loss: its share of the global batch's samples."""
+        if not self.plan.cut:
+            return 1.0 / self.chunks
+        start, stop = self.rows_of(op)
+        return (stop - start) / batch_rows(self.inputs)
+
     def tag(self, ins: Instruction, part: int) -> int:
         # The transfer's id in the plan's index (the same on both ends), so unique per message of an
         # iteration, and differs between consecutive iterations (a sender is never more than one
@@ -134,6 +148,9 @@ class Iteration:
 
     def post_recvs(self, direction: int, ins: Instruction, metas: tuple[TensorMeta, ...]) -> None:
         assert ins.op is not None and ins.peer is not None
+        if self.plan.cut and ins.op.pipeline in self.plan.cut.pipelines:  # a piece: its own rows, not a whole one's
+            start, stop = self.rows_of(ins.op)
+            metas = tuple(TensorMeta((stop - start, *m.shape[1:]), m.dtype) for m in metas)
         buffers = tuple(m.empty(self.device) for m in metas)
         works = [self.comm.irecv(b, ins.peer, self.tag(ins, part)) for part, b in enumerate(buffers)]
         self.recvs[_slot(direction, ins.op)] = (self.index, works, buffers)
@@ -195,9 +212,14 @@ def _load(it: Iteration, ins: Instruction) -> None:
     op = ins.op
     assert op is not None
     stage = it.stage_of(op)
-    index = chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)
-    inputs = micro_batch(it.inputs, index, it.chunks) if stage.is_first else None
-    targets = micro_batch(it.targets, index, it.chunks) if stage.is_last else None
+    if it.plan.cut:
+        start, stop = it.rows_of(op)
+        inputs = take_rows(it.inputs, start, stop) if stage.is_first else None
+        targets = take_rows(it.targets, start, stop) if stage.is_last else None
+    else:
+        index = chunk_index(op.pipeline, op.microbatch, it.plan.microbatches)
+        inputs = micro_batch(it.inputs, index, it.chunks) if stage.is_first else None
+        targets = micro_batch(it.targets, index, it.chunks) if stage.is_last else None
     it.loaded[(op.stage, _key(op))] = (inputs, targets)
 
 
@@ -231,7 +253,7 @@ def _forward(it: Iteration, ins: Instruction) -> None:
         inputs = as_tuple(loaded_inputs)
     else:
         inputs = it.take_received(_ACT, op)
-    outputs = stage.forward(_key(op), inputs, targets, scale=1.0 / it.chunks)
+    outputs = stage.forward(_key(op), inputs, targets, scale=it.scale_of(op))
     if stage.is_last:
         it.losses[_key(op)] = outputs[0]
     else:

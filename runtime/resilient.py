@@ -191,6 +191,9 @@ class ResilientTrainer:
         if plan.topology.chunks > 1:  # recovery moves one stage's state per worker (snapshot, replicas, checkpoints)
             raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: resilient jobs run one "
                                     "stage per worker, use PipelineTrainer for virtual stages")
+        if plan.cut:  # its ledger and lossy recovery count whole micro-batches
+            raise RuntimeSetupError("the plan re-cuts micro-batches: resilient jobs run whole ones, use "
+                                    "PipelineTrainer for a re-cut plan")
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,

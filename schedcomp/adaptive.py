@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
@@ -95,12 +95,44 @@ def adaptive_order(
     time_limit: float = 10.0,
     split: bool = True,
     synchronous: bool = False,
+    recut: bool = False,
 ) -> tuple[Order, float | None, str]:
-    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used)."""
+    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used).
+
+    `recut` sizes the failed workers' micro-batches for the peers that take them (`schedcomp.recut`);
+    the order then carries the cut."""
     with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
-        sol = solve(Problem(topology, microbatches, costs, split), solver=solver, time_limit=time_limit,
-                    synchronous=synchronous)
+        problem = Problem(topology, microbatches, costs, split)
+        if recut and topology.failed:
+            sol = _recut_solution(problem, solver, time_limit, synchronous)
+        else:
+            sol = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
         return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
+
+
+def _recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
+    """The best schedule over whole micro-batches and the cuts of `recut.PIECES` (ties to the fewer pieces,
+    tried first): a re-cut is kept only where it schedules faster."""
+    from schedcomp.recut import PIECES, recut
+
+    if solver == "cpsat":
+        raise ScheduleError("the CP-SAT model runs whole micro-batches: use solver 'greedy' or 'auto' with recut")
+    problems = []
+    for piece in PIECES:
+        cut, routing = recut(problem, piece)
+        if all(cut != p.cut for p in problems):
+            cut_problem = replace(problem, cut=cut)
+            problems.append(replace(cut_problem, routing=tuple(sorted(
+                (cut_problem.slot_id(*key), wid) for key, wid in routing.items()))))
+    target = lower_bound(problems[0])  # the fractional work bound: what any cut may reach
+    best = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
+    for cut_problem in problems:
+        if best.period <= target * (1 + _TOL):
+            break  # at the bound: no cut does better
+        sol = solve(cut_problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
+        if sol.period < best.period - _TOL:
+            best = sol
+    return best
 
 
 def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, synchronous: bool = False) -> Solution:
@@ -109,6 +141,8 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         raise ScheduleError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0 and math.isfinite(time_limit)):
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    if solver == "cpsat" and problem.cut:
+        raise ScheduleError("the CP-SAT model runs whole micro-batches: use solver 'greedy' or 'auto' with recut")
     if solver == "cpsat" and problem.topology.chunks > 1:
         raise ScheduleError(f"the CP-SAT model runs one stage per worker, not chunks={problem.topology.chunks}: "
                             "use solver 'greedy' or 'auto' with virtual stages")
@@ -138,7 +172,9 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
 def cpsat_fits(problem: Problem, time_limit: float) -> bool:
     """Whether CP-SAT can be expected to finish on `problem` within `time_limit` seconds."""
     # Its precedences carry a fixed p2p latency, which a hand-off between two chunks of one worker has not.
-    return problem.topology.chunks == 1 and problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit
+    # Nor does it scale an op's time by its micro-batch's size (`schedcomp.cut`).
+    return (problem.topology.chunks == 1 and not problem.cut
+            and problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit)
 
 
 def greedy(
@@ -153,8 +189,9 @@ def greedy(
     assignment = assign_orphans(problem, quota)
     best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
     n_ops = problem.n_slots * len(problem.kinds)
-    plain = problem.topology.chunks == 1  # (the plain construction is 1F1B's, one stage per worker)
-    if not plain and n_ops <= PLAIN_MAX_OPS:
+    # (The plain construction is 1F1B's, one stage per worker, of whole micro-batches.)
+    plain = problem.topology.chunks == 1 and not problem.cut
+    if problem.topology.chunks > 1 and n_ops <= PLAIN_MAX_OPS:
         # With virtual stages, first the family of the placement merged over the re-routed micro-batches
         # (`solvers.merged`): cheap, and often at the bound, which then spares the portfolio.
         seqs = merged_sequences(problem, assignment)
@@ -226,6 +263,9 @@ def portfolio(problem: Problem) -> list[GreedyParams]:
         GreedyParams(windows["rtt"], "idle", "pool", True),
         GreedyParams(windows["1f1b"], "eager", "static", True),
     ]
+    if problem.cut:  # pieces sized for their peers: kept there, filling the peers' bubbles first
+        ranked = [GreedyParams(windows[w], policy, "static", scaled, fill=True) for w in ("h2", "rtt", "1f1b")
+                  for policy in ("idle", "fit") for scaled in (True, False)] + ranked
     n_ops = problem.n_slots * len(problem.kinds)
     if n_ops > 60_000:
         return ranked[:1]

@@ -36,6 +36,7 @@ import numpy as np
 from schedcomp import limits
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
+from schedcomp.cut import Cut
 from schedcomp.errors import SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
@@ -101,7 +102,7 @@ def index_of(plan: Plan) -> PlanIndex | None:
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
     """Activation memory `worker` holds after each instruction of its stream."""
-    return memory_levels(stream_deltas(plan.costs, plan.streams[worker], worker.stage))
+    return memory_levels(stream_deltas(plan.costs, plan.streams[worker], worker.stage, plan.cut))
 
 
 def peak_memory(plan: Plan) -> dict[Worker, float]:
@@ -128,7 +129,7 @@ class _Checker(TransferRules, OrderRules):
         self.plan = plan
         self.pp = plan.topology.pp  # workers per pipeline: ranks are pipeline * pp + place
         self.ns = plan.topology.stages  # virtual stages per pipeline: slots count these
-        self.mbs = plan.microbatches
+        self.mbs = plan.cut.width(plan.microbatches)  # slot ids' stride (a re-cut pipeline may run more than M)
         self.local: set[int] = set()  # tensors handed off between two chunks of one worker
         # Per-worker state lives in lists indexed by rank (`Topology.rank`), not in dicts keyed by
         # `Worker`: hashing the dataclass cost more than the rules (a 200k-row CSV has 200k workers).
@@ -180,7 +181,7 @@ class _Checker(TransferRules, OrderRules):
             stops[n] = event_index(r, stops[n])
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
-                         self.order_ranks, stops, streams, self.plan.costs, self.ns)
+                         self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut)
 
     def where(self, at: int) -> Where:
         """A packed place (rank << 32 | index) as (worker, index)."""
@@ -207,13 +208,18 @@ class _Checker(TransferRules, OrderRules):
 
     def scan(self) -> None:
         plan, topo = self.plan, self.plan.topology
-        dp, mbs, pp, ns = topo.dp, plan.microbatches, self.pp, self.ns
+        dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
         failed = topo.failed
         chunked = ns != pp
         place = [topo.place_of(s) for s in range(ns)] if chunked else []
         if chunked and isinstance(plan.costs.memory_limit, tuple):
             self.fail(None, None, "a memory limit per stage is not defined with virtual stages yet: give one number "
                                   "for every worker, or none")
+        if not isinstance(plan.cut, Cut):
+            self.fail(None, None, f"plan.cut must be a schedcomp.cut.Cut, got {type(plan.cut).__name__}")
+        cut_problem = plan.cut.problem(dp, plan.microbatches)  # its pieces cover each pipeline's share once
+        if cut_problem:
+            self.fail(None, None, cut_problem)
         for w in plan.streams:
             live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
                     and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))
@@ -239,6 +245,7 @@ class _Checker(TransferRules, OrderRules):
         loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
+        cut = plan.cut  # re-cut micro-batches hold their activation times their size
         for w in self.workers:
             ws = w.stage
             rank = w.pipeline * pp + ws
@@ -269,8 +276,9 @@ class _Checker(TransferRules, OrderRules):
                     if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
                         held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
                         self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
-                    if not (0 <= d < dp and 0 <= m < mbs):
-                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{mbs - 1}")
+                    if not (0 <= d < dp and 0 <= m < (mbs if not cut else cut.count(d, plan.microbatches))):
+                        count = mbs if not cut or not 0 <= d < dp else cut.count(d, plan.microbatches)
+                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{count - 1}")
                     slot = (d * mbs + m) * ns + os
                 if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
                     sends.extend((base | i, slot, kind, op.kind, os, ins.peer))
@@ -284,7 +292,8 @@ class _Checker(TransferRules, OrderRules):
                         self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
                     comp[cid] = base | i
                     if limited:
-                        held += chunk_deltas[os][kind] if chunked else deltas[kind]
+                        delta = chunk_deltas[os][kind] if chunked else deltas[kind]
+                        held += delta * cut.size(d, m) if cut else delta
                         if held > top and w not in self.over:
                             self.over[w] = (i, held)
                 elif role == ROLE_LOAD:
@@ -306,6 +315,10 @@ class _Checker(TransferRules, OrderRules):
         split = (f >= 0) & (b >= 0) & (w >= 0) & (bw < 0) & (f >> 32 == w >> 32) & (f < b) & (b < w)
         fused = (f >= 0) & (bw >= 0) & (b < 0) & (w < 0) & (f >> 32 == bw >> 32) & (f < bw)
         sound = split | fused
+        if self.plan.cut:  # slots past a re-cut pipeline's count are absent: nothing runs them (`scan` proved it)
+            topo, ns, mbs = self.plan.topology, self.ns, self.mbs
+            counts = np.array([self.plan.cut.count(d, self.plan.microbatches) for d in range(topo.dp)])
+            sound |= np.repeat((np.arange(topo.dp * mbs) % mbs) >= np.repeat(counts, mbs), ns)
         if not sound.all():
             slot = int(np.argmin(sound))
             self.slot_failure(slot, *(None if at < 0 else at for at in (f[slot], b[slot], w[slot], bw[slot])))

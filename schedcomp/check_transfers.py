@@ -239,7 +239,8 @@ class TransferRules:
         # B or BW in every slot: so all of them are sent exactly when there are as many sends as slots
         # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
         # the first one that is not.
-        if len(sent) != 2 * self.plan.topology.dp * self.plan.microbatches * (ns - 1) - len(local):
+        runs = self.plan.cut.total(self.plan.topology.dp, self.plan.microbatches)  # (pipeline, micro-batch) pairs
+        if len(sent) != 2 * runs * (ns - 1) - len(local):
             for cid, at in self.placed():
                 k, slot = cid & 3, cid >> 2
                 s = slot % ns

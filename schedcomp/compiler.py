@@ -37,6 +37,7 @@ def compile(
     time_limit: float = 10.0,
     chunks: int | None = None,
     placement: str | None = None,
+    recut: bool = False,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
@@ -54,7 +55,13 @@ def compile(
     each chunk cost 1/chunks of a stage. With failures the family names the placement and the adaptive
     schedules run. `placement` ("loop" or "v", see `schedcomp.topology`) places the chunks of "adaptive";
     a family's is its own.
+
+    `recut` (with failures) splits the failed workers' micro-batches into pieces sized for the peers that
+    take them (`schedcomp.recut`), so the busiest peer carries the work bound rather than its ceiling;
+    the plan then carries the cut (`Plan.cut`, `schedcomp.cut`).
     """
+    if not isinstance(recut, bool):
+        raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
     if not isinstance(schedule, str):
         raise SchedcompTypeError(f"schedule must be a family name such as '1f1b', got {type(schedule).__name__}")
     chunks, placement = _chunks(schedule, chunks, placement)
@@ -78,7 +85,7 @@ def compile(
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if topology.failed or schedule == ADAPTIVE:
-        return _adaptive(topology, microbatches, costs, solver, time_limit)
+        return _adaptive(topology, microbatches, costs, solver, time_limit, recut)
 
     family = get_family(schedule)
     order = fault_free_order(family.name, topology, microbatches)
@@ -152,7 +159,8 @@ def _fit_memory(plan: Plan) -> None:
         )
 
 
-def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float) -> Plan:
+def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float,
+              recut: bool = False) -> Plan:
     try:
         from schedcomp.adaptive import adaptive_order
     except ModuleNotFoundError as exc:
@@ -164,7 +172,7 @@ def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: s
         ) from None
     order: Order
     order, lower_bound, solver_name = adaptive_order(
-        topology, microbatches, costs, solver=solver, time_limit=time_limit
+        topology, microbatches, costs, solver=solver, time_limit=time_limit, **({"recut": True} if recut else {})
     )
     plan = lower(order, costs, solver=solver_name, lower_bound=lower_bound)
     check(plan)

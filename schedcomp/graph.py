@@ -28,7 +28,9 @@ def duration(plan: Plan, worker: Worker, ins: Instruction) -> float:
     """How long `ins` takes on `worker` under the plan's cost model (0 for what takes no time)."""
     cost, costs = semantics_of(ins.kind).cost, plan.costs
     if cost == COMPUTE:
-        return costs.compute_time(ins.kind.value, worker, None if ins.op is None else ins.op.stage)
+        op = ins.op
+        base = costs.compute_time(ins.kind.value, worker, None if op is None else op.stage)
+        return base * plan.cut.size(op.pipeline, op.microbatch) if plan.cut and op is not None else base
     held = plan.topology.chunks_of(worker.stage)  # one ALLREDUCE and STEP per worker cover all its chunks
     if cost == OPTIMIZER:
         return costs.optimizer_of(held) / costs.speed.get(worker, 1.0)

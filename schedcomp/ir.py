@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError
 from schedcomp.semantics import COMPUTE, RECV, SEND, InstrKind, OpKind, kind_named, kinds, opless_kind, semantics_of
 from schedcomp.topology import Topology, Worker
@@ -215,6 +216,8 @@ class Order:
     microbatches: int
     ops: Mapping[Worker, tuple[Op, ...]]
     family: str = ""
+    cut: Cut = NO_CUT
+    """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
 
     def runner(self) -> dict[tuple[int, int, int], Worker]:
         """Who runs the F (and so the B and W) of each (pipeline, microbatch, stage)."""
@@ -237,6 +240,8 @@ class Plan:
     solver: str = ""
     lower_bound: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    cut: Cut = NO_CUT
+    """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
 
     @property
     def workers(self) -> tuple[Worker, ...]:

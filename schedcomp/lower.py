@@ -55,7 +55,7 @@ def _lower(
 ) -> Plan:
     topology = order.topology
     pp = topology.stages  # virtual stages: the model's stages, whichever workers hold them
-    mbs = order.microbatches
+    mbs = order.cut.width(order.microbatches)  # slot ids' stride: a re-cut pipeline may run more pieces than M
     # Workers are numbered by their place in `order.ops` and every per-worker table below is a list
     # indexed by that number: hashing the `Worker` dataclass per op cost more than the lowering itself.
     workers = list(order.ops)
@@ -63,9 +63,10 @@ def _lower(
     F, B, BW = OpKind.F, OpKind.B, OpKind.BW
     for x, ops in enumerate(order.ops.values()):
         for op in ops:
-            if not (0 <= op.microbatch < mbs and 0 <= op.stage < pp):  # slots are distinct only in range
-                raise ScheduleError(f"{workers[x]} runs {op} of stage {op.stage}, outside micro-batches 0..{mbs - 1} "
-                                    f"and stages 0..{pp - 1}: give ops of this job only")
+            count = mbs if not order.cut else order.cut.count(op.pipeline, order.microbatches)
+            if not (0 <= op.microbatch < count and 0 <= op.stage < pp):  # slots are distinct only in range
+                raise ScheduleError(f"{workers[x]} runs {op} of stage {op.stage}, outside micro-batches "
+                                    f"0..{count - 1} and stages 0..{pp - 1}: give ops of this job only")
             if op.kind is F:
                 runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage] = x
 
@@ -112,6 +113,7 @@ def _lower(
         solver=solver,
         lower_bound=lower_bound,
         meta=dict(meta or {}),
+        cut=order.cut,
     )
 
 

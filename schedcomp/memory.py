@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import CostModelError, MemoryLimitError
 from schedcomp.semantics import SEMANTICS
 
@@ -91,10 +92,11 @@ def stage_deltas(costs: CostModel, stage: int) -> dict[Any, float]:
             for k, sem in SEMANTICS.items()}
 
 
-def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int) -> list[float]:
+def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int, cut: Cut = NO_CUT) -> list[float]:
     """What each instruction of a stream adds, at its op's stage: with virtual stages a worker's ops
     belong to several chunks, each with its own activation size. `stage` (the worker's) serves the
-    op-less instructions and ops whose stage is outside the model (a hand-made plan, left to `check`)."""
+    op-less instructions and ops whose stage is outside the model (a hand-made plan, left to `check`).
+    A re-cut micro-batch (`cut`, `schedcomp.cut`) holds its stage's activation times its size."""
     tables: dict[int, dict[Any, float]] = {}
     out = []
     for ins in instructions:
@@ -103,7 +105,8 @@ def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int) -> 
         table = tables.get(s)
         if table is None:
             table = tables[s] = stage_deltas(costs, s)
-        out.append(table[ins.kind])
+        delta = table[ins.kind]
+        out.append(delta * cut.size(op.pipeline, op.microbatch) if cut and op is not None and delta else delta)
     return out
 
 

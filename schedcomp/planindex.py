@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, stream_deltas
 from schedcomp.semantics import RECV, SEND, semantics_of
@@ -69,6 +70,7 @@ class PlanIndex:
     streams: Mapping[Worker, tuple[Instruction, ...]]
     costs: CostModel
     stages: int  # virtual stages per pipeline (`Topology.stages`): what transfer ids count in
+    cut: Cut = NO_CUT  # the plan's re-cut micro-batches: activation scales with their size
 
     @property
     def ranks(self) -> int:
@@ -115,7 +117,7 @@ class PlanIndex:
 
     def memory_profile(self, worker: Worker) -> tuple[float, ...]:
         """Activation memory `worker` holds after each instruction of its stream (the one memory model)."""
-        return memory_levels(stream_deltas(self.costs, self.streams[worker], worker.stage))
+        return memory_levels(stream_deltas(self.costs, self.streams[worker], worker.stage, self.cut))
 
 
 _LOW = (1 << 32) - 1

@@ -36,6 +36,11 @@ def balanced_quota(problem: Problem) -> dict[int, int]:
     identical slots (with chunks of unequal cost it balances slot counts, a heuristic).
     """
     _ = problem.survivors  # raises RecoveryError early
+    if problem.routing:  # pinned (re-cut pieces): the quota is what each worker was given
+        pinned: dict[int, int] = {}
+        for _, wid in problem.routing:
+            pinned[wid] = pinned.get(wid, 0) + 1
+        return pinned
     quota: dict[int, int] = {}
     m = problem.microbatches * problem.topology.chunks
     for s, orphans in enumerate(problem.orphan_slots):
@@ -61,6 +66,8 @@ def assign_orphans(problem: Problem, quota: dict[int, int] | None = None) -> dic
     between them stay local, and the memory the scheduler reserves for them is where they run); the
     quota, counted in slots, is then met to within a micro-batch's chunks.
     """
+    if problem.routing:
+        return dict(problem.routing)
     quota = balanced_quota(problem) if quota is None else quota
     assignment: dict[int, int] = {}
     for s, orphans in enumerate(problem.orphan_slots):

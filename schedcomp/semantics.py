@@ -12,8 +12,8 @@ A row says:
   backward) for a transfer; `peer_stage`: the stage offset of the other end (+1: the next stage).
 - `op_kinds`: the op kinds its `op` may name (a compute kind names its own kind).
 - `memory`: the op kind whose `CostModel.memory_delta` it applies when it runs (compute only).
-- `cost`: what its duration is: COMPUTE (`costs.compute_time` of its op), ALLREDUCE, OPTIMIZER, or
-  NONE (it takes no time).
+- `cost`: what its duration is: COMPUTE (`costs.compute_time` of its op, times its micro-batch's size
+  when the plan re-cuts it: `schedcomp.cut`), ALLREDUCE, OPTIMIZER, or NONE (it takes no time).
 - `collective`: it meets the stage's other live workers (ALLREDUCE).
 """
 

@@ -16,6 +16,11 @@ op names its virtual stage: `F3.1@5` (`schedcomp.ir.staged_text`). Both forms ro
 `plan_from_json(plan_to_json(p)) == p`, provided
 `meta` holds JSON values (lists, not tuples).
 
+Re-cut micro-batches (`schedcomp.cut`): a plan with a cut is written as version 2 with one more header
+key, `"cut": {"3": [0.0, 0.57, ..., 8.0]}` (per re-cut pipeline its pieces' boundaries); every other plan
+is written as version 1, as before, and both versions are read (a version-1 plan has no cut). An older
+schedcomp refuses a version-2 plan in one line rather than run it with whole micro-batches.
+
 PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
 `torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
 per action `{stage}{type}{microbatch}` with type F (forward), I (backward input, our B),
@@ -40,6 +45,7 @@ from typing import Any
 
 from schedcomp import fileio, limits
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
@@ -47,6 +53,9 @@ from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
 VERSION = 1
+VERSION_CUT = 2
+"""The version of plans with re-cut micro-batches (a `cut` key); plans without one stay version 1."""
+VERSIONS = (VERSION, VERSION_CUT)
 
 __all__ = [
     "FORMAT",
@@ -61,7 +70,8 @@ __all__ = [
     "read_plan",
 ]
 
-_HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs")
+_HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs",
+                "cut")
 
 
 # ---- header (everything but the streams) -------------------------------------------------------
@@ -71,7 +81,7 @@ def _header(plan: Plan) -> dict[str, Any]:
     topo = plan.topology
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION_CUT if plan.cut else VERSION,
         "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)],
                      # Optional: written only with virtual stages, so one-chunk plans stay as they were.
                      **({"chunks": topo.chunks, "placement": topo.placement} if topo.chunks > 1 else {})},
@@ -81,6 +91,7 @@ def _header(plan: Plan) -> dict[str, Any]:
         "lower_bound": plan.lower_bound,
         "meta": dict(plan.meta),
         "costs": plan.costs.to_dict(),
+        **({"cut": plan.cut.to_json()} if plan.cut else {}),
     }
 
 
@@ -118,9 +129,13 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         raise PlanFormatError(f"{what} is not a schedcomp plan (\"format\" is {data.get('format')!r}, "
                               f"expected {FORMAT!r})")
     version = data.get("version")
-    if version != VERSION:
-        raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads version {VERSION}: "
-                              "recompile the plan with this version")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads versions "
+                              f"{', '.join(map(str, VERSIONS))}: recompile the plan with this version")
+    if ("cut" in data) != (version == VERSION_CUT):
+        raise PlanFormatError(f"{what}: a version-{VERSION_CUT} plan has a 'cut' (re-cut micro-batches) and a "
+                              f"version-{VERSION} plan none; this one has version {version}"
+                              f"{' and a cut' if 'cut' in data else ' and no cut'}")
     topo = _get(data, "topology", dict, what)
     try:
         pp = _get(topo, "pp", int, f"{what} topology")
@@ -158,6 +173,7 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         "solver": _get(data, "solver", str, what),
         "lower_bound": None if lower_bound is None else float(lower_bound),
         "meta": _get(data, "meta", dict, what),
+        "cut": Cut.from_json(data["cut"]) if "cut" in data else NO_CUT,
     }
 
 
@@ -349,6 +365,9 @@ def order_to_torch_csv(order: Order) -> str:
 
 def plan_to_torch_csv(plan: Plan) -> str:
     """PyTorch's compute-only CSV of a fault-free plan (PlanFormatError otherwise)."""
+    if plan.cut:
+        raise PlanFormatError("PyTorch's CSV has no micro-batch sizes: a plan with re-cut micro-batches cannot be "
+                              "written as one")
     order = Order(plan.topology, plan.microbatches, {w: plan.compute_ops(w) for w in plan.streams}, plan.family)
     return order_to_torch_csv(order)
 

@@ -139,6 +139,7 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) 
     times = {k: costs.compute_time(k.value, w) for k in COMPUTE_KINDS}
     held = plan.topology.chunks_of(w.stage)  # its chunks: one ALLREDUCE and one STEP cover them all
     chunked = len(held) > 1
+    cut = plan.cut
     st = Stream(w, instrs, codes, 0, [], [], [], {}, {})
     waiting: dict[Any, list[int]] = {}  # op -> receives posted before its compute
     for j, ins in enumerate(instrs):
@@ -148,6 +149,8 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) 
             inputs: tuple[int, ...] = tuple(waiting.pop(ins.op, ()))
             op = ins.op
             d = costs.compute_time(ins.kind.value, w, op.stage) if chunked and op is not None else times[ins.kind]
+            if cut and op is not None:  # a re-cut micro-batch: compute is linear in its samples
+                d *= cut.size(op.pipeline, op.microbatch)
         elif c == STEP:
             inputs = ()
             d = costs.optimizer_of(held) / speed if semantics_of(ins.kind).cost == OPTIMIZER else 0.0

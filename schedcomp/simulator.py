@@ -244,7 +244,7 @@ def _spans(streams: list[Stream], run: LaneRun, p2p: float, iterations: Sequence
 def _peak_memory(plan: Plan, st: Stream, iterations: int) -> float:
     """Most activation memory the worker holds. Its instructions run one at a time in stream order,
     so the levels are prefix sums, and iteration k shifts them by k x the net change."""
-    levels = memory_levels(stream_deltas(plan.costs, st.instrs, st.worker.stage))
+    levels = memory_levels(stream_deltas(plan.costs, st.instrs, st.worker.stage, plan.cut))
     level, peak = (levels[-1] if levels else 0.0), peak_of(levels)
     return peak + (iterations - 1) * level if level > 1e-9 else peak
 

@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
                    help="adaptive (default), or a fault-free family: gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, zb-v")
     add_chunk_arguments(p)
     add_solver_arguments(p)
+    p.add_argument("--recut", action="store_true",
+                   help="with failures, split the failed workers' micro-batches into pieces sized for the peers "
+                   "that take them (samples are interchangeable within a global batch)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--text", action="store_true", help="write the compact text form instead of JSON")
     p.add_argument("--json", action="store_true",
@@ -74,13 +77,13 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
                    costs=costs, memory_limit=args.memory_limit or FAULT_FREE, solver=args.solver,
-                   time_limit=args.time_limit, chunks=args.chunks, placement=args.placement)
+                   time_limit=args.time_limit, chunks=args.chunks, placement=args.placement, recut=args.recut)
     seconds = time.perf_counter() - began
     if args.output:
         write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
     sim = simulate(plan)
     summary = {**plan_facts(plan), **sim.summary(), "lower_bound": plan.lower_bound, "solver": plan.solver,
-               "compile_seconds": round(seconds, 4)}
+               "compile_seconds": round(seconds, 4), **({"cut": plan.cut.to_json()} if plan.cut else {})}
     if args.json:
         print_json(summary)
     else:

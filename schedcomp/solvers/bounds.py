@@ -49,8 +49,8 @@ def work_bound(problem: Problem) -> float:
     With virtual stages a worker's own load is M slots of each chunk it holds, and the re-routed slots of
     a place are the failed workers' slots of all those chunks. Where the chunks of a place cost the same,
     slots are identical and the integer water-filling (`route.balanced_quota`) is exact, as with one
-    chunk; otherwise the fractional water-filling of the re-routed work is the bound (any integer split
-    is one of its points)."""
+    chunk; otherwise, and with re-cut micro-batches (`schedcomp.cut`, whose pieces may be any size), the
+    fractional water-filling of the re-routed work is the bound (any integer split is one of its points)."""
     quota = balanced_quota(problem)
     m, chunks_of = problem.microbatches, problem.topology.chunks_of
     bound = 0.0
@@ -58,14 +58,15 @@ def work_bound(problem: Problem) -> float:
         held = chunks_of(s)
         costs = {w: [sum(problem.duration(k, w, c) for k in problem.kinds) for c in held] for w in group}
         fixed = {w: problem.allreduce_times[s] + problem.step_time(problem.worker_id(w)) for w in group}
-        if all(max(c) - min(c) <= _TOL * max(1.0, max(c)) for c in costs.values()):
+        if all(max(c) - min(c) <= _TOL * max(1.0, max(c)) for c in costs.values()) and not problem.cut:
             for w in group:
                 busy = (m * len(held) + quota.get(problem.worker_id(w), 0)) * costs[w][0] + fixed[w]
                 bound = max(bound, busy)
         else:
             c = problem.costs  # the base cost of a slot: F + B + W, fused or not
             per_microbatch = sum(c.forward[j] + c.backward_input[j] + c.backward_weight[j] for j in held)
-            orphan_work = len(problem.orphan_slots[s]) // len(held) * per_microbatch
+            lost = sum(1 for w in problem.topology.failed if w.stage == s)  # each a pipeline's M micro-batches
+            orphan_work = lost * m * per_microbatch
             own = {w: m * sum(costs[w]) + fixed[w] for w in group}
             speeds = {w: problem.costs.speed.get(w, 1.0) for w in group}
             bound = max(bound, _water_level(own, speeds, orphan_work))
@@ -94,8 +95,10 @@ def lower_bound(problem: Problem) -> float:
 
 def memory_bound(problem: Problem) -> float:
     """The memory warm-up bound of the module docstring (0.0 without a memory limit)."""
-    if problem.costs.memory_limit is None or problem.topology.chunks > 1:
-        return 0.0  # with virtual stages the worker's own later chunks lie on the round trip: not derived
+    if problem.costs.memory_limit is None or problem.topology.chunks > 1 or problem.cut:
+        # With virtual stages the worker's own later chunks lie on the round trip, and re-cut micro-batches
+        # are not of one size: not derived for either.
+        return 0.0
     fast = _Fastest.of(problem)
     memo: dict[tuple[int, float, int], float] = {}
 

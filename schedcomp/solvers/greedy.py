@@ -49,10 +49,14 @@ class GreedyParams:
     routing: str = "pool"
     scale_window: bool = False
     """Scale a worker's window by its load (own + balanced share of re-routed slots, over own)."""
+    fill: bool = False
+    """With re-cut pieces pinned to peers (`schedcomp.recut`): a peer runs a piece's F only when none of
+    its own pipeline's is ready, so the pieces fill its bubbles instead of delaying its own round trip."""
 
     def __str__(self) -> str:
         scaled = "x" if self.scale_window else ""
-        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}"
+        fill = "/fill" if self.fill else ""
+        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}{fill}"
 
 
 def list_schedule(
@@ -97,12 +101,14 @@ def list_schedule(
     for wid in live:
         dur[wid] = problem.op_times[wid]  # stage * nk + kind
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
+    sizes = problem.slot_sizes  # re-cut micro-batches: time and activation scale with the size
+    big = 1.0 if sizes is None else max(sizes)  # admission reserves for the largest micro-batch
 
     n_slots = problem.n_slots
     runner = [-1] * n_slots
     for wid in live:
         d, p = divmod(wid, pp)
-        for m in range(problem.microbatches):
+        for m in range(problem.count(d)):
             for s in held[p]:
                 runner[problem.slot_id(d, m, s)] = wid
     if not use_pool:
@@ -114,18 +120,20 @@ def list_schedule(
     cap = dict(quota) if params.routing == "quota" and quota is not None else {}
 
     free = [0.0] * n_workers
-    infl = [0] * n_workers
+    infl = [0.0] * n_workers  # micro-batches between F and B, a re-cut piece counting its size
     mem = [0.0] * n_workers
     reserved = [0.0] * n_workers
     fq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
     lq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # later chunks: reserved
     bq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
     wq: list[deque[int]] = [deque() for _ in range(n_workers)]
+    xq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # pinned pieces ("fill")
+    home = [problem.home_of(slot) for slot in range(n_slots)] if params.fill and sizes is not None else []
     pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(pp)]
     wake: list[float | None] = [None] * n_workers
     events: list[tuple[float, int]] = []
     seqs: dict[int, list[int]] = {wid: [] for wid in live}
-    mb = problem.microbatches
+    mb = problem.width  # slot ids' stride (re-cut pipelines may run more micro-batches than M)
 
     def notify(wid: int, ready: float) -> None:
         at = ready if ready > free[wid] else free[wid]
@@ -139,7 +147,8 @@ def list_schedule(
         entry = (ready, rest % mb, rest // mb, slot)
         r = runner[slot]
         if r >= 0:
-            heapq.heappush(fq[r] if first[slot % stages] else lq[r], entry)
+            fill = params.fill and sizes is not None and home[slot] != r
+            heapq.heappush(xq[r] if fill else fq[r] if first[slot % stages] else lq[r], entry)
             notify(r, ready)
         else:
             p = place[slot % stages]
@@ -155,7 +164,7 @@ def list_schedule(
         notify(r, ready)
 
     for d in range(problem.dp):
-        for m in range(mb):
+        for m in range(problem.count(d)):
             deliver_f(problem.slot_id(d, m, 0), 0.0)
     for wid in live:
         if wake[wid] is None:
@@ -179,13 +188,26 @@ def list_schedule(
             slot = wqw.popleft()
             kind = 2
         else:
-            mem_ok = mem[w] + reserved[w] + unit[s] <= limits[w]
-            f_ok = infl[w] < window[w] and mem_ok
+            held_now = mem[w] + reserved[w]
+            mem_ok = held_now + unit[s] * big <= limits[w]
+            # Re-cut pieces are admitted by their own activation, not the largest micro-batch's.
+            f_ok = infl[w] < window[w] - _EPS and (mem_ok or sizes is not None)
             pool_ok = use_pool and bool(pool[s]) and (not cap or taken[w] < cap.get(w, 0))
             later = lqw[0] if lqw and lqw[0][0] <= t else None
             own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
             other = pool[s][0] if f_ok and pool_ok and pool[s][0][0] <= t else None
-            if later is not None and (own is None or later <= own) and (other is None or later <= other):
+            if sizes is not None:
+                own = own if own is None or held_now + unit[s] * sizes[own[3]] <= limits[w] else None
+                other = other if other is None or held_now + unit[s] * sizes[other[3]] <= limits[w] else None
+                xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
+                piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
+                piece = piece if piece is None or held_now + unit[s] * sizes[piece[3]] <= limits[w] else None
+                if piece is not None and own is None and other is None and later is None:
+                    slot = heapq.heappop(xqw)[3]
+                    kind = 0
+            if kind == 0:
+                pass
+            elif later is not None and (own is None or later <= own) and (other is None or later <= other):
                 slot = heapq.heappop(lqw)[3]
                 kind = 0
             elif own is not None and (other is None or own <= other):
@@ -204,15 +226,18 @@ def list_schedule(
                 if lqw and lqw[0][0] < nxt:
                     nxt = lqw[0][0]
                 if f_ok:
-                    if fqw and fqw[0][0] < nxt:
+                    # (With pieces, one ready now but not fitting waits for this worker's next op or delivery.)
+                    if fqw and fqw[0][0] < nxt and (sizes is None or fqw[0][0] > t):
                         nxt = fqw[0][0]
-                    if pool_ok and pool[s][0][0] < nxt:
+                    if xq[w] and xq[w][0][0] < nxt and xq[w][0][0] > t:
+                        nxt = xq[w][0][0]
+                    if pool_ok and pool[s][0][0] < nxt and (sizes is None or pool[s][0][0] > t):
                         nxt = pool[s][0][0]
                 if wqw and (
                     params.w_policy == "idle"
                     or not mem_ok
                     or nxt == math.inf
-                    or t + dur[w][(wqw[0] % stages) * nk + 2] <= nxt + _EPS
+                    or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if sizes is None else sizes[wqw[0]]) <= nxt + _EPS
                 ):
                     slot = wqw.popleft()
                     kind = 2
@@ -223,19 +248,20 @@ def list_schedule(
                 else:
                     continue  # nothing known yet: a delivery will wake this worker
         st = slot % stages
-        end = t + dur[w][st * nk + kind]
+        end = t + (dur[w][st * nk + kind] if sizes is None else dur[w][st * nk + kind] * sizes[slot])
         free[w] = end
         wake[w] = end
         heapq.heappush(events, (end, w))
         seqs[w].append(slot * nk + kind)
         scheduled += 1
+        scale = 1.0 if sizes is None else sizes[slot]
         if kind == 0:
             if first[st]:
-                infl[w] += 1
-                reserved[w] += unit[s] - delta[st][0]
+                infl[w] += scale
+                reserved[w] += (unit[s] - delta[st][0]) * scale
             else:
-                reserved[w] -= delta[st][0]
-            mem[w] += delta[st][0]
+                reserved[w] -= delta[st][0] * scale
+            mem[w] += delta[st][0] * scale
             if st < stages - 1:
                 nxt_runner = runner[slot + 1]
                 deliver_f(slot + 1, end if nxt_runner == w else end + p2p)
@@ -246,8 +272,8 @@ def list_schedule(
                 deliver_b(slot, b_ready[slot])
         elif kind == 1:
             if first[st]:
-                infl[w] -= 1
-            mem[w] += delta[st][1]
+                infl[w] -= scale
+            mem[w] += delta[st][1] * scale
             if split:
                 wqw.append(slot)
             if st > 0:
@@ -259,10 +285,10 @@ def list_schedule(
                 if need[up] == 0:
                     deliver_b(up, b_ready[up])
         else:
-            mem[w] += delta[st][2]
-    if scheduled != n_slots * nk:
+            mem[w] += delta[st][2] * scale
+    if scheduled != problem.n_present * nk:
         raise ScheduleError(
-            f"list scheduler stalled after {scheduled} of {n_slots * nk} ops (a bug): "
+            f"list scheduler stalled after {scheduled} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
     return seqs

@@ -51,6 +51,7 @@ class FastTimer:
         snk = stages * nk  # op % snk = stage * nk + kind: the key of a worker's op times
         n_ops = problem.n_slots * nk
         self.n_ops = n_ops
+        self.n_present = problem.n_present * nk  # ops that exist (a re-cut leaves some slot ids absent)
         self.live = [problem.worker_id(w) for w in problem.topology.live_workers]
         # Nodes: the ops, then each live worker's all-reduce (over its place) and step.
         tails = {wid: (n_ops + 2 * i, n_ops + 2 * i + 1) for i, wid in enumerate(self.live)}
@@ -73,6 +74,11 @@ class FastTimer:
             self.durations.append([per_stage_kind[op % snk] for op in range(n_ops)] + tail)
         deltas = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
         self.delta = [deltas[(op // nk) % stages][op % nk] for op in range(n_ops)]
+        sizes = problem.slot_sizes  # re-cut micro-batches: time and activation scale with the size
+        if sizes is not None:
+            for row in self.durations:
+                row[:n_ops] = [d * sizes[op // nk] for op, d in enumerate(row[:n_ops])]
+            self.delta = [d * sizes[op // nk] for op, d in enumerate(self.delta)]
         self.limits = {wid: problem.limit_of(wid) * (1 + 1e-9) + 1e-12 for wid in self.live}
 
     def memory_ok(self, wid: int, seq: Sequence[int]) -> bool:
@@ -87,7 +93,7 @@ class FastTimer:
     def score(self, seqs: Mapping[int, Sequence[int]]) -> tuple[float, float]:
         """(period, makespan); (inf, inf) when the sequences deadlock."""
         lanes = [(*seqs.get(wid, ()), *tail) for wid, tail in zip(self.live, self.tails, strict=True)]
-        if sum(map(len, lanes)) != self.n_ops + 2 * len(lanes):
+        if sum(map(len, lanes)) != self.n_present + 2 * len(lanes):
             return math.inf, math.inf
         run = run_lanes(self.graph, lanes, self.durations, self.iterations, self.synchronous)
         if run.stuck is not None:

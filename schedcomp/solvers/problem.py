@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import MemoryLimitError, RecoveryError, ScheduleError
 from schedcomp.ir import Op, OpKind, Order
 from schedcomp.topology import Topology, Worker
@@ -30,12 +31,17 @@ FUSED_KINDS = (OpKind.F, OpKind.BW)
 
 @dataclass(frozen=True)
 class Problem:
-    """One scheduling instance: topology (with failures), micro-batches per pipeline, costs, split backward."""
+    """One scheduling instance: topology (with failures), micro-batches per pipeline, costs, split backward,
+    and how each pipeline's share is cut into micro-batches (`schedcomp.cut`: whole by default)."""
 
     topology: Topology
     microbatches: int
     costs: CostModel
     split: bool = True
+    cut: Cut = NO_CUT
+    routing: tuple[tuple[int, int], ...] = ()
+    """Re-routed slots pinned to a worker up front, (slot id, worker id): a re-cut piece is sized for its peer
+    (`schedcomp.recut`); empty lets `route` and the schedulers choose."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -70,17 +76,32 @@ class Problem:
     def kinds(self) -> tuple[OpKind, ...]:
         return SPLIT_KINDS if self.split else FUSED_KINDS
 
+    @cached_property
+    def width(self) -> int:
+        """Micro-batches per pipeline in slot ids: M, or the most pieces a re-cut pipeline has (`schedcomp.cut`)."""
+        return self.cut.width(self.microbatches)
+
+    def count(self, pipeline: int) -> int:
+        """The micro-batches (pieces, when re-cut) `pipeline` runs."""
+        return self.cut.count(pipeline, self.microbatches)
+
     @property
     def n_slots(self) -> int:
-        return self.dp * self.microbatches * self.stages
+        """Slot ids, absent ones included (past a pipeline's count, with a re-cut)."""
+        return self.dp * self.width * self.stages
+
+    @cached_property
+    def n_present(self) -> int:
+        """Slots that hold ops: every slot id unless a re-cut leaves some absent."""
+        return sum(self.count(d) for d in range(self.dp)) * self.stages
 
     def slot_id(self, pipeline: int, microbatch: int, stage: int) -> int:
-        return (pipeline * self.microbatches + microbatch) * self.stages + stage
+        return (pipeline * self.width + microbatch) * self.stages + stage
 
     def slot_key(self, slot: int) -> tuple[int, int, int]:
         """(pipeline, microbatch, stage) of a slot id."""
         rest, stage = divmod(slot, self.stages)
-        pipeline, microbatch = divmod(rest, self.microbatches)
+        pipeline, microbatch = divmod(rest, self.width)
         return pipeline, microbatch, stage
 
     def worker_id(self, worker: Worker) -> int:
@@ -121,7 +142,7 @@ class Problem:
         per_place: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.pp)]
         for w in self.topology.failed:
             for s in self.topology.chunks_of(w.stage):
-                for m in range(self.microbatches):
+                for m in range(self.count(w.pipeline)):
                     per_place[w.stage].append((m, s, w.pipeline, self.slot_id(w.pipeline, m, s)))
         return tuple(tuple(key[-1] for key in sorted(lst)) for lst in per_place)
 
@@ -133,6 +154,16 @@ class Problem:
         return nk * (orphans + self.n_slots - sum(map(len, self.orphan_slots)))
 
     # ---- costs ---------------------------------------------------------------------------------
+
+    @cached_property
+    def slot_sizes(self) -> list[float] | None:
+        """Per slot id, its micro-batch's size (`schedcomp.cut`: an op's time and activation scale with it),
+        or None when every micro-batch is whole (the solvers then skip the scaling)."""
+        if not self.cut:
+            return None
+        width = self.width
+        padded = [(*self.cut.sizes(d, self.microbatches), *(1.0,) * width)[:width] for d in range(self.dp)]
+        return [padded[d][mb] for d in range(self.dp) for mb in range(width) for _ in range(self.stages)]
 
     def duration(self, kind: OpKind, worker: Worker, stage: int | None = None) -> float:
         """Time of one op of `kind` on `worker` at `stage` (default: the worker's place, one chunk)."""
@@ -214,4 +245,4 @@ class Problem:
 def order_from_sequences(problem: Problem, sequences: dict[Worker, list[Op]], family: str) -> Order:
     """Wrap per-worker op lists into an `Order` (every live worker gets an entry, possibly empty)."""
     ops = {w: tuple(sequences.get(w, ())) for w in problem.topology.live_workers}
-    return Order(problem.topology, problem.microbatches, ops, family)
+    return Order(problem.topology, problem.microbatches, ops, family, problem.cut)

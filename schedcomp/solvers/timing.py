@@ -61,7 +61,10 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
     for wid, seq in seqs.items():
         if len(seq):
             ops = np.asarray(seq, dtype=np.int64)
-            peaks[wid] = float(np.cumsum(table[(ops // nk) % stages, ops % nk]).max())
+            deltas = table[(ops // nk) % stages, ops % nk]
+            if problem.slot_sizes is not None:  # re-cut micro-batches: activation scales with the size
+                deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
+            peaks[wid] = float(np.cumsum(deltas).max())
     return peaks
 
 
@@ -108,11 +111,11 @@ def time_sequences(
     place's all-reduce and its step."""
     pp, nk = problem.pp, len(problem.kinds)
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
-    n_ops = problem.n_slots * nk
+    n_ops = problem.n_slots * nk  # op ids (absent slots' included: a re-cut pipeline may run fewer)
     lists = [np.asarray(seqs.get(wid, ()), dtype=np.int64) for wid in live]
     ops = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
-    n = len(ops)
-    if n != n_ops or (n and len(np.unique(ops)) != n_ops) or (n and (ops.min() < 0 or ops.max() >= n_ops)):
+    n, present = len(ops), problem.n_present * nk
+    if n != present or (n and len(np.unique(ops)) != present) or (n and (ops.min() < 0 or ops.max() >= n_ops)):
         return DEADLOCK  # an op is missing or repeated: not a complete schedule
     lens = np.array([len(x) for x in lists], dtype=np.int64)
     owner = np.repeat(np.arange(len(live)), lens)  # index into `live`
@@ -125,7 +128,10 @@ def time_sequences(
     durations = np.array([problem.op_times[wid] for wid in live]).reshape(len(live), snk)
     group = np.array([wid % pp for wid in live], dtype=np.int64)
     tail = np.column_stack((np.array(problem.allreduce_times)[group], [problem.step_time(wid) for wid in live]))
-    run = run_levels(lens, pred, op_lat[ops], durations[owner, ops % snk], group, tail, iterations, synchronous)
+    op_durations = durations[owner, ops % snk]
+    if problem.slot_sizes is not None:  # re-cut micro-batches: time scales with the size
+        op_durations = op_durations * np.asarray(problem.slot_sizes)[ops // nk]
+    run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous)
     if run is None:
         return DEADLOCK
     ends = run.iteration_ends

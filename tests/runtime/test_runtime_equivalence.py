@@ -107,12 +107,14 @@ def run_configs(rank: int, configs: list[Config], outdir: str) -> None:
         torch.save(result, Path(outdir) / f"{config.name}.{rank}.pt")
 
 
-def reference(pp: int, chunks: int, dtype: torch.dtype) -> tuple[list[float], list[dict[str, Tensor]]]:
-    """Train the whole model (`pp` stages) in this process on the global batch; return losses and per-stage states."""
+def reference(pp: int, chunks: int, dtype: torch.dtype,
+              batch: tuple[tuple[Tensor, Tensor], Tensor] | None = None) -> tuple[list[float], list[dict[str, Tensor]]]:
+    """Train the whole model (`pp` stages) in this process on the global batch (`make_batch`'s unless given);
+    return losses and per-stage states."""
     stages = [build_block(s, pp, dtype) for s in range(pp)]
     params = [p for m in stages for p in m.parameters()]
     optimizer = make_optimizer(params)
-    (x, positions), y = make_batch(chunks, dtype)
+    (x, positions), y = make_batch(chunks, dtype) if batch is None else batch
     losses = []
     for _ in range(ITERATIONS):
         out: Tensor | tuple[Tensor, Tensor] = (x, positions)

@@ -1,0 +1,138 @@
+"""Re-cut micro-batches: how a pipeline's share of the global batch is cut into micro-batches.
+
+By default pipeline p's share is cut into the plan's M equal micro-batches (`runtime.data.micro_batch`).
+A re-cut pipeline (`schedcomp compile --recut`) is cut instead into U pieces of unequal sizes (any U),
+so that a failed worker's work is split to match what each live peer has room for (samples are
+interchangeable within a global batch). A `Cut` gives, per re-cut pipeline, the U + 1 boundaries of its
+pieces in regular micro-batches: `0 = b_0 < b_1 < ... < b_U = M`. Piece i is that pipeline's
+"micro-batch" i in every op (`F3.1` is piece 3 of pipeline 1), holds the fraction `b_{i+1} - b_i` of a
+regular micro-batch, and covers the samples from `b_i` to `b_{i+1}` of the pipeline's share (rows
+rounded to whole samples at run time: `rows`). Strictly increasing boundaries from 0 to M are exactly
+"the pieces cover the pipeline's share once, none empty" (`check` proves it).
+
+What a size means elsewhere: an op of a piece costs its stage's time times the size (compute is linear
+in samples) and holds its activation times the size; a transfer keeps the p2p latency; the loss of a
+piece is weighted by its samples over the global batch's, so gradients are exact. Instructions keep
+their one meaning (`schedcomp.semantics`): F of a piece is a forward over its samples. Dense numberings
+(slot ids, transfer ids) count `width` micro-batches per pipeline, the most any pipeline has; a slot
+past its pipeline's count is absent (no op runs it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from schedcomp.errors import PlanFormatError
+
+_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Per re-cut pipeline, its micro-batches' boundaries (see the module docstring); empty = every
+    micro-batch whole, the default."""
+
+    bounds: tuple[tuple[int, tuple[float, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        for entry in self.bounds:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise PlanFormatError(f"a cut entry is (pipeline, boundaries), got {entry!r}")
+            p, b = entry
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0 or p in seen:
+                raise PlanFormatError(f"a cut names each pipeline once by a non-negative integer, got {p!r}")
+            seen.add(p)
+            problem = _bounds_problem(b)
+            if problem:
+                raise PlanFormatError(f"the cut of pipeline {p} {problem}")
+
+    @classmethod
+    def of(cls, bounds: dict[int, Iterable[float]]) -> Cut:
+        return cls(tuple(sorted((p, tuple(float(x) for x in b)) for p, b in bounds.items())))
+
+    def __bool__(self) -> bool:
+        return bool(self.bounds)
+
+    @property
+    def pipelines(self) -> dict[int, tuple[float, ...]]:
+        return dict(self.bounds)
+
+    def count(self, pipeline: int, microbatches: int) -> int:
+        """How many micro-batches (pieces) `pipeline` runs: `microbatches` when it is not re-cut."""
+        b = self.pipelines.get(pipeline)
+        return microbatches if b is None else len(b) - 1
+
+    def width(self, microbatches: int) -> int:
+        """The most micro-batches any pipeline runs: the stride of dense numberings (slot ids)."""
+        return max([microbatches, *(len(b) - 1 for _, b in self.bounds)])
+
+    def total(self, dp: int, microbatches: int) -> int:
+        """Micro-batches (pieces) all `dp` pipelines run together."""
+        return dp * microbatches + sum(len(b) - 1 - microbatches for p, b in self.bounds if p < dp)
+
+    def sizes(self, pipeline: int, microbatches: int) -> tuple[float, ...]:
+        """The size of each of `pipeline`'s micro-batches, in regular micro-batches (1.0 when not re-cut)."""
+        b = self.pipelines.get(pipeline)
+        if b is None:
+            return (1.0,) * microbatches
+        return tuple(b[m + 1] - b[m] for m in range(len(b) - 1))
+
+    def size(self, pipeline: int, microbatch: int) -> float:
+        b = self.pipelines.get(pipeline)
+        return 1.0 if b is None else b[microbatch + 1] - b[microbatch]
+
+    def rows(self, pipeline: int, microbatch: int, rows_per_microbatch: int) -> tuple[int, int]:
+        """The rows [start, stop) of micro-batch `microbatch` within its pipeline's share, whose regular
+        micro-batches hold `rows_per_microbatch` rows each. Adjacent pieces round the boundary they share
+        the same way, so the rows are covered exactly once."""
+        b = self.pipelines.get(pipeline)
+        if b is None:
+            return microbatch * rows_per_microbatch, (microbatch + 1) * rows_per_microbatch
+        return round(b[microbatch] * rows_per_microbatch), round(b[microbatch + 1] * rows_per_microbatch)
+
+    def problem(self, dp: int, microbatches: int) -> str | None:
+        """Why this cut does not fit a job of `dp` pipelines of `microbatches` each, or None."""
+        for p, b in self.bounds:
+            if not 0 <= p < dp:
+                return f"the cut names pipeline {p}, outside pipelines 0..{dp - 1}"
+            if b[-1] != microbatches:
+                return (f"the cut of pipeline {p} covers {b[-1]:g} micro-batches but the plan has {microbatches}: "
+                        "its pieces must cover the pipeline's share exactly once")
+        return None
+
+    def to_json(self) -> dict[str, list[float]]:
+        return {str(p): list(b) for p, b in self.bounds}
+
+    @classmethod
+    def from_json(cls, data: object) -> Cut:
+        if not isinstance(data, dict):
+            raise PlanFormatError("'cut' must map pipelines (\"3\") to lists of micro-batch boundaries")
+        out: dict[int, tuple[float, ...]] = {}
+        for key, b in data.items():
+            if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
+                raise PlanFormatError(f"'cut' is keyed by pipeline numbers, got {key!r}")
+            if not isinstance(b, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b):
+                raise PlanFormatError(f"the cut of pipeline {key} must be a list of numbers")
+            out[int(key)] = tuple(float(x) for x in b)
+        return cls.of(out)
+
+
+NO_CUT = Cut()
+
+
+def _bounds_problem(b: object) -> str | None:
+    if not isinstance(b, tuple) or len(b) < 2 or not all(isinstance(x, float) for x in b):
+        return "must be a tuple of at least two floats"
+    if not all(math.isfinite(x) for x in b):
+        return "has a boundary that is not finite"
+    if b[0] != 0.0 or not (b[-1] >= 1 and b[-1] == int(b[-1])):
+        return (f"must run from 0 to the plan's micro-batch count (it runs from {b[0]:g} to {b[-1]:g}): "
+                "the pieces must cover the pipeline's share exactly once")
+    for m in range(len(b) - 1):
+        if not b[m + 1] > b[m] + _TOL:
+            return (f"has piece {m} of size {b[m + 1] - b[m]:g}: boundaries must increase, so each "
+                    "piece holds samples and none overlaps another")
+    return None
