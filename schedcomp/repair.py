@@ -28,8 +28,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from schedcomp.check import check
 from schedcomp.costs import CostModel
@@ -40,7 +41,7 @@ from schedcomp.memory import stage_deltas
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
 
-__all__ = ["repair"]
+__all__ = ["lookup_or_repair", "repair"]
 
 TRIALS = 16
 """Least-loaded peers tried for a slot when none has memory to spare all along: bounds a repair's time
@@ -83,6 +84,27 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
             raise RecoveryError(f"the local re-route around {worker} does not validate ({exc}): compile the plan "
                                 "for the new failure set instead") from None
     return repaired
+
+
+def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | Topology, *,
+                     validate: bool = True) -> Plan:
+    """`plans.lookup(failed)` (a `PlanCache`), or on a miss the cached plan of the largest set of the
+    failed workers in rank order that it holds, repaired around the rest one at a time: a cache of every
+    k-failure set then serves more failures at once, with no compile. Deterministic, so every rank of a
+    job that calls it gets the same plan (`ResilientTrainer(lambda t: lookup_or_repair(cache, t), ...)`)."""
+    try:
+        return plans.lookup(failed)  # type: ignore[no-any-return]
+    except RecoveryError as miss:
+        workers = sorted(failed.failed if isinstance(failed, Topology) else as_workers(failed))
+        for n in range(len(workers) - 1, -1, -1):
+            try:
+                plan: Plan = plans.lookup(workers[:n])
+            except RecoveryError:
+                continue
+            for w in workers[n:]:
+                plan = repair(plan, w, validate=validate)
+            return plan
+        raise miss from None
 
 
 def _worker(topo: Topology, failed: object) -> Worker:

@@ -108,3 +108,18 @@ def test_cli_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["repair", str(saved), *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_lookup_or_repair_serves_failure_sets_beyond_the_cache() -> None:
+    from schedcomp.cache import precompile
+    from schedcomp.repair import lookup_or_repair
+
+    cache = precompile(3, 3, 4, 1, memory_limit=None)  # every set of at most one failed worker
+    one = lookup_or_repair(cache, [(0, 0)])
+    assert one.topology.failed == {W("0:0")} and one.solver != "repair"  # a hit: the cached plan itself
+    two = lookup_or_repair(cache, [(1, 1), (0, 0)])  # a miss: 0:0's cached plan, repaired around 1:1
+    assert two.topology.failed == {W("0:0"), W("1:1")} and two.solver == "repair"
+    check(two)
+    assert slots_of(two) == slots_of(one)
+    with pytest.raises(RecoveryError, match="last live worker of stage 0"):
+        lookup_or_repair(cache, [(0, 0), (1, 0), (2, 0)])
