@@ -145,21 +145,23 @@ class _Peer:
         return top - max(self.levels, default=0.0)
 
     def window(self, f_at: float, b_at: float, need: float, top: float) -> tuple[int, int] | None:
-        """Where a slot's F and backward go: before op j and before op k (j <= k), the first j from the
-        F's place on with `need` to spare from j to k, k as near the backward's place as that allows (at
-        the end there is always room: the stream has freed everything). None when that F would pass an
-        op taken from the failed worker that ran after it there: the neighbours expect them in that order."""
+        """Where a slot's F and backward go: before op j and before op k (j <= k), from their places on, with
+        `need` to spare from j to k (the end of a stream always has it: everything is freed there). Where
+        memory is short the F waits, rather than the backward coming early (the peer would then wait for its
+        gradient, and on whatever that waits for). None when the F would pass an op taken from the failed
+        worker that ran after it there: the neighbours expect them in that order."""
         levels, n = self.levels, len(self.levels)
-        j = start = bisect.bisect(self.clock, f_at)
+        start, b_pos = bisect.bisect(self.clock, f_at), bisect.bisect(self.clock, b_at)
         latest = next((i for i in range(start, n) if self.taken[i]), n)
+        # The F waits, rather than the backward coming early (the peer would then wait for its gradient, and
+        # on whatever that waits for): the first j with room from j to the backward's place.
+        short = [i for i in range(max(start - 1, 0), min(b_pos, n)) if levels[i] + need > top]
+        j = max(start, short[-1] + 2) if short else start
         while j < n and (levels[j - 1] if j else 0.0) + need > top:
             j += 1
         if j > latest:
             return None
-        k, b_pos = j, max(bisect.bisect(self.clock, b_at), j)
-        while k < min(b_pos, n) and levels[k] + need <= top:
-            k += 1
-        return j, k
+        return j, max(j, min(b_pos, n))
 
     def take(self, slot: _Slot, j: int, k: int, f_at: float, b_at: float) -> None:
         f_op, *backward = slot.ops

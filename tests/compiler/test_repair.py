@@ -86,9 +86,10 @@ def test_no_peer_with_memory_is_a_recovery_error() -> None:
 
 
 def test_a_reroute_that_does_not_validate_is_a_recovery_error() -> None:
-    plan = compile(pp=4, dp=2, microbatches=8, failed=[(1, 2)])
-    with pytest.raises(RecoveryError, match=r"local re-route around 0:3 does not validate .*deadlock"):
-        repair(plan, (0, 3))
+    # Two earlier failures whose slots neighbouring peers took: a peer's own order then crosses a taken slot's.
+    plan = compile(pp=4, dp=4, microbatches=8, failed=[(0, 1), (2, 3)])
+    with pytest.raises(RecoveryError, match=r"local re-route around 1:2 does not validate .*deadlock"):
+        repair(plan, (1, 2))
 
 
 def test_cli_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
