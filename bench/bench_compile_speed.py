@@ -121,10 +121,11 @@ def repair_child() -> None:
         t0 = time.perf_counter()
         try:
             check(fixed)
-            valid, after = True, simulate(fixed).period
+            valid = True
         except ValidationError:
-            valid, after = False, math.nan
+            valid = False
         checked = time.perf_counter() - t0
+        after = simulate(fixed).period if valid else math.nan
         print(json.dumps({"worker": f"{w[0]}:{w[1]}", "repair_s": seconds, "allocated_mb": allocated, "valid": valid,
                           "check_s": checked, "period": period, "repaired_period": after}), flush=True)
 
