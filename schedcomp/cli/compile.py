@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
     sim = simulate(plan)
-    summary = {**plan_facts(plan), **sim.summary(), "lower_bound": plan.lower_bound, "solver": plan.solver,
+    summary = {**plan_facts(plan, sim.memory), **sim.summary(), "lower_bound": plan.lower_bound, "solver": plan.solver,
                "compile_seconds": round(seconds, 4)}
     if args.json:
         print_json(summary)
