@@ -6,7 +6,8 @@ import argparse
 import time
 from typing import Any
 
-from schedcomp.cli.common import add_failure_arguments, load_plan, plan_facts, print_json, write_text
+from schedcomp.cli.common import add_failure_arguments, load_plan
+from schedcomp.cli.compile import save_and_report
 
 
 def register(subparsers: Any) -> None:
@@ -32,7 +33,6 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from schedcomp.errors import TopologyError
     from schedcomp.repair import repair
-    from schedcomp.simulator import simulate
 
     if not args.failed:
         raise TopologyError("name the newly failed worker: --fail D:S (repeat it for several)")
@@ -41,15 +41,5 @@ def run(args: argparse.Namespace) -> int:
     for worker in args.failed:
         plan = repair(plan, worker, validate=not args.no_check)
     seconds = time.perf_counter() - began
-    if args.output:
-        write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
-    summary = {**plan_facts(plan), **(simulate(plan).summary() if not args.no_check else {}),
-               "repair_seconds": round(seconds, 4)}
-    if args.json:
-        print_json(summary)
-    else:
-        from schedcomp.draw.terminal import render_summary
-
-        where = f" -> {args.output}" if args.output else ""
-        print(render_summary(summary, f"repaired in {seconds:.2f} s{where}"), end="")
+    save_and_report(args, plan, "repaired", {"repair_seconds": round(seconds, 4)}, simulated=not args.no_check)
     return 0
