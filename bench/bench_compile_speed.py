@@ -5,6 +5,7 @@ Reproduce (from the repository root):
 
     python bench/bench_compile_speed.py              # best of 3 runs per case
     python bench/bench_compile_speed.py --repeat 1   # one run per case
+    python bench/bench_compile_speed.py --scale      # issue 14: 8,192 GPUs end to end, and plan repair
 
 Times are CPU seconds of this process (`time.process_time`: everything here is single-threaded, so
 that is what an idle machine's wall clock would show, and it does not depend on how busy the shared
@@ -12,11 +13,24 @@ machine is; `--wall` for wall time), the best of `--repeat` runs. `total` is one
 `schedcomp.compile(...)`, timed separately (it includes building the topology and cost model).
 Targets: issue 3, greedy compile of pp = 16, dp = 64, M = 32 with 8 failures under 2 s; issue 2,
 compile + validate up to pp = 32, M = 128 under 1 s (dp = 1 and dp = 4).
+
+`--scale` (issue 14, a few minutes): each case in a fresh process, timed from outside (wall, CPU, peak
+RSS of that process from `os.wait4`): `schedcomp compile --pp 32 --dp 256 -m 64` with 16 spread failures
+through the CLI (import, compile, check, write the plan, simulate the summary; targets < 10 s wall and
+< 1 GB); and `repair` of that plan for one more failed worker, several workers, each timed inside the
+process (target < 1 s), with the memory the repair allocates (tracemalloc, a second run) and the time
+of `check` on the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +39,7 @@ from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
 from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
+from schedcomp.errors import ValidationError
 from schedcomp.lower import lower
 from schedcomp.schedules import fault_free_order
 from schedcomp.topology import Topology
@@ -66,11 +81,93 @@ def phases(kw: dict[str, Any], clock: Callable[[], float]) -> tuple[float, float
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
+SCALE = {"pp": 32, "dp": 256, "microbatches": 64, "failed": spread_failures(32, 256, 16)}
+REPAIRED = [(200, 17), (100, 31), (3, 0), (250, 5), (14, 11), (130, 24)]
+"""Workers failed next in the repair case: stages without an earlier failure (17, 24), the last stage, the
+first stage (inputs), and stages that lost a worker already (5: 7:5; 11: 105:11, its pipeline 14 lost 14:10)."""
+
+
+def measured(argv: list[str]) -> tuple[float, float, float, str]:
+    """(wall s, CPU s, peak RSS MB, stdout) of `argv` run as a fresh process."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - began
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)} failed with status {status}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out
+
+
+def repair_child() -> None:
+    """Compile the scale case, then time `repair` for each of `REPAIRED`: prints one JSON line per worker."""
+    import tracemalloc
+
+    from schedcomp.gcpause import paused_gc
+    from schedcomp.repair import repair
+    from schedcomp.simulator import simulate
+
+    plan = compile(**SCALE)  # type: ignore[arg-type]
+    period = simulate(plan).period
+    for w in REPAIRED:
+        with paused_gc():  # as the runtime would: the plan's millions of objects need no collection
+            t0 = time.perf_counter()
+            fixed = repair(plan, w, validate=False)
+            seconds = time.perf_counter() - t0
+        tracemalloc.start()
+        repair(plan, w, validate=False)
+        allocated = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        t0 = time.perf_counter()
+        try:
+            check(fixed)
+            valid = True
+        except ValidationError:
+            valid = False
+        checked = time.perf_counter() - t0
+        after = simulate(fixed).period if valid else math.nan
+        print(json.dumps({"worker": f"{w[0]}:{w[1]}", "repair_s": seconds, "allocated_mb": allocated, "valid": valid,
+                          "check_s": checked, "period": period, "repaired_period": after}), flush=True)
+
+
+def scale() -> None:
+    """The issue-14 table (see the module docstring)."""
+    fails = [f"--fail={d}:{s}" for d, s in SCALE["failed"]]  # type: ignore[attr-defined]
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "schedcomp.cli", "compile", "--pp", "32", "--dp", "256", "-m", "64", *fails,
+                "-o", os.path.join(tmp, "plan.json"), "--json"]
+        wall, cpu, rss, out = measured(argv)
+    facts = json.loads(out)
+    print("| case | wall s | CPU s | peak RSS MB | target |")
+    print("|---|---|---|---|---|")
+    print(f"| CLI compile pp32 dp256 M64, 16 failures (period {facts['period']:g}) | {wall:.1f} | {cpu:.1f} | "
+          f"{rss:.0f} | < 10 s, < 1 GB: {'yes' if wall < 10 and rss < 1024 else 'NO'} |")
+    wall, cpu, rss, out = measured([sys.executable, __file__, "--repair-child"])
+    print(f"| compile + {len(REPAIRED)} repairs and checks in one process | {wall:.1f} | {cpu:.1f} | {rss:.0f} | |")
+    print()
+    print("| one more failed worker | repair s (wall) | allocated MB | check s | valid | period before -> after | "
+          "target |")
+    print("|---|---|---|---|---|---|---|")
+    for line in out.splitlines():
+        r = json.loads(line)
+        print(f"| {r['worker']} | {r['repair_s']:.3f} | {r['allocated_mb']:.0f} | {r['check_s']:.1f} | "
+              f"{'yes' if r['valid'] else 'NO'} | {r['period']:g} -> {r['repaired_period']:g} | "
+              f"< 1 s: {'yes' if r['repair_s'] < 1 else 'NO'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
+    parser.add_argument("--scale", action="store_true", help="the issue-14 cases instead (minutes)")
+    parser.add_argument("--repair-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repair_child:
+        repair_child()
+        return
+    if args.scale:
+        scale()
+        return
     clock = time.perf_counter if args.wall else time.process_time
     header = ("case", "adaptive_order s", "lower s", "check s", "total s", "target s", "ok")
     rows = []

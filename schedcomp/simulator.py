@@ -35,9 +35,11 @@ from typing import Any
 from schedcomp import limits
 from schedcomp.check import check, is_checked
 from schedcomp.errors import SchedcompTypeError, ValidationError
+from schedcomp.gcpause import paused_gc
 from schedcomp.gradcheck import BARRIER, GradCheckCost
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, peak_of, stream_deltas
+from schedcomp.simfast import time_lowered
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Lanes, Stream, compile_streams
 from schedcomp.timecore import Gate, Graph, LaneRun, Stuck, run_lanes
 from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
@@ -129,6 +131,15 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
     limits.SIM_INSTRUCTIONS.check(total, f"simulating {iterations} iterations of this plan")
     if validate and not is_checked(plan):
         check(plan)
+    if grad_check is None and is_checked(plan):
+        with paused_gc():  # many small acyclic objects: see `schedcomp.gcpause`
+            fast = time_lowered(plan, iterations, synchronous_optimizer)
+        if fast is not None:
+            return Simulation(workers=tuple(sorted(fast.busy)), makespan=fast.makespan, period=fast.period,
+                              bubble_ratio=fast.bubble_ratio, memory=fast.memory,
+                              peak_memory=max(fast.memory.values(), default=0.0), iteration_ends=fast.iteration_ends,
+                              busy=fast.busy, iterations=iterations, synchronous_optimizer=synchronous_optimizer,
+                              build_spans=partial(_spans_of, plan, iterations, synchronous_optimizer))
     lanes = compile_streams(plan)
     streams = lanes.streams
     if not any(st.instrs for st in streams):
@@ -161,6 +172,13 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
         synchronous_optimizer=synchronous_optimizer,
         build_spans=partial(_spans, streams, run, p2p),
     )
+
+
+def _spans_of(plan: Plan, iterations: int, synchronous: bool, wanted: Sequence[int]) -> tuple[Span, ...]:
+    """The spans of a plan the fast path timed: the general engine, run only when they are drawn."""
+    lanes = compile_streams(plan)
+    run = run_lanes(lanes.graph, lanes.seqs, lanes.durations, iterations, synchronous, keep=range(iterations))
+    return _spans(lanes.streams, run, plan.costs.p2p, wanted)
 
 
 def _with_grad_check(lanes: Lanes, cost: GradCheckCost) -> tuple[Lanes, Gate | None]:

@@ -14,11 +14,11 @@ import logging
 import os
 import sys
 
-from schedcomp.cli import compare, compile, goodput, precompile, profile, show, simulate, torch_csv
+from schedcomp.cli import compare, compile, goodput, precompile, profile, repair, show, simulate, torch_csv
 from schedcomp.cli.common import ArgumentError, Parser, one_line
 from schedcomp.errors import SchedcompError
 
-COMMANDS = [show, simulate, torch_csv, profile, compile, precompile, compare, goodput]
+COMMANDS = [show, simulate, torch_csv, profile, compile, repair, precompile, compare, goodput]
 """Subcommand modules, in the order `schedcomp --help` lists them."""
 
 

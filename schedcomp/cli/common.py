@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from schedcomp import fileio
@@ -180,7 +181,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                    solver=args.solver, time_limit=args.time_limit, chunks=args.chunks, placement=args.placement)
 
 
-def plan_facts(plan: Plan) -> dict[str, Any]:
+def plan_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict[str, Any]:
+    """The plan's shape and its memory against the limit (`peaks`: each worker's, if known already)."""
     from schedcomp.memory import limit_facts
 
     topo = plan.topology
@@ -196,7 +198,7 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
         "failed": [str(w) for w in sorted(topo.failed)],
         "microbatches": plan.microbatches,
         "lower_bound": plan.lower_bound,
-        **limit_facts(plan),
+        **limit_facts(plan, peaks),
     }
 
 

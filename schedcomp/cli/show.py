@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--draw-iterations {args.draw_iterations} is more than --iterations {args.iterations}")
     plan = plan_from_args(args)
     sim = simulate(plan, iterations=args.iterations, synchronous_optimizer=args.sync_optimizer)
-    summary = {**plan_facts(plan), **sim.summary()}
+    summary = {**plan_facts(plan, sim.memory), **sim.summary()}
     drawn = sim.spans_in(range(args.draw_iterations))
     measured = _measured(args.measured, args.draw_iterations, plan) if args.measured else None
     if measured is not None:

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     sim = simulate(plan, iterations=args.iterations, synchronous_optimizer=args.sync_optimizer)
-    summary = {**plan_facts(plan), **sim.summary()}
+    summary = {**plan_facts(plan, sim.memory), **sim.summary()}
     if args.json:
         print_json(summary)
     else:

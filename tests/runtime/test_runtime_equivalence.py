@@ -245,10 +245,13 @@ def test_rerouted_plans_match_reference_pp4_dp2(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_switch_to_rerouted_plan_matches_reference_pp2_dp3(tmp_path: Path) -> None:
-    """6 processes: fault-free for one iteration, then the failed worker's process idles on a re-routed plan."""
+    """6 processes: fault-free for one iteration, then the failed worker's process idles on a re-routed plan
+    (built by hand, compiled, or the fault-free plan repaired around the failure: `schedcomp.repair`)."""
+    from schedcomp.repair import repair
+
     pp, dp, failed = 2, 3, (0, 1)
     before = fault_free("zb-h1", pp, dp, 4)
-    plans = [rerouted(pp, dp, 4, failed), *adaptive(pp, dp, 4, failed)]
+    plans = [rerouted(pp, dp, 4, failed), *adaptive(pp, dp, 4, failed), repair(before, failed)]
     assert all(rerouted_ops(plan) > 0 for plan in plans)
     launch([Config(f"switch{i}", (before, plan), switch=(0, 1)) for i, plan in enumerate(plans)], pp * dp, tmp_path)
 

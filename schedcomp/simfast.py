@@ -1,0 +1,101 @@
+"""The simulator's fast path for lowered plans: `time_lowered(plan, iterations, synchronous)`.
+
+A plan that `check` passed and whose every stream ends in its only ALLREDUCE and STEP (what `lower`
+makes: compute, loads and transfers, then the tail) is timed exactly by the solvers' engine,
+`solvers.timing.time_sequences` (numpy, `timecore.run_levels`): its compute order is the graph, and
+a receive only says where the producer's data comes from, which `check` proved is where the op
+dependencies say. The timing core's tests show both engines give the same iteration ends, period and
+makespan (`tests/compiler/test_timecore.py`); this module only reads the compute order off the
+streams, as op ids, so a plan of 3.6 million instructions (pp = 32, dp = 256) is timed in a few
+seconds instead of the worklist's tens. Anything else (hand-made tails, a registered kind, a
+gradient check, a re-cut plan) returns None and takes the general path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from schedcomp.ir import Plan
+from schedcomp.semantics import InstrKind
+from schedcomp.solvers.problem import FUSED_KINDS, SPLIT_KINDS, Problem
+from schedcomp.solvers.timing import time_sequences, worker_peaks
+from schedcomp.timeline import period_from_ends
+from schedcomp.topology import Worker
+
+_TAIL = (InstrKind.ALLREDUCE, InstrKind.STEP)
+_PLAIN = frozenset({InstrKind.LOAD, InstrKind.SEND_ACT, InstrKind.SEND_GRAD, InstrKind.RECV_ACT,
+                    InstrKind.RECV_GRAD, InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW})
+
+
+@dataclass(frozen=True)
+class FastTiming:
+    """What `simulate` reports, computed without its per-instruction graph."""
+
+    iteration_ends: tuple[float, ...]
+    makespan: float
+    period: float
+    bubble_ratio: float
+    busy: dict[Worker, float]
+    memory: dict[Worker, float]
+
+
+def time_lowered(plan: Plan, iterations: int, synchronous: bool) -> FastTiming | None:
+    """Time a checked, lowered `plan` (see the module docstring), or None when it is not one."""
+    seqs = _sequences(plan)
+    if seqs is None:
+        return None
+    problem, by_wid = seqs
+    timing = time_sequences(problem, by_wid, iterations, synchronous)
+    if not timing.ok:
+        return None  # (a checked plan cannot deadlock; the general path says where if it ever did)
+    ends = timing.iteration_ends
+    pp, snk = problem.pp, problem.stages * len(problem.kinds)
+    busy: dict[Worker, float] = {}
+    for wid, ops in sorted(by_wid.items()):  # rank order: the workers' sorted order, as `simulate` gives
+        times = problem.op_times[wid]
+        busy[Worker(*divmod(wid, pp))] = sum(times[op % snk] for op in ops)
+    peaks = worker_peaks(problem, by_wid)
+    memory = {w: max(0.0, peaks.get(w.pipeline * pp + w.stage, 0.0)) for w in busy}
+    period = period_from_ends(ends, ends[0])
+    capacity = period * len(busy)
+    bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
+    return FastTiming(tuple(ends), ends[0], period, bubble, busy, memory)
+
+
+def _sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
+    """The plan's compute order as op ids per worker id (`solvers.problem`), or None when a stream has
+    anything but compute, loads and transfers before an ALLREDUCE, STEP tail, or mixes BW with B/W."""
+    if plan.cut:  # re-cut pieces: slot ids and op times by piece size, which the general path reads
+        return None
+    topo, mbs = plan.topology, plan.microbatches
+    stages, pp = topo.stages, topo.pp
+    fused = split = False
+    packed: dict[int, list[int]] = {}  # op ids with 4 kinds per slot, renumbered once the kinds are known
+    position, plain, bw, w_kind = _POS.get, _PLAIN, InstrKind.BW, InstrKind.W
+    for w, stream in plan.streams.items():
+        if len(stream) < 2 or stream[-2].kind is not _TAIL[0] or stream[-1].kind is not _TAIL[1]:
+            return None
+        ops: list[int] = []
+        for ins in stream[:-2]:
+            kind = ins.kind
+            if kind not in plain:
+                return None
+            pos = position(kind)
+            if pos is not None:
+                op = ins.op
+                fused |= kind is bw
+                split |= kind is w_kind
+                ops.append(((op.pipeline * mbs + op.microbatch) * stages + op.stage) * 4 + pos)
+        packed[w.pipeline * pp + w.stage] = ops
+    if fused and split:
+        return None
+    nk = len(FUSED_KINDS if fused else SPLIT_KINDS)
+    by_wid = {wid: ((a >> 2) * nk + (a & 3)).tolist() for wid, ops in packed.items()
+              for a in (np.asarray(ops, dtype=np.int64),)}
+    return Problem(topo, mbs, plan.costs, not fused), by_wid
+
+
+# Each compute instruction kind's position in its problem's kinds: F, B, W (split) or F, BW (fused).
+_POS = {InstrKind(k.value): i for kinds in (SPLIT_KINDS, FUSED_KINDS) for i, k in enumerate(kinds)}

@@ -1,0 +1,126 @@
+"""Plan repair (`schedcomp.repair`): one more failed worker, a valid plan by a local re-route."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from schedcomp.check import check
+from schedcomp.cli import main
+from schedcomp.compiler import compile
+from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError
+from schedcomp.ir import COMPUTE_KINDS, Plan
+from schedcomp.repair import repair
+from schedcomp.simulator import simulate
+from schedcomp.topology import Worker
+
+W = Worker.parse
+
+# (compile arguments, workers to fail next): small jobs whose local re-route validates.
+CASES = [
+    ({"pp": 3, "dp": 3, "microbatches": 4, "schedule": "1f1b"}, ["0:0", "1:1", "2:2"]),
+    ({"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h2"}, ["0:0", "1:3"]),
+    ({"pp": 4, "dp": 3, "microbatches": 6, "failed": [(0, 1)], "memory_limit": None}, ["1:1", "2:0", "0:3"]),
+    ({"pp": 8, "dp": 4, "microbatches": 16, "failed": [(0, 3), (1, 5)]}, ["0:6", "1:4", "2:7"]),
+]
+
+
+def slots_of(plan: Plan) -> Counter[tuple[object, int, int, int]]:
+    """How often each compute op (kind, pipeline, micro-batch, stage) runs, over all streams."""
+    return Counter((ins.kind, ins.op.pipeline, ins.op.microbatch, ins.op.stage)
+                   for stream in plan.streams.values() for ins in stream if ins.kind in COMPUTE_KINDS and ins.op)
+
+
+@pytest.mark.parametrize(("kw", "workers"), CASES, ids=lambda x: str(x))
+def test_repair_validates_and_runs_every_op_once(kw: dict[str, object], workers: list[str]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    ops = slots_of(plan)
+    for name in workers:
+        dead = W(name)
+        fixed = repair(plan, dead, validate=False)
+        check(fixed)  # sound: transfers paired in FIFO order, no deadlock, memory within the plan's limit
+        assert fixed.topology.failed == plan.topology.failed | {dead} and dead not in fixed.streams
+        assert slots_of(fixed) == ops and set(ops.values()) == {1}  # every op of every micro-batch, once
+        assert fixed.costs == plan.costs and fixed.solver == "repair" and fixed.lower_bound is None
+        touched = {w for w in plan.streams if w != dead and fixed.streams[w] is not plan.streams[w]}
+        neighbours = {ins.peer for ins in plan.streams[dead] if ins.peer is not None}
+        # Local: only peers of the dead worker's stage and its neighbours are lowered again.
+        assert touched and all(w.stage == dead.stage or w in neighbours for w in touched)
+        assert all(fixed.streams[w] is plan.streams[w] for w in fixed.streams if w not in touched)
+        assert simulate(fixed).period >= simulate(plan).period  # the same work on fewer workers
+
+
+def test_repair_validates_by_default_and_chains() -> None:
+    plan = compile(pp=4, dp=3, microbatches=6, failed=[(0, 1)], memory_limit=None)
+    twice = repair(repair(plan, (1, 1)), "2:0")  # a pair, then a "d:s" string: both name workers
+    assert twice.topology.failed == {W("0:1"), W("1:1"), W("2:0")}
+    check(twice)
+    assert slots_of(twice) == slots_of(plan)
+
+
+def test_bad_input_is_one_clear_error() -> None:
+    plan = compile(pp=2, dp=2, microbatches=4, failed=[(0, 1)])
+    with pytest.raises(TopologyError, match=r"worker 5:0 is not in the job: pipelines are 0\.\.1, stages 0\.\.1"):
+        repair(plan, (5, 0))
+    with pytest.raises(TopologyError, match="worker 0:1 has failed already"):
+        repair(plan, W("0:1"))
+    with pytest.raises(RecoveryError, match=r"1:1 was the last live worker of stage 1.*checkpoint"):
+        repair(plan, (1, 1))
+    with pytest.raises(SchedcompTypeError, match="bad failed worker"):
+        repair(plan, 3)  # type: ignore[arg-type]
+    with pytest.raises(SchedcompTypeError, match="repair needs a Plan"):
+        repair("plan.json", (1, 0))  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match="one stage per worker, not chunks=2"):
+        repair(compile(pp=2, dp=2, microbatches=4, schedule="zb-v"), (1, 0))
+
+
+def test_no_peer_with_memory_is_a_recovery_error() -> None:
+    # Every peer of stage 1 sits at the fault-free memory limit all along: the re-routed forwards could only
+    # wait past slots taken before them, which their neighbours expect the other way round.
+    plan = compile(pp=4, dp=3, microbatches=8, failed=[(1, 2)])
+    with pytest.raises(RecoveryError, match=r"no live peer of 2:1 at stage 1 has the memory.*compile the plan"):
+        repair(plan, (2, 1))
+
+
+def test_a_reroute_that_does_not_validate_is_a_recovery_error() -> None:
+    # Two earlier failures whose slots neighbouring peers took: a peer's own order then crosses a taken slot's.
+    plan = compile(pp=4, dp=4, microbatches=8, failed=[(0, 1), (2, 3)])
+    with pytest.raises(RecoveryError, match=r"local re-route around 1:2 does not validate .*deadlock"):
+        repair(plan, (1, 2))
+
+
+def test_cli_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved, out = tmp_path / "plan.json", tmp_path / "repaired.json"
+    assert main(["compile", "--pp", "4", "--dp", "3", "-m", "6", "--fail", "0:1", "--memory-limit", "none",
+                 "-o", str(saved)]) == 0
+    capsys.readouterr()
+    assert main(["repair", str(saved), "--fail", "1:1", "--fail", "2:0", "-o", str(out), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["failed"] == ["0:1", "1:1", "2:0"] and facts["solver"] == "repair" and facts["period"] > 0
+    repaired = Plan.from_json(out.read_text())
+    check(repaired)
+    assert repaired.topology.failed == {W("0:1"), W("1:1"), W("2:0")}
+    for argv, message in ((["--fail", "0:1"], "worker 0:1 has failed already"),
+                          (["--fail", "7:0"], "worker 7:0 is not in the job"),
+                          ([], "name the newly failed worker")):
+        assert main(["repair", str(saved), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_lookup_or_repair_serves_failure_sets_beyond_the_cache() -> None:
+    from schedcomp.cache import precompile
+    from schedcomp.repair import lookup_or_repair
+
+    cache = precompile(3, 3, 4, 1, memory_limit=None)  # every set of at most one failed worker
+    one = lookup_or_repair(cache, [(0, 0)])
+    assert one.topology.failed == {W("0:0")} and one.solver != "repair"  # a hit: the cached plan itself
+    two = lookup_or_repair(cache, [(1, 1), (0, 0)])  # a miss: 0:0's cached plan, repaired around 1:1
+    assert two.topology.failed == {W("0:0"), W("1:1")} and two.solver == "repair"
+    check(two)
+    assert slots_of(two) == slots_of(one)
+    with pytest.raises(RecoveryError, match="last live worker of stage 0"):
+        lookup_or_repair(cache, [(0, 0), (1, 0), (2, 0)])
