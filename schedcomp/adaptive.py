@@ -81,7 +81,7 @@ class Solution:
     def order(self) -> Order:
         problem = self.problem
         family = "adaptive" if problem.split else "adaptive-no-split"
-        kinds, nk, mbs, stages = problem.kinds, len(problem.kinds), problem.microbatches, problem.stages
+        kinds, nk, mbs, stages = problem.kinds, len(problem.kinds), problem.width, problem.stages
         make = Op.trusted  # the fields come from op ids of this problem: in range by construction
         ops = {}
         for wid, seq in self.seqs.items():

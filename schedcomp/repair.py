@@ -59,7 +59,8 @@ class _Slot:
 def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool = True) -> Plan:
     """`plan` with `failed` dead too, by a local re-route (see the module docstring); checked unless
     `validate=False`. Raises `TopologyError` for a worker outside the job or already failed,
-    `RecoveryError` when its stage has no live worker left, `ScheduleError` for plans with virtual stages."""
+    `RecoveryError` when its stage has no live worker left, `ScheduleError` for plans with virtual stages
+    or re-cut micro-batches."""
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"repair needs a Plan, got {type(plan).__name__}")
     topo = plan.topology
@@ -67,6 +68,9 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     if topo.chunks > 1:
         raise ScheduleError(f"repair re-routes one stage per worker, not chunks={topo.chunks}: compile the plan "
                             "for the new failure set instead")
+    if plan.cut:
+        raise ScheduleError("repair moves whole micro-batches, and this plan has re-cut ones (--recut): compile "
+                            "the plan for the new failure set instead")
     after = Topology(topo.pp, topo.dp, topo.failed | {worker}, topo.chunks, topo.placement)
     peers = after.stage_group(worker.stage)
     if not peers:

@@ -75,6 +75,10 @@ def test_bad_input_is_one_clear_error() -> None:
         repair("plan.json", (1, 0))  # type: ignore[arg-type]
     with pytest.raises(ScheduleError, match="one stage per worker, not chunks=2"):
         repair(compile(pp=2, dp=2, microbatches=4, schedule="zb-v"), (1, 0))
+    recut = compile(pp=4, dp=8, microbatches=8, failed=[(3, 1)], recut=True, memory_limit=None)
+    assert recut.cut  # (the case: re-cut pieces)
+    with pytest.raises(ScheduleError, match="re-cut ones"):
+        repair(recut, (2, 1))
 
 
 def test_no_peer_with_memory_is_a_recovery_error() -> None:
