@@ -93,6 +93,29 @@ def in_parallel(workers: list[Worker], fn: Callable[[Worker], object], timeout: 
         return out
 
 
+def _generation_zero(j: Job) -> tuple[list[Worker], View]:
+    """Start every worker of `j` and agree on generation 0: the workers and the view."""
+    workers = list(Topology.of(j.pp, j.dp).workers)
+    j.start_all(workers)
+    return workers, in_parallel(workers, lambda w: join_job(j.address.connect(), j.pp, j.dp, w,
+                                                            j.detectors[w]))[workers[0]]
+
+
+class _Announcing:
+    """A replacement's store client that calls `then()` right after it announces `lost` (stages a race)."""
+
+    def __init__(self, j: Job, lost: Worker, then: Callable[[], object]) -> None:
+        self.inner, self.lost, self.then = j.address.connect(), lost, then
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def set(self, key: str, value: str) -> None:
+        self.inner.set(key, value)
+        if key == Keys.join(self.lost):
+            self.then()
+
+
 def test_view_round_trips_and_ranks_follow_plan_order() -> None:
     view = View(3, Topology.of(2, 3, [(1, 0)]))
     assert View.from_json(view.to_json()) == view
@@ -155,9 +178,7 @@ def test_second_failure_during_agreement_moves_everyone_to_one_later_generation(
 
 def test_concurrent_failure_reports_still_give_one_view(job) -> None:
     j = job(4, 2)
-    workers = list(Topology.of(4, 2).workers)
-    j.start_all(workers)
-    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 4, 2, w, j.detectors[w]))[workers[0]]
+    workers, v0 = _generation_zero(j)
     dead = [Worker(0, 3), Worker(1, 1)]
     for w in dead:
         j.kill(w)
@@ -169,9 +190,7 @@ def test_concurrent_failure_reports_still_give_one_view(job) -> None:
 
 def test_falsely_suspected_worker_is_evicted(job) -> None:
     j = job(2, 2)
-    workers = list(Topology.of(2, 2).workers)
-    j.start_all(workers)
-    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
+    workers, v0 = _generation_zero(j)
     suspect = Worker(1, 1)
     j.detectors[Worker(0, 0)].declare_failed(suspect, "an operation with it timed out")
     others = [w for w in workers if w != suspect]
@@ -192,9 +211,7 @@ def test_agreement_times_out_when_the_store_never_answers(job) -> None:
 
 def _lose_one(j: Job) -> tuple[list[Worker], Worker, View]:
     """A pp = 2, dp = 2 job that lost worker 0:1: its workers, the lost one, and the survivors' generation."""
-    workers = list(Topology.of(2, 2).workers)
-    j.start_all(workers)
-    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
+    workers, v0 = _generation_zero(j)
     lost = Worker(0, 1)
     j.kill(lost)
     survivors = [w for w in workers if w != lost]
@@ -238,21 +255,11 @@ def test_a_replacement_admitted_as_soon_as_it_announces_itself_is_not_left_waiti
     j.start(lost, incarnation=1)
     survivors_store = j.address.connect()
 
-    class Eager:  # the replacement's store; the survivors see the announcement and propose at once
-        def __init__(self) -> None:
-            self.inner = j.address.connect()
-
-        def __getattr__(self, name: str):
-            return getattr(self.inner, name)
-
-        def set(self, key: str, value: str) -> None:
-            self.inner.set(key, value)
-            if key == Keys.join(lost):
-                survivors_store.compare_set(Keys.view(v1.generation + 1), "", v1.next(frozenset()).to_json())
-
     def member(w: Worker) -> View:
         if w == lost:
-            return admit(Eager(), w, 1, counted_failed(j.address.connect(), w, timeout=20), j.detectors[w],
+            eager = _Announcing(j, lost, lambda: survivors_store.compare_set(
+                Keys.view(v1.generation + 1), "", v1.next(frozenset()).to_json()))  # the survivors propose at once
+            return admit(eager, w, 1, counted_failed(j.address.connect(), w, timeout=20), j.detectors[w],
                          timeout=20)[0]
         store = j.address.connect()
         while lost not in pending_joins(store, v1):  # survivors admit only a replacement that announced itself
@@ -272,9 +279,7 @@ def test_a_replacement_never_acknowledges_a_view_that_still_counts_its_predecess
     # in a view that took the replacement for its predecessor, and it was never handed a state
     # (seen in CI, test_fault_swift dp = 1: a restart where replay was due).
     j = job(2, 2)
-    workers = list(Topology.of(2, 2).workers)
-    j.start_all(workers)
-    v0 = in_parallel(workers, lambda w: join_job(j.address.connect(), 2, 2, w, j.detectors[w]))[workers[0]]
+    workers, v0 = _generation_zero(j)
     lost = Worker(0, 1)
     survivors = [w for w in workers if w != lost]
     j.kill(lost, notice=False)  # its notice comes below: the survivors' detectors read it only then
@@ -282,23 +287,11 @@ def test_a_replacement_never_acknowledges_a_view_that_still_counts_its_predecess
     stale = v0.next(frozenset())  # what the survivor that saw only a broken connection proposed
     announced = threading.Event()
 
-    class Watched:  # the replacement's store: tells the test when it announced itself
-        def __init__(self) -> None:
-            self.inner = j.address.connect()
-
-        def __getattr__(self, name: str):
-            return getattr(self.inner, name)
-
-        def set(self, key: str, value: str) -> None:
-            self.inner.set(key, value)
-            if key == Keys.join(lost):
-                announced.set()
-
     def member(w: Worker) -> View:
         if w == lost:  # as `FaultSession.start`: no heartbeat, no incarnation before counted failed
             known = counted_failed(j.address.connect(), w, timeout=20)
             j.start(w, incarnation=1)
-            return admit(Watched(), w, 1, known, j.detectors[w], timeout=20)[0]
+            return admit(_Announcing(j, lost, announced.set), w, 1, known, j.detectors[w], timeout=20)[0]
         announced.wait(1.0)  # the replacement may announce itself first (it did before the fix)
         s = j.address.connect()
         if w == survivors[0]:
