@@ -89,11 +89,47 @@ def test_no_peer_with_memory_is_a_recovery_error() -> None:
         repair(plan, (2, 1))
 
 
-def test_a_reroute_that_does_not_validate_is_a_recovery_error() -> None:
-    # Two earlier failures whose slots neighbouring peers took: a peer's own order then crosses a taken slot's.
-    plan = compile(pp=4, dp=4, microbatches=8, failed=[(0, 1), (2, 3)])
-    with pytest.raises(RecoveryError, match=r"local re-route around 1:2 does not validate .*deadlock"):
-        repair(plan, (1, 2))
+# Small jobs (pp 3-8, dp 2-4): fault-free families and adaptive plans with 0-2 failures, at each plan's default
+# memory limit. The first local re-route left 4 of their 118 single repairs deadlocked (e.g. 1:2 of the
+# fourth); placed on one timeline, none does.
+SWEEP = [
+    {"pp": 3, "dp": 3, "microbatches": 4, "schedule": "1f1b"},
+    {"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h2"},
+    {"pp": 4, "dp": 3, "microbatches": 8, "schedule": "zb-h1"},
+    {"pp": 4, "dp": 4, "microbatches": 8, "failed": [(0, 1), (2, 3)]},
+    {"pp": 6, "dp": 3, "microbatches": 8},
+    {"pp": 8, "dp": 2, "microbatches": 8, "schedule": "1f1b"},
+]
+
+
+@pytest.mark.parametrize("kw", SWEEP, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_every_repair_validates_or_is_refused_for_memory(kw: dict[str, object]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    outcomes = Counter()
+    for dead in sorted(plan.streams):
+        if len(plan.topology.stage_group(dead.stage)) < 2:
+            continue  # the last of its stage: a checkpoint's job (test_bad_input_is_one_clear_error)
+        try:
+            fixed = repair(plan, dead, validate=False)
+        except RecoveryError as exc:  # memory is the only reason to refuse
+            assert "has the memory" in str(exc)
+            outcomes["memory"] += 1
+            continue
+        check(fixed)  # never a deadlock, transfers paired, memory within the limit
+        assert slots_of(fixed) == slots_of(plan)
+        outcomes["valid"] += 1
+    assert outcomes["valid"] > 0
+
+
+def test_without_a_memory_limit_every_repair_validates_and_chains() -> None:
+    plan = compile(pp=4, dp=4, microbatches=8, failed=[(0, 1), (2, 3)], memory_limit=None)
+    for dead in sorted(plan.streams):
+        check(repair(plan, dead, validate=False))
+    chained = plan
+    for dead in ("1:2", "3:0", "2:1", "0:3"):  # each repair hands the next its timeline (no timing again)
+        chained = repair(chained, W(dead), validate=False)
+        check(chained)
+    assert slots_of(chained) == slots_of(plan)
 
 
 def test_cli_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
