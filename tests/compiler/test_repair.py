@@ -164,3 +164,25 @@ def test_lookup_or_repair_serves_failure_sets_beyond_the_cache() -> None:
     assert slots_of(two) == slots_of(one)
     with pytest.raises(RecoveryError, match="last live worker of stage 0"):
         lookup_or_repair(cache, [(0, 0), (1, 0), (2, 0)])
+
+
+def test_the_timeline_orders_every_stream_and_dependency_before_and_after_a_repair() -> None:
+    from schedcomp.ir import Op, OpKind
+    from schedcomp.optimes import op_times
+
+    plan = compile(pp=4, dp=3, microbatches=6, failed=[(0, 1)])
+    fixed = repair(plan, W("2:2"), validate=False)
+    for p in (plan, fixed):
+        times = op_times(p)
+        assert times is not None
+        for stream in p.streams.values():  # each stream runs its ops in the order of their times
+            ts = [times.of(ins.op) for ins in stream if ins.kind in COMPUTE_KINDS and ins.op]
+            assert ts == sorted(ts) and len(set(ts)) == len(ts)
+        for stream in p.streams.values():  # and each op after what it reads from another stage
+            for ins in stream:
+                op = ins.op
+                if ins.kind in COMPUTE_KINDS and op and op.kind is OpKind.F and op.stage > 0:
+                    assert times.of(op) > times.of(Op(OpKind.F, op.pipeline, op.microbatch, op.stage - 1))
+                if ins.kind in COMPUTE_KINDS and op and op.kind is OpKind.B and op.stage < 3:
+                    assert times.of(op) > times.of(Op(OpKind.B, op.pipeline, op.microbatch, op.stage + 1))
+    assert op_times(fixed) is op_times(fixed)  # kept with the plan: a further repair needs no timing
