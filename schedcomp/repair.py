@@ -11,16 +11,19 @@ order of their times, and every op starts after the ops it reads from. So
    global order is consistent with all streams and all dependencies, and the plan cannot deadlock (the
    standard list-scheduling argument);
 2. where the peer would exceed the memory limit, the F waits (a later time, but before its consumer at the
-   next stage) and the backward comes as early as its producers allow; never against the timeline. A slot
-   that no peer (of the `TRIALS` least loaded) has the memory for is a `RecoveryError`, the only refusal
-   (compile for the new failure set instead);
+   next stage) and the backward comes as early as its producers allow; never against the timeline. Where
+   every peer (of the `TRIALS` least loaded) is full all that while (adaptive plans fill the fault-free
+   limit), the F waits for memory past its consumer's time: the times are then no longer a timeline, so
+   the result is timed (`op_times`: seconds at pp = 32, dp = 256), which finds any wait cycle, and one
+   is a `RecoveryError`. Memory is thus the only reason to refuse (compile for the new failure set);
 3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
    (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
    off the streams' own transfers); every other stream is the very tuple it was.
 
 The work is that of the few streams touched, not of the job, once the timeline is known: timing a plan at
 pp = 32, dp = 256 takes seconds, so it is kept with the plan (the runtime can time the plan in use before
-any failure) and a repaired plan carries its own, so repairs chain with no timing
+any failure) and a repaired plan carries its own, so repairs chain with no timing, unless memory made an
+F wait (2.)
 (`bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
 unless `validate=False`; a check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its
 period is worse than a full compile's for the new failure set, which replaces it at an iteration boundary.
@@ -87,10 +90,14 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
                             "step): compile the plan for the new failure set instead")
     costs = plan.costs  # its memory limit, if any, binds the re-route too
     computes = {g: _compute_ops(plan.streams[g]) for g in peers}
-    taken, moved = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
+    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
                     None, dict(plan.meta))
-    remember(repaired, times.moved(moved))  # a further repair of it needs no timing
+    if not late:
+        remember(repaired, times.moved(moved))  # a further repair of it needs no timing
+    elif op_times(repaired) is None:  # timing it is the deadlock check (and its timeline)
+        raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
+                            "consumers, and that deadlocks: compile the plan for the new failure set instead")
     if validate:
         try:
             check(repaired)
@@ -220,9 +227,10 @@ def _spans(slot: _Slot, times: OpTimes, pp: int) -> tuple[tuple[float, float], t
 
 
 def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]], costs: CostModel,
-           times: OpTimes, pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float]]:
-    """The new compute orders of the peers that take slots (the others keep theirs), and the moved ops'
-    times on the timeline."""
+           times: OpTimes, pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
+    """The new compute orders of the peers that take slots (the others keep theirs), the moved ops' times on
+    the timeline, and whether an F had to wait past its consumer's time for memory (then the times are
+    not a timeline of the result: `repair` times it)."""
     deltas = stage_deltas(costs, worker.stage)
     limit = costs.limit_at(worker.stage)
     top = limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
@@ -232,10 +240,16 @@ def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]],
     peers = {g: _Peer(list(ops), [times.of(op) for op in ops], deltas) for g, ops in computes.items()}
     taken: set[Worker] = set()
     moved: dict[Op, float] = {}
+    late = False
     for slot in slots:
         spans = _spans(slot, times, pp)
         ranked = sorted(computes, key=lambda g: (load[g], g))[:TRIALS]
         windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+        if not windows:  # every peer full while the slot's neighbours run it: the F waits for memory
+            (f_lo, _), (b_lo, _) = spans
+            spans = (f_lo, math.inf), (b_lo, math.inf)
+            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+            late = True
         if not windows:
             raise RecoveryError(
                 f"no live peer of {worker} at stage {worker.stage} has the memory to take micro-batch "
@@ -246,7 +260,7 @@ def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]],
         moved.update(peers[g].take(slot, *windows[g]))
         load[g] += len(slot.ops) / speed.get(g, 1.0)
         taken.add(g)
-    return {g: peers[g].ops for g in sorted(taken)}, moved
+    return {g: peers[g].ops for g in sorted(taken)}, moved, late
 
 
 _ACT, _GRAD = 0, 1
