@@ -22,9 +22,8 @@ order of their times, and every op starts after the ops it reads from. So
 
 The work is that of the few streams touched, not of the job, once the timeline is known: timing a plan at
 pp = 32, dp = 256 takes seconds, so it is kept with the plan (the runtime can time the plan in use before
-any failure) and a repaired plan carries its own, so repairs chain with no timing, unless memory made an
-F wait (2.)
-(`bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
+any failure) and a repaired plan carries its own, so repairs chain with no timing unless memory made an
+F wait (2.; `bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
 unless `validate=False`; a check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its
 period is worse than a full compile's for the new failure set, which replaces it at an iteration boundary.
 """
