@@ -40,7 +40,7 @@ from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
 from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
-from schedcomp.errors import ValidationError
+from schedcomp.errors import RecoveryError, ValidationError
 from schedcomp.lower import lower
 from schedcomp.schedules import fault_free_order
 from schedcomp.topology import Topology
@@ -117,7 +117,12 @@ def repair_child() -> None:
     for w in REPAIRED:
         with paused_gc():  # as the runtime would: the plan's millions of objects need no collection
             t0 = time.perf_counter()
-            fixed = repair(plan, w, validate=False)
+            try:
+                fixed = repair(plan, w, validate=False)
+            except RecoveryError as exc:  # refused (memory): the runtime compiles instead
+                print(json.dumps({"worker": f"{w[0]}:{w[1]}", "repair_s": time.perf_counter() - t0,
+                                  "refused": str(exc), "period": period}), flush=True)
+                continue
             seconds = time.perf_counter() - t0
         tracemalloc.start()
         repair(plan, w, validate=False)
@@ -158,6 +163,9 @@ def scale() -> None:
         r = json.loads(line)
         if "timeline_s" in r:
             timeline = r["timeline_s"]
+            continue
+        if "refused" in r:
+            print(f"| {r['worker']} | {r['repair_s']:.3f} | | | refused: {r['refused']} | | |")
             continue
         print(f"| {r['worker']} | {r['repair_s']:.3f} | {r['allocated_mb']:.0f} | {r['check_s']:.1f} | "
               f"{'yes' if r['valid'] else 'NO'} | {r['period']:g} -> {r['repaired_period']:g} | "
