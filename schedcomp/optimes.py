@@ -11,16 +11,18 @@ compute it while the plan is in use, before any failure) and `repair` hands its 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from schedcomp.ir import Op, Plan
 from schedcomp.semantics import InstrKind
 from schedcomp.simfast import _POS, _sequences
+from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import time_sequences
+from schedcomp.topology import Worker
 
-__all__ = ["OpTimes", "op_times", "remember"]
+__all__ = ["OpTimes", "op_times", "remember", "retimed"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class OpTimes:
     microbatches: int
     stages: int
     kinds: int  # 3 (F, B, W) or 2 (F, BW)
+    problem: Problem = field(repr=False, compare=False)
+    seqs: dict[int, np.ndarray] = field(repr=False, compare=False)  # worker id -> its compute order (op ids)
 
     def op_id(self, op: Op) -> int:
         slot = (op.pipeline * self.microbatches + op.microbatch) * self.stages + op.stage
@@ -39,12 +43,21 @@ class OpTimes:
     def of(self, op: Op) -> float:
         return float(self.start[self.op_id(op)])
 
-    def moved(self, times: dict[Op, float]) -> OpTimes:
-        """These times with some ops' replaced (a repaired plan's)."""
+    def moved(self, plan: Plan, orders: dict[Worker, list[Op]], times: dict[Op, float]) -> OpTimes:
+        """These times with some ops' replaced: those of `plan`, which is the plan these are of with workers
+        failed and some compute orders changed to `orders` (a repaired plan)."""
         start = self.start.copy()
         for op, t in times.items():
             start[self.op_id(op)] = t
-        return OpTimes(start, self.microbatches, self.stages, self.kinds)
+        return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
+                       self._seqs_of(plan, orders))
+
+    def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
+        pp = plan.topology.pp
+        seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) in plan.streams}
+        for w, ops in orders.items():
+            seqs[w.pipeline * pp + w.stage] = np.array([self.op_id(op) for op in ops], dtype=np.int64)
+        return seqs
 
 
 _KEPT: dict[int, OpTimes] = {}  # id(plan) -> its timeline, while the plan lives
@@ -67,11 +80,26 @@ def op_times(plan: Plan) -> OpTimes | None:
     if seqs is None:
         return None
     problem, by_wid = seqs
-    timing = time_sequences(problem, by_wid, iterations=1)
+    times = _timed(problem, {wid: np.asarray(ops, dtype=np.int64) for wid, ops in by_wid.items()})
+    if times is not None:
+        remember(plan, times)
+    return times
+
+
+def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTimes | None:
+    """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
+    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
+    seqs = times._seqs_of(plan, orders)
+    new = _timed(Problem(plan.topology, plan.microbatches, plan.costs, times.kinds == 3), seqs)
+    if new is not None:
+        remember(plan, new)
+    return new
+
+
+def _timed(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
+    timing = time_sequences(problem, seqs, iterations=1)
     if not timing.ok:
         return None
     start = np.full(problem.n_slots * len(problem.kinds), np.nan)
     start[timing.ops] = timing.first
-    times = OpTimes(start, plan.microbatches, problem.stages, len(problem.kinds))
-    remember(plan, times)
-    return times
+    return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs)

@@ -44,7 +44,7 @@ from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, T
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
 from schedcomp.memory import stage_deltas
-from schedcomp.optimes import OpTimes, op_times, remember
+from schedcomp.optimes import OpTimes, op_times, remember, retimed
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
 
@@ -93,8 +93,8 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
                     None, dict(plan.meta))
     if not late:
-        remember(repaired, times.moved(moved))  # a further repair of it needs no timing
-    elif op_times(repaired) is None:  # timing it is the deadlock check (and its timeline)
+        remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
+    elif retimed(times, repaired, taken) is None:  # timing it is the deadlock check (and its timeline)
         raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
                             "consumers, and that deadlocks: compile the plan for the new failure set instead")
     if validate:
