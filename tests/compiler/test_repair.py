@@ -79,6 +79,9 @@ def test_bad_input_is_one_clear_error() -> None:
     assert recut.cut  # (the case: re-cut pieces)
     with pytest.raises(ScheduleError, match="re-cut ones"):
         repair(recut, (2, 1))
+    untimed = Plan(plan.topology, plan.costs, plan.microbatches, {w: s[:-1] for w, s in plan.streams.items()})
+    with pytest.raises(ScheduleError, match="repair edits plans as `lower` makes them"):
+        repair(untimed, (0, 0))  # no STEP tail: no timeline to place re-routed ops on
 
 
 def test_no_peer_with_memory_is_a_recovery_error() -> None:
