@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = [
     ("bench_compiler.py", ["--quick"]),
     ("bench_compile_speed.py", ["--repeat", "1"]),
+    ("bench_repair_sweep.py", []),
     ("bench_validate.py", ["--max-rows", "50000"]),
     ("bench_adaptive.py", ["--quick"]),
     ("bench_runtime.py", ["--repeats", "1"]),

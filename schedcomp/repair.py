@@ -1,36 +1,42 @@
 """Plan repair: the plan in use and one more failed worker in, a valid plan out at once.
 
-`repair(plan, worker)` re-routes only the failed worker's work and keeps everything else:
+`repair(plan, worker)` re-routes only the failed worker's work and keeps everything else. It works on one
+global timeline, the start times of the plan in use (`optimes.op_times`): every stream runs its ops in the
+order of their times, and every op starts after the ops it reads from. So
 
-1. the failed worker's slots (each micro-batch it ran at its stage: its own and any it had taken over),
-   in the order of their F, go to live peers of its stage: to the least-loaded peer (compute ops over
-   speed factor) that has memory to spare all along its stream, where the slot's F takes the place the
-   failed worker's F had in its compute order, its B likewise and its W right after the B (which frees
-   the memory soonest). The neighbours then send and receive each tensor at about the time they did;
-2. where no peer has room all along (every peer at the memory limit, as in small jobs), the F waits on
-   the least-loaded peers until memory allows (the end of a stream always does), but never past a slot
-   taken earlier that ran after it on the failed worker: its neighbours expect them in that order. A
-   slot that cannot be placed so is a `RecoveryError` (compile for the new failure set instead);
+1. the failed worker's slots (each micro-batch it ran at its stage), in the order of their F, go to live
+   peers of its stage, each op at its time on the failed worker: inserted into the peer's compute order
+   where that time falls, its W right after its B (which frees the memory soonest). Every touched stream
+   stays sorted by time and every moved op keeps a time between its producers' and its consumers', so one
+   global order is consistent with all streams and all dependencies, and the plan cannot deadlock (the
+   standard list-scheduling argument);
+2. where the peer would exceed the memory limit, the F waits (a later time, but before its consumer at the
+   next stage) and the backward comes as early as its producers allow; never against the timeline. Where
+   every peer (of the `TRIALS` least loaded) is full all that while (adaptive plans fill the fault-free
+   limit), the F waits for memory past its consumer's time: the times are then no longer a timeline, so
+   the result is timed (`op_times`: seconds at pp = 32, dp = 256), which finds any wait cycle, and one
+   is a `RecoveryError`. Memory is thus the only reason to refuse (compile for the new failure set);
 3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
    (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
    off the streams' own transfers); every other stream is the very tuple it was.
 
-The work is that of the few streams touched, not of the job: at pp = 32, dp = 256, M = 64 with 16
-failures a repair takes about 0.2 s where the full compile takes tens of seconds (`bench/bench_compile_speed.py`).
-A local re-route is not always sound (a peer's own order can cross a taken slot's through a neighbour
-that runs both), so the result is checked (`check`, seconds at that scale) unless `validate=False`, and a
-check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its period is worse than a full
-compile's for the new failure set, which replaces it at an iteration boundary when ready.
+The work is that of the few streams touched, not of the job, once the timeline is known: timing a plan at
+pp = 32, dp = 256 takes seconds, so it is kept with the plan (the runtime can time the plan in use before
+any failure) and a repaired plan carries its own, so repairs chain with no timing unless memory made an
+F wait (2.; `bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
+unless `validate=False`; a check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its
+period is worse than a full compile's for the new failure set, which replaces it at an iteration boundary.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from schedcomp.check import check
 from schedcomp.costs import CostModel
@@ -38,6 +44,7 @@ from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, T
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
 from schedcomp.memory import stage_deltas
+from schedcomp.optimes import OpTimes, op_times, remember, retimed
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
 
@@ -50,17 +57,17 @@ whatever the job's width."""
 
 @dataclass(frozen=True)
 class _Slot:
-    """One (pipeline, micro-batch) the failed worker ran: its ops and their places in its compute order."""
+    """One (pipeline, micro-batch) the failed worker ran: its ops and their times on the plan's timeline."""
 
     ops: tuple[Op, ...]  # F, then B and W (or BW), in the failed worker's order
-    at: tuple[int, ...]  # each op's index in the failed worker's compute order
+    times: tuple[float, ...]  # each op's start in the plan in use
 
 
 def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool = True) -> Plan:
     """`plan` with `failed` dead too, by a local re-route (see the module docstring); checked unless
     `validate=False`. Raises `TopologyError` for a worker outside the job or already failed,
-    `RecoveryError` when its stage has no live worker left, `ScheduleError` for plans with virtual stages
-    or re-cut micro-batches."""
+    `RecoveryError` when its stage has no live worker left or no peer has the memory for a slot,
+    `ScheduleError` for plans with virtual stages, re-cut micro-batches or streams `lower` did not make."""
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"repair needs a Plan, got {type(plan).__name__}")
     topo = plan.topology
@@ -76,15 +83,24 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     if not peers:
         raise RecoveryError(f"{worker} was the last live worker of stage {worker.stage}, so its micro-batches cannot "
                             "be re-routed: recovery needs a checkpoint (restart from the last one)")
+    times = op_times(plan)
+    if times is None:
+        raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
+                            "step): compile the plan for the new failure set instead")
     costs = plan.costs  # its memory limit, if any, binds the re-route too
     computes = {g: _compute_ops(plan.streams[g]) for g in peers}
-    taken = _place(worker, _slots(plan.streams[worker]), computes, costs)
+    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
                     None, dict(plan.meta))
+    if not late:
+        remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
+    elif retimed(times, repaired, taken) is None:  # timing it is the deadlock check (and its timeline)
+        raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
+                            "consumers, and that deadlocks: compile the plan for the new failure set instead")
     if validate:
         try:
             check(repaired)
-        except ValidationError as exc:  # e.g. a peer's own order crosses a taken slot's: its neighbour waits
+        except ValidationError as exc:  # not expected (see the module docstring): a bug, so never run it
             raise RecoveryError(f"the local re-route around {worker} does not validate ({exc}): compile the plan "
                                 "for the new failure set instead") from None
     return repaired
@@ -125,91 +141,125 @@ def _compute_ops(stream: Sequence[Instruction]) -> list[Op]:
     return [ins.op for ins in stream if ins.kind in COMPUTE_KINDS and ins.op is not None]
 
 
-def _slots(stream: Sequence[Instruction]) -> list[_Slot]:
+def _slots(stream: Sequence[Instruction], times: OpTimes) -> list[_Slot]:
     """The failed worker's slots, in the order of their F."""
-    ops: dict[tuple[int, int], list[tuple[int, Op]]] = {}
-    for i, op in enumerate(_compute_ops(stream)):
-        ops.setdefault((op.pipeline, op.microbatch), []).append((i, op))
-    return [_Slot(tuple(op for _, op in pairs), tuple(i for i, _ in pairs)) for pairs in ops.values()]
+    ops: dict[tuple[int, int], list[Op]] = {}
+    for op in _compute_ops(stream):
+        ops.setdefault((op.pipeline, op.microbatch), []).append(op)
+    return [_Slot(tuple(group), tuple(times.of(op) for op in group)) for group in ops.values()]
 
 
 class _Peer:
-    """A peer's compute order while slots are placed on it, with each op's place on the failed worker's
-    clock (own op i at i, a taken op just after the failed worker's op it was; sorted, so a slot's places
-    are found by bisection) and the memory it holds after each op."""
+    """A peer's compute order while slots are placed on it: each op's time on the plan's timeline (sorted:
+    the peer runs its ops in that order), and the memory it holds after each op."""
 
-    def __init__(self, ops: list[Op], deltas: dict[object, float]) -> None:
-        self.ops, self.deltas = ops, deltas
-        self.clock = [float(i) for i in range(len(ops))]
-        self.taken = [False] * len(ops)
-        self.levels = list(itertools.accumulate(deltas[op.kind] for op in ops))
+    def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float]) -> None:
+        self.ops, self.times, self.deltas = ops, times, deltas
+        self.levels = np.cumsum([deltas[op.kind] for op in ops]) if ops else np.zeros(0)
 
-    def room(self, top: float) -> float:
-        """Memory to spare all along the stream."""
-        return top - max(self.levels, default=0.0)
+    def _gap(self, i: int, lo: float, hi: float) -> tuple[float, float] | None:
+        """The times an op inserted before op i may take within (lo, hi), or None where they do not meet."""
+        a = max(lo, self.times[i - 1] if i else -math.inf)
+        b = min(hi, self.times[i] if i < len(self.times) else math.inf)
+        return (a, b) if a < b else None
 
-    def window(self, f_at: float, b_at: float, need: float, top: float) -> tuple[int, int] | None:
-        """Where a slot's F and backward go: before op j and before op k (j <= k), from their places on, with
-        `need` to spare from j to k (the end of a stream always has it: everything is freed there). Where
-        memory is short the F waits, rather than the backward coming early (the peer would then wait for its
-        gradient, and on whatever that waits for). None when the F would pass an op taken from the failed
-        worker that ran after it there: the neighbours expect them in that order."""
-        levels, n = self.levels, len(self.levels)
-        start, b_pos = bisect.bisect(self.clock, f_at), bisect.bisect(self.clock, b_at)
-        latest = next((i for i in range(start, n) if self.taken[i]), n)
-        # The F waits, rather than the backward coming early (the peer would then wait for its gradient, and
-        # on whatever that waits for): the first j with room from j to the backward's place.
-        short = [i for i in range(max(start - 1, 0), min(b_pos, n)) if levels[i] + need > top]
-        j = max(start, short[-1] + 2) if short else start
-        while j < n and (levels[j - 1] if j else 0.0) + need > top:
-            j += 1
-        if j > latest:
-            return None
-        return j, max(j, min(b_pos, n))
+    def window(self, slot: _Slot, f_span: tuple[float, float], b_span: tuple[float, float], need: float,
+               top: float) -> tuple[int, int, float, float] | None:
+        """Where the slot's F and backward go (before op j and before op k, j <= k) and their times. Each keeps
+        its time on the failed worker where memory allows; where it does not, the F waits (later, but before
+        its consumer) and the backward comes as early as its producers allow, never against the timeline.
+        None when no place within the spans has `need` to spare from the F to the backward."""
+        times, levels, n = self.times, self.levels, len(self.times)
+        f_at, b_at = slot.times[0], slot.times[1] if len(slot.times) > 1 else slot.times[0]
+        j0 = bisect.bisect(times, f_at)
+        for j in range(j0, n + 1):
+            gap = self._gap(j, *f_span)
+            if gap is None:
+                if j > j0 and times[j - 1] >= f_span[1]:
+                    return None  # past the F's consumer
+                continue
+            f_time = f_at if gap[0] < f_at < gap[1] else _inside(gap)
+            b_lo = max(b_span[0], f_time)
+            k_min = next((k for k in range(j, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
+            if k_min is None:
+                return None
+            for k in dict.fromkeys((max(k_min, bisect.bisect(times, b_at)), k_min)):
+                gap_b = self._gap(k, b_lo, b_span[1])
+                if gap_b is None:
+                    continue
+                held = levels[max(j - 1, 0):k]
+                base = levels[j - 1] if j else 0.0
+                if max(base, float(held.max()) if len(held) else 0.0) + need <= top:
+                    return j, k, f_time, b_at if gap_b[0] < b_at < gap_b[1] else _inside(gap_b)
+        return None
 
-    def take(self, slot: _Slot, j: int, k: int, f_at: float, b_at: float) -> None:
+    def take(self, slot: _Slot, j: int, k: int, f_time: float, b_time: float) -> dict[Op, float]:
+        """Insert the slot (its W, if any, right after its B) and return the moved ops' times."""
         f_op, *backward = slot.ops
-        c = self.clock
-        f_clock = max(f_at, c[j - 1] if j else -1.0)
-        b_clock = max(b_at, c[k - 1] if k else -1.0, f_clock)
+        after = self.times[k] if k < len(self.times) else b_time + 1.0
+        back_times = [b_time] + [_inside((b_time, after))] * (len(backward) - 1)
         self.ops = [*self.ops[:j], f_op, *self.ops[j:k], *backward, *self.ops[k:]]
-        self.clock = [*c[:j], f_clock, *c[j:k], *([b_clock] * len(backward)), *c[k:]]
-        t = self.taken
-        self.taken = [*t[:j], True, *t[j:k], *([True] * len(backward)), *t[k:]]
-        self.levels = list(itertools.accumulate(self.deltas[op.kind] for op in self.ops))
+        self.times = [*self.times[:j], f_time, *self.times[j:k], *back_times, *self.times[k:]]
+        self.levels = np.cumsum([self.deltas[op.kind] for op in self.ops])
+        return dict(zip(slot.ops, (f_time, *back_times), strict=True))
 
 
-def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]],
-           costs: CostModel) -> dict[Worker, list[Op]]:
-    """The new compute orders of the peers that take slots (the others keep theirs)."""
+def _inside(gap: tuple[float, float]) -> float:
+    a, b = gap
+    if math.isinf(b):
+        return a + 1.0
+    return (a + b) / 2
+
+
+def _spans(slot: _Slot, times: OpTimes, pp: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The times the slot's F and backward may take: after what they read from other stages, before what
+    reads them there (the timeline of the plan in use; the failed worker's times lie within)."""
+    f_op, b_op = slot.ops[0], slot.ops[1] if len(slot.ops) > 1 else None
+    p, m, s = f_op.pipeline, f_op.microbatch, f_op.stage
+    f_lo = times.of(Op(OpKind.F, p, m, s - 1)) if s > 0 else -math.inf
+    f_hi = times.of(Op(OpKind.F, p, m, s + 1)) if s < pp - 1 else math.inf
+    if b_op is None:
+        return (f_lo, f_hi), (-math.inf, math.inf)
+    b_lo = times.of(Op(b_op.kind, p, m, s + 1)) if s < pp - 1 else -math.inf
+    b_hi = times.of(Op(b_op.kind, p, m, s - 1)) if s > 0 else math.inf
+    return (f_lo, f_hi), (b_lo, b_hi)
+
+
+def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]], costs: CostModel,
+           times: OpTimes, pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
+    """The new compute orders of the peers that take slots (the others keep theirs), the moved ops' times on
+    the timeline, and whether an F had to wait past its consumer's time for memory (then the times are
+    not a timeline of the result: `repair` times it)."""
     deltas = stage_deltas(costs, worker.stage)
     limit = costs.limit_at(worker.stage)
     top = limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
     need = deltas[OpKind.F]  # the most one slot adds (F holds it; B and W only free)
     speed = costs.speed
     load = {g: len(ops) / speed.get(g, 1.0) for g, ops in computes.items()}
-    peers = {g: _Peer(list(ops), deltas) for g, ops in computes.items()}
-    room = {g: p.room(top) for g, p in peers.items()}
+    peers = {g: _Peer(list(ops), [times.of(op) for op in ops], deltas) for g, ops in computes.items()}
     taken: set[Worker] = set()
+    moved: dict[Op, float] = {}
+    late = False
     for slot in slots:
-        ranked = sorted(computes, key=lambda g: (load[g], -room[g], g))
-        f_at, b_at = slot.at[0] + 0.5, (slot.at[1] if len(slot.at) > 1 else slot.at[0]) + 0.5
-        # A peer with room all along takes it where the failed worker ran it; else the peer (of the least
-        # loaded) where memory lets its F run soonest after that.
-        spare = next((g for g in ranked if room[g] >= need), None)
-        choices = [spare] if spare is not None else ranked[:TRIALS]
-        windows = {g: w for g in choices if (w := peers[g].window(f_at, b_at, need, top)) is not None}
+        spans = _spans(slot, times, pp)
+        ranked = sorted(computes, key=lambda g: (load[g], g))[:TRIALS]
+        windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+        if not windows:  # every peer full while the slot's neighbours run it: the F waits for memory
+            (f_lo, _), (b_lo, _) = spans
+            spans = (f_lo, math.inf), (b_lo, math.inf)
+            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+            late = True
         if not windows:
             raise RecoveryError(
                 f"no live peer of {worker} at stage {worker.stage} has the memory to take micro-batch "
                 f"{slot.ops[0].microbatch} of pipeline {slot.ops[0].pipeline} in a local re-route: compile the plan "
                 "for the new failure set instead")
-        g = min(windows, key=lambda c: (windows[c][0] - bisect.bisect(peers[c].clock, f_at), load[c], c))
-        peers[g].take(slot, *windows[g], f_at, b_at)
-        room[g] = peers[g].room(top)
+        # The least loaded of the peers where the F waits least.
+        g = min(windows, key=lambda c: (windows[c][2] - slot.times[0], load[c], c))
+        moved.update(peers[g].take(slot, *windows[g]))
         load[g] += len(slot.ops) / speed.get(g, 1.0)
         taken.add(g)
-    return {g: peers[g].ops for g in sorted(taken)}
+    return {g: peers[g].ops for g in sorted(taken)}, moved, late
 
 
 _ACT, _GRAD = 0, 1

@@ -1,0 +1,105 @@
+"""One global timeline of a lowered plan's compute ops: `op_times(plan)`, for `repair`.
+
+Each op's start time in the plan's first iteration (the simulator's fast path: `simfast`'s op ids and
+`solvers.timing.time_sequences`). Every stream runs its ops in the order of these times and every op
+starts after the ops it reads from, so any edit that keeps every stream sorted by them, and gives a moved
+op a time between its producers' and its consumers', leaves a plan with no wait cycle (`repair`). Timing a
+pp = 32, dp = 256 plan takes seconds, so a plan's timeline is kept while the plan lives (the runtime can
+compute it while the plan is in use, before any failure) and `repair` hands its result the edited one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schedcomp.ir import Op, Plan
+from schedcomp.semantics import InstrKind
+from schedcomp.simfast import _POS, _sequences
+from schedcomp.solvers.problem import Problem
+from schedcomp.solvers.timing import time_sequences
+from schedcomp.topology import Worker
+
+__all__ = ["OpTimes", "op_times", "remember", "retimed"]
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Start time per op id (NaN for ops the plan does not run); `of(op)` reads one."""
+
+    start: np.ndarray
+    microbatches: int
+    stages: int
+    kinds: int  # 3 (F, B, W) or 2 (F, BW)
+    problem: Problem = field(repr=False, compare=False)
+    seqs: dict[int, np.ndarray] = field(repr=False, compare=False)  # worker id -> its compute order (op ids)
+
+    def op_id(self, op: Op) -> int:
+        slot = (op.pipeline * self.microbatches + op.microbatch) * self.stages + op.stage
+        return slot * self.kinds + _POS[InstrKind(op.kind.value)]
+
+    def of(self, op: Op) -> float:
+        return float(self.start[self.op_id(op)])
+
+    def moved(self, plan: Plan, orders: dict[Worker, list[Op]], times: dict[Op, float]) -> OpTimes:
+        """These times with some ops' replaced: those of `plan`, which is the plan these are of with workers
+        failed and some compute orders changed to `orders` (a repaired plan)."""
+        start = self.start.copy()
+        for op, t in times.items():
+            start[self.op_id(op)] = t
+        return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
+                       self._seqs_of(plan, orders))
+
+    def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
+        pp = plan.topology.pp
+        seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) in plan.streams}
+        for w, ops in orders.items():
+            seqs[w.pipeline * pp + w.stage] = np.array([self.op_id(op) for op in ops], dtype=np.int64)
+        return seqs
+
+
+_KEPT: dict[int, OpTimes] = {}  # id(plan) -> its timeline, while the plan lives
+
+
+def remember(plan: Plan, times: OpTimes) -> None:
+    """Keep `times` as `plan`'s timeline (dropped when the plan is)."""
+    if id(plan) not in _KEPT:
+        weakref.finalize(plan, _KEPT.pop, id(plan), None)
+    _KEPT[id(plan)] = times
+
+
+def op_times(plan: Plan) -> OpTimes | None:
+    """`plan`'s timeline (see the module docstring), or None for a plan that is not lowered as `lower`
+    makes them (hand-made tails, re-cut pieces) or cannot run."""
+    kept = _KEPT.get(id(plan))
+    if kept is not None:
+        return kept
+    seqs = _sequences(plan)
+    if seqs is None:
+        return None
+    problem, by_wid = seqs
+    times = _timed(problem, {wid: np.asarray(ops, dtype=np.int64) for wid, ops in by_wid.items()})
+    if times is not None:
+        remember(plan, times)
+    return times
+
+
+def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTimes | None:
+    """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
+    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
+    seqs = times._seqs_of(plan, orders)
+    new = _timed(Problem(plan.topology, plan.microbatches, plan.costs, times.kinds == 3), seqs)
+    if new is not None:
+        remember(plan, new)
+    return new
+
+
+def _timed(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
+    timing = time_sequences(problem, seqs, iterations=1)
+    if not timing.ok:
+        return None
+    start = np.full(problem.n_slots * len(problem.kinds), np.nan)
+    start[timing.ops] = timing.first
+    return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs)
