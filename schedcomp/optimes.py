@@ -17,7 +17,7 @@ import numpy as np
 
 from schedcomp.ir import Op, Plan
 from schedcomp.semantics import InstrKind
-from schedcomp.simfast import _POS, _sequences
+from schedcomp.simfast import KIND_POSITION, compute_sequences
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import time_sequences
 from schedcomp.topology import Worker
@@ -38,7 +38,7 @@ class OpTimes:
 
     def op_id(self, op: Op) -> int:
         slot = (op.pipeline * self.microbatches + op.microbatch) * self.stages + op.stage
-        return slot * self.kinds + _POS[InstrKind(op.kind.value)]
+        return slot * self.kinds + KIND_POSITION[InstrKind(op.kind.value)]
 
     def of(self, op: Op) -> float:
         return float(self.start[self.op_id(op)])
@@ -76,7 +76,7 @@ def op_times(plan: Plan) -> OpTimes | None:
     kept = _KEPT.get(id(plan))
     if kept is not None:
         return kept
-    seqs = _sequences(plan)
+    seqs = compute_sequences(plan)
     if seqs is None:
         return None
     problem, by_wid = seqs

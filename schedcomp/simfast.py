@@ -43,7 +43,7 @@ class FastTiming:
 
 def time_lowered(plan: Plan, iterations: int, synchronous: bool) -> FastTiming | None:
     """Time a checked, lowered `plan` (see the module docstring), or None when it is not one."""
-    seqs = _sequences(plan)
+    seqs = compute_sequences(plan)
     if seqs is None:
         return None
     problem, by_wid = seqs
@@ -64,7 +64,7 @@ def time_lowered(plan: Plan, iterations: int, synchronous: bool) -> FastTiming |
     return FastTiming(tuple(ends), ends[0], period, bubble, busy, memory)
 
 
-def _sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
+def compute_sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
     """The plan's compute order as op ids per worker id (`solvers.problem`), or None when a stream has
     anything but compute, loads and transfers before an ALLREDUCE, STEP tail, or mixes BW with B/W."""
     if plan.cut:  # re-cut pieces: slot ids and op times by piece size, which the general path reads
@@ -73,7 +73,7 @@ def _sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
     stages, pp = topo.stages, topo.pp
     fused = split = False
     packed: dict[int, list[int]] = {}  # op ids with 4 kinds per slot, renumbered once the kinds are known
-    position, plain, bw, w_kind = _POS.get, _PLAIN, InstrKind.BW, InstrKind.W
+    position, plain, bw, w_kind = KIND_POSITION.get, _PLAIN, InstrKind.BW, InstrKind.W
     for w, stream in plan.streams.items():
         if len(stream) < 2 or stream[-2].kind is not _TAIL[0] or stream[-1].kind is not _TAIL[1]:
             return None
@@ -98,4 +98,4 @@ def _sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
 
 
 # Each compute instruction kind's position in its problem's kinds: F, B, W (split) or F, BW (fused).
-_POS = {InstrKind(k.value): i for kinds in (SPLIT_KINDS, FUSED_KINDS) for i, k in enumerate(kinds)}
+KIND_POSITION = {InstrKind(k.value): i for kinds in (SPLIT_KINDS, FUSED_KINDS) for i, k in enumerate(kinds)}
