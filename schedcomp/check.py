@@ -245,7 +245,8 @@ class _Checker(TransferRules, OrderRules):
         loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
         role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
-        cut = plan.cut  # re-cut micro-batches hold their activation times their size
+        cut = plan.cut or None  # re-cut micro-batches hold their activation times their size (None: a
+        # plain truth test per instruction, not Cut.__bool__)
         for w in self.workers:
             ws = w.stage
             rank = w.pipeline * pp + ws

@@ -139,7 +139,7 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) 
     times = {k: costs.compute_time(k.value, w) for k in COMPUTE_KINDS}
     held = plan.topology.chunks_of(w.stage)  # its chunks: one ALLREDUCE and one STEP cover them all
     chunked = len(held) > 1
-    cut = plan.cut
+    cut = plan.cut or None  # (None: a plain truth test per instruction, not Cut.__bool__)
     st = Stream(w, instrs, codes, 0, [], [], [], {}, {})
     waiting: dict[Any, list[int]] = {}  # op -> receives posted before its compute
     for j, ins in enumerate(instrs):
