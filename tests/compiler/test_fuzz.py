@@ -2,7 +2,7 @@
 
 Each test feeds hypothesis-generated input (random bytes, random JSON, and mutations of valid files,
 which reach deeper than random text) to one loader and asserts the contract: it returns a value or
-raises a `SchedcompError` with a one-line message, within a deadline; the CLI exits 0, or 2 with one
+raises a `SchedcompError` with a one-line message (a hang is ended by pytest-timeout); the CLI exits 0, or 2 with one
 `schedcomp: error:` line and no file changed. Any other exception fails the test with its input.
 
 Example counts (default, per test) are in `EXAMPLES`; multiply them with SCHEDCOMP_FUZZ_SCALE (e.g. 10
@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,9 @@ EXAMPLES = {"costs": 400, "plans": 300, "csv": 300, "traces": 300, "index": 200,
 
 
 def fuzz(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Bounded, derandomized (reproducible in CI) runs with a per-example deadline: a hang fails."""
-    return settings(max_examples=EXAMPLES[name] * SCALE, deadline=timedelta(seconds=20), derandomize=True,
+    """Bounded, derandomized (reproducible in CI) runs. No per-example deadline: that would be a timed
+    assertion failing on a loaded machine; the suite's pytest-timeout ends a test that hangs."""
+    return settings(max_examples=EXAMPLES[name] * SCALE, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 

@@ -5,7 +5,8 @@ of the same stage somewhere else), damages it, and restores it into a fresh stag
 must either give exactly the checkpoint's tensors, or raise one line of RecoveryError naming a
 file of the checkpoint and leave the stage as it was; it must never open a file outside the
 checkpoint's folder nor allocate more than the checkpoint's data files hold. Examples are bounded
-(see `FUZZ`) and each runs under a deadline; `pytest --hypothesis-show-statistics` prints counts.
+(see `FUZZ`); a hang is ended by the suite's pytest-timeout (a per-example deadline would be a
+timed assertion). `pytest --hypothesis-show-statistics` prints counts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import math
 import pickle
 import tempfile
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from schedcomp.runtime.fault.transfer import flatten, stage_state
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")]
 
-FUZZ = settings(max_examples=60, deadline=timedelta(seconds=10), derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

@@ -2,8 +2,9 @@
 
 `parse_args` must either return a job that can start (a worker command, every count in range,
 finite delays, this host's workers inside the job, none twice, at most --max-local-workers) or
-raise one line of SchedcompError; `--help` may exit 0. Never another exception, never a hang
-(each example under a deadline). `pytest --hypothesis-show-statistics` prints the example counts.
+raise one line of SchedcompError; `--help` may exit 0. Never another exception, never a hang (the
+suite's pytest-timeout ends a test that hangs; a per-example deadline would be a timed assertion that
+fails on a loaded machine). `pytest --hypothesis-show-statistics` prints the example counts.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-from datetime import timedelta
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from schedcomp.errors import SchedcompError
 from schedcomp.runtime.fault.launch import parse_args
 
-FUZZ = settings(max_examples=300, deadline=timedelta(seconds=2), derandomize=True, database=None,
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 OPTIONS = ["--pp", "--dp", "--workers", "--pipelines", "--store", "--serve-store", "--store-timeout", "--bind",
