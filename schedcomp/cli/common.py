@@ -206,6 +206,29 @@ def print_json(data: Any) -> None:
     print(fileio.dumps_json(data, indent=2))  # never NaN/Infinity: those are refused, not printed
 
 
+def save_and_report(args: argparse.Namespace, plan: Plan, done: str, seconds_key: str, seconds: float, *,
+                    simulated: bool = True) -> None:
+    """Write the plan to `--output` (JSON, or `--text`), then print its facts, simulated metrics and the
+    seconds it took (`--json`, under `seconds_key`; or a summary saying it was `done` in that time): what
+    `compile` and `repair` end with. `simulated=False` leaves the metrics out (the simulator would check
+    the plan first)."""
+    from schedcomp.simulator import simulate
+
+    if args.output:
+        write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
+    sim = simulate(plan) if simulated else None
+    summary = {**plan_facts(plan, sim.memory if sim else None), **(sim.summary() if sim else {}),
+               "lower_bound": plan.lower_bound, "solver": plan.solver, seconds_key: round(seconds, 4),
+               **({"cut": plan.cut.to_json()} if plan.cut else {})}
+    if args.json:
+        print_json(summary)
+    else:
+        from schedcomp.draw.terminal import render_summary
+
+        where = f" -> {args.output}" if args.output else ""
+        print(render_summary(summary, f"{done} in {seconds:.2f} s{where}"), end="")
+
+
 def use_color(choice: str) -> bool:
     if choice != "auto":
         return choice == "always"

@@ -12,11 +12,9 @@ from schedcomp.cli.common import (
     add_failure_arguments,
     load_costs,
     memory_limit,
-    plan_facts,
     positive_float,
     positive_int,
-    print_json,
-    write_text,
+    save_and_report,
 )
 
 
@@ -78,28 +76,6 @@ def run(args: argparse.Namespace) -> int:
                    costs=costs, memory_limit=args.memory_limit or FAULT_FREE, solver=args.solver,
                    time_limit=args.time_limit, chunks=args.chunks, placement=args.placement, recut=args.recut)
     seconds = time.perf_counter() - began
-    save_and_report(args, plan, "compiled", {"compile_seconds": round(seconds, 4)})
+    save_and_report(args, plan, "compiled", "compile_seconds", seconds)
     return 0
 
-
-def save_and_report(args: argparse.Namespace, plan: Any, done: str, timing: dict[str, float], *,
-                    simulated: bool = True) -> None:
-    """Write the plan to `--output` (JSON, or `--text`), then print its facts, simulated metrics and `timing`
-    (`--json`, or a summary saying it was `done` in that many seconds): what `compile` and `repair` end
-    with. `simulated=False` leaves the metrics out (the simulator would check the plan first)."""
-    from schedcomp.simulator import simulate
-
-    if args.output:
-        write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
-    sim = simulate(plan) if simulated else None
-    summary = {**plan_facts(plan, sim.memory if sim else None), **(sim.summary() if sim else {}),
-               "lower_bound": plan.lower_bound, "solver": plan.solver, **timing,
-               **({"cut": plan.cut.to_json()} if plan.cut else {})}
-    (seconds,) = timing.values()
-    if args.json:
-        print_json(summary)
-    else:
-        from schedcomp.draw.terminal import render_summary
-
-        where = f" -> {args.output}" if args.output else ""
-        print(render_summary(summary, f"{done} in {seconds:.2f} s{where}"), end="")

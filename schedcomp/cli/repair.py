@@ -6,8 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from schedcomp.cli.common import add_failure_arguments, load_plan
-from schedcomp.cli.compile import save_and_report
+from schedcomp.cli.common import add_failure_arguments, load_plan, save_and_report
 
 
 def register(subparsers: Any) -> None:
@@ -41,5 +40,5 @@ def run(args: argparse.Namespace) -> int:
     for worker in args.failed:
         plan = repair(plan, worker, validate=not args.no_check)
     seconds = time.perf_counter() - began
-    save_and_report(args, plan, "repaired", {"repair_seconds": round(seconds, 4)}, simulated=not args.no_check)
+    save_and_report(args, plan, "repaired", "repair_seconds", seconds, simulated=not args.no_check)
     return 0
