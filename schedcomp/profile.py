@@ -12,6 +12,10 @@ with `schedcomp.draw.trace.read_chrome_trace`) and returns per-stage costs in mi
 - speed: a worker whose median F is off its stage's by more than `straggler` (a fraction) gets
   the factor stage time / its median (below 1 for a straggler).
 Warm-up iterations (the first `skip` of each trace) are left out when later ones exist.
+- virtual stages (interleaved, V): every cost above is per chunk, the model's pp x chunks entries, read
+  from the op's stage; a worker's STEP and ALLREDUCE serve all its chunks at once, so each chunk gets an
+  equal share (the sum, which is what the timing engines charge a worker, is exact; its split is not
+  observable); a worker's speed is the median over its chunks.
 - activation (bytes) and b_frees, when the trace carries memory (`profile=True` records it): per
   stage, the median rise of held activation memory over an F, and the median share of it a B frees;
   the model's `memory_unit` is then "bytes". Traces without memory keep `base`'s (default: units).
@@ -30,7 +34,7 @@ from pathlib import Path
 from schedcomp.costs import CostModel
 from schedcomp.draw.trace import load_trace, read_chrome_trace
 from schedcomp.errors import CostModelError
-from schedcomp.ir import COMPUTE_KINDS, InstrKind, staged_text
+from schedcomp.ir import COMPUTE_KINDS, InstrKind
 from schedcomp.planindex import TransferKey, transfer_key
 from schedcomp.semantics import RECV, SEND, kinds, semantics_of
 from schedcomp.timeline import Span
@@ -61,35 +65,36 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
     """A cost model (milliseconds) from measured spans; see the module docstring."""
     if not 0.0 < b_share < 1.0:
         raise CostModelError(f"b_share must be a fraction in (0, 1), got {b_share!r}")
-    samples: dict[tuple[str, Worker], list[float]] = defaultdict(list)  # (kind, worker) -> seconds
+    # (kind, stage, worker) -> seconds; with virtual stages the stage is the op's chunk, and a worker's
+    # STEP and ALLREDUCE (one for all its chunks) are shared equally by its chunks
+    samples: dict[tuple[str, int, Worker], list[float]] = defaultdict(list)
     allreduce: dict[int, list[float]] = defaultdict(list)
     p2p: list[float] = []
     kept: list[list[Span]] = []
     for trace in traces:
         spans = _steady(list(trace), skip)
         kept.append(spans)
+        held = chunks_held(spans)
         for s in spans:
             kind = s.instruction.kind
-            if kind in _COMPUTE:
-                if s.instruction.op is not None and s.instruction.op.stage != s.worker.stage:
-                    raise CostModelError(f"{s.worker} ran {staged_text(s.instruction)}: the traces come from a plan "
-                                         "with virtual stages, which profiling does not cost per chunk yet")
-                samples[(_COMPUTE[kind], s.worker)].append(s.duration)
+            if kind in _COMPUTE and s.instruction.op is not None:
+                samples[(_COMPUTE[kind], s.instruction.op.stage, s.worker)].append(s.duration)
             elif kind is InstrKind.STEP:
-                samples[("STEP", s.worker)].append(s.duration)
-        for stage, value in _allreduce_times(spans).items():
+                for stage in held[s.worker]:
+                    samples[("STEP", stage, s.worker)].append(s.duration / len(held[s.worker]))
+        for stage, value in _allreduce_times(spans, held).items():
             allreduce[stage] += value
         p2p += _waited_transfers(spans)
-    workers = sorted({w for _, w in samples})
+    workers = sorted({w for _, _, w in samples})
     if not workers:
         raise CostModelError("the traces hold no spans: record them with PipelineTrainer(profile=True).save_trace")
-    pp = max(w.stage for w in workers) + 1
+    pp = max(stage for _, stage, _ in samples) + 1  # stages of the model: pp x chunks with virtual stages
     if base is not None and base.pp != pp:
         raise CostModelError(f"the base cost model has {base.pp} stages but the traces have {pp}: give a matching one")
 
     def stage_time(kind: str, stage: int) -> float | None:
         """The fastest replica's median: stragglers are slowdowns from it (see `speed`)."""
-        medians = [_median(samples[(kind, w)]) for w in workers if w.stage == stage and samples.get((kind, w))]
+        medians = [_median(samples[(kind, stage, w)]) for w in workers if samples.get((kind, stage, w))]
         return min(medians) if medians else None
 
     forward, b, w = [], [], []
@@ -107,10 +112,11 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
         else:
             raise CostModelError(f"the traces have no backward at stage {stage}: profile whole iterations")
     speed = {}
-    for worker in workers:
-        mine = _median(samples[("F", worker)]) if samples.get(("F", worker)) else 0.0
-        if mine > 0 and abs(forward[worker.stage] / mine - 1.0) > straggler:
-            speed[worker] = forward[worker.stage] / mine
+    for worker in workers:  # the median over its chunks of the stage's forward over its own
+        ratios = [forward[stage] / mine for (kind, stage, w), times in samples.items()
+                  if kind == "F" and w == worker and (mine := _median(times)) > 0]
+        if ratios and abs(statistics.median(ratios) - 1.0) > straggler:
+            speed[worker] = statistics.median(ratios)
     steps = [stage_time("STEP", stage) for stage in range(pp)]
     template = base or CostModel.uniform(pp)
     activation, b_frees, unit = template.activation, template.b_frees, template.memory_unit
@@ -149,19 +155,21 @@ def memory_deltas(spans: Iterable[Span]) -> dict[tuple[Worker, int], list[tuple[
 
 
 def activation_bytes(spans: Iterable[Span], pp: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """Per stage, (median bytes an F adds, median share of them its B frees), or None without memory."""
+    """Per stage (with virtual stages, per chunk), (median bytes an F adds, median share of them its B frees),
+    or None without memory."""
     adds: dict[int, list[float]] = defaultdict(list)
     frees: dict[int, list[float]] = defaultdict(list)
     for rows in memory_deltas(spans).values():
-        added: dict[tuple[int, int], float] = {}
+        added: dict[tuple[int, int, int], float] = {}  # (stage, d, m): with virtual stages, per chunk
         for s, delta in rows:
-            op, stage = s.instruction.op, s.worker.stage
+            op = s.instruction.op
             assert op is not None
+            stage, key = op.stage, (op.stage, op.pipeline, op.microbatch)
             if s.instruction.kind is InstrKind.F:
-                added[(op.pipeline, op.microbatch)] = delta
+                added[key] = delta
                 adds[stage].append(delta)
-            elif s.instruction.kind is InstrKind.B and added.get((op.pipeline, op.microbatch), 0.0) > 0:
-                frees[stage].append(min(1.0, max(0.0, -delta / added[(op.pipeline, op.microbatch)])))
+            elif s.instruction.kind is InstrKind.B and added.get(key, 0.0) > 0:
+                frees[stage].append(min(1.0, max(0.0, -delta / added[key])))
             elif s.instruction.kind is InstrKind.BW:
                 frees[stage].append(1.0)
     if not adds:
@@ -195,22 +203,35 @@ def _steady(spans: list[Span], skip: int) -> list[Span]:
     return spans
 
 
-def _allreduce_times(spans: list[Span]) -> dict[int, list[float]]:
-    """Per stage, the shortest ALLREDUCE of each iteration (a group of one has nothing to reduce: 0)."""
-    groups: dict[tuple[int, int], list[float]] = defaultdict(list)
+def chunks_held(spans: Iterable[Span]) -> dict[Worker, tuple[int, ...]]:
+    """The stages (chunks) each worker ran compute for: its own stage, or its virtual stages."""
+    held: dict[Worker, set[int]] = defaultdict(set)
     for s in spans:
-        if s.instruction.kind is InstrKind.ALLREDUCE:
-            groups[(s.iteration, s.worker.stage)].append(s.duration)
+        if s.instruction.kind in _COMPUTE and s.instruction.op is not None:
+            held[s.worker].add(s.instruction.op.stage)
+    return defaultdict(tuple, {w: tuple(sorted(stages)) for w, stages in held.items()})
+
+
+def _allreduce_times(spans: list[Span], held: dict[Worker, tuple[int, ...]]) -> dict[int, list[float]]:
+    """Per stage, the shortest ALLREDUCE of each iteration (a group of one has nothing to reduce: 0). A
+    worker's one all-reduce covers all its chunks: each gets an equal share, which keeps the sum the
+    timing engines charge (`CostModel.allreduce_of`); how it splits between chunks is not observable."""
+    groups: dict[tuple[int, tuple[int, ...]], list[float]] = defaultdict(list)
+    for s in spans:
+        if s.instruction.kind is InstrKind.ALLREDUCE and held[s.worker]:
+            groups[(s.iteration, held[s.worker])].append(s.duration)
     out: dict[int, list[float]] = defaultdict(list)
-    for (_, stage), durations in groups.items():
-        out[stage].append(min(durations) if len(durations) > 1 else 0.0)
+    for (_, stages), durations in groups.items():
+        for stage in stages:
+            out[stage].append(min(durations) / len(stages) if len(durations) > 1 else 0.0)
     return out
 
 
 def _waited_transfers(spans: list[Span]) -> list[float]:
     """Send-to-arrival seconds of the transfers whose consumer had to wait for them."""
     sent: dict[tuple[int, TransferKey], float] = {}  # (iteration, transfer) -> when its SEND was posted
-    received: dict[tuple[Worker, int, int, int, int], Span] = {}  # (worker, iteration, channel, d, m) -> RECV
+    # (worker, iteration, channel, stage, d, m) -> RECV: a receive names the op it feeds, chunk included
+    received: dict[tuple[Worker, int, int, int, int, int], Span] = {}
     by_slot: dict[tuple[Worker, int, int], Span] = {}
     for s in spans:
         ins = s.instruction
@@ -221,14 +242,14 @@ def _waited_transfers(spans: list[Span]) -> list[float]:
         if sem.direction == SEND:
             sent[(s.iteration, transfer_key(ins))] = s.start
         elif sem.direction == RECV:
-            received[(s.worker, s.iteration, sem.channel, ins.op.pipeline, ins.op.microbatch)] = s
+            received[(s.worker, s.iteration, sem.channel, ins.op.stage, ins.op.pipeline, ins.op.microbatch)] = s
     out = []
     for s in spans:
         kind = s.instruction.kind
         if kind not in _CONSUMERS or s.instruction.op is None:
             continue
         op = s.instruction.op
-        recv = received.get((s.worker, s.iteration, semantics_of(kind).reads, op.pipeline, op.microbatch))
+        recv = received.get((s.worker, s.iteration, semantics_of(kind).reads, op.stage, op.pipeline, op.microbatch))
         before = by_slot.get((s.worker, s.iteration, s.index - 1))
         if recv is None or before is None:
             continue

@@ -78,3 +78,37 @@ def test_cli_profile_writes_a_cost_model(tmp_path: Path, capsys: pytest.CaptureF
     assert got.forward == pytest.approx(truth.forward[:2])
     assert got.backward_weight == pytest.approx(truth.backward_weight[:2])
     assert main(["profile", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize(("schedule", "pp"), [("interleaved-1f1b", 2), ("zb-v", 2), ("zb-v", 3)])
+def test_profile_costs_each_chunk_of_virtual_stages(schedule: str, pp: int) -> None:
+    """Traces of a plan with virtual stages give the model's pp x chunks entries, each chunk its own costs."""
+    stages = 2 * pp
+    truth = CostModel(
+        forward=tuple(1.0 + 0.25 * s for s in range(stages)),
+        backward_input=tuple(1.5 + 0.1 * s for s in range(stages)),
+        backward_weight=tuple(0.75 + 0.05 * s for s in range(stages)),
+        p2p=0.3,
+        allreduce=tuple(0.4 + 0.1 * s for s in range(stages)),
+        optimizer=tuple(0.2 + 0.01 * s for s in range(stages)),
+        speed={Worker(1, 1): 0.5},
+    )
+    plan = compile(pp, 2, microbatches=8, schedule=schedule, chunks=2, costs=truth)
+    got = profile_costs([simulate(plan, iterations=3).spans])
+    assert got.pp == stages
+    assert got.forward == pytest.approx([MS * f for f in truth.forward])
+    fused = [MS * (b + w) for b, w in zip(truth.backward_input, truth.backward_weight, strict=True)]
+    assert [b + w for b, w in zip(got.backward_input, got.backward_weight, strict=True)] == pytest.approx(fused)
+    if schedule == "zb-v":  # split backward: each part is measured
+        assert got.backward_weight == pytest.approx([MS * w for w in truth.backward_weight])
+    assert set(got.speed) == {Worker(1, 1)} and got.speed[Worker(1, 1)] == pytest.approx(0.5)
+    assert got.p2p == pytest.approx(MS * truth.p2p)
+    # a worker's one STEP and one all-reduce serve all its chunks: the sums per worker are exact
+    for position in range(pp):
+        chunks = plan.topology.chunks_of(position)
+        assert len(chunks) == 2
+        assert got.optimizer_of(chunks) == pytest.approx(MS * truth.optimizer_of(chunks))
+        assert got.allreduce_of(chunks) == pytest.approx(MS * truth.allreduce_of(chunks))
+    # and the recovered model times the plan as the true one does (both in ms)
+    again = compile(pp, 2, microbatches=8, schedule=schedule, chunks=2, costs=got)
+    assert simulate(again).period == pytest.approx(MS * simulate(plan).period)
