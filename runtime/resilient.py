@@ -34,6 +34,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
 - Replacements (`--respawn`): at an iteration boundary the survivors admit them
   (`session.boundary` / `admit`), rebuild their groups, and the stage's donor replica sends its
   parameters and optimizer state with the iteration to resume at; the plan switches back.
+- A plan source with `improved(topology)` (`schedcomp.improving.ImprovingPlans`) serves a failure
+  set its cache lacks with a repaired plan at once and compiles it fully in the background; once
+  every member holds the compiled plan (same digest), they switch to it at an agreed iteration
+  boundary (`agreement.offer_better` / `agreed_better`; `Report.improved`). A new generation
+  cancels a pending switch: its keys are the generation's.
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -47,6 +52,7 @@ holds, for its stage, how many times each micro-batch's gradient entered the upd
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -59,7 +65,7 @@ from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
-from schedcomp.runtime.fault.agreement import Evicted
+from schedcomp.runtime.fault.agreement import Evicted, agreed_better, offer_better
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
@@ -158,6 +164,10 @@ class ResilientTrainer:
                                 "yet (a replayed step needs its iteration's global norm): drop logging= to use them")
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
+        self._plans_owner = plans
+        # `improved(topology) -> Plan | None` (`ImprovingPlans`): a better plan than `lookup`'s, when done
+        self._improved: Callable[[Topology], Plan | None] | None = getattr(plans, "improved", None)
+        self._better: tuple[int, Plan | None] | None = None  # (generation, the better plan; None: none there)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -374,11 +384,33 @@ class ResilientTrainer:
         assert trainer is not None and report is not None
         switch = session.boundary(completed)
         if switch is None:
+            self._improve(completed)
             return
         view = session.admit(switch)
         trainer.regroup(self.plan_for(view.topology), session.groups.rank, session.generation.new_group, self.wait)
         self._hand_over(completed + 1)
         report.admitted.append(completed + 1)
+
+    def _improve(self, completed: int) -> None:
+        """Switch to the plan source's better plan for this generation (`improving.ImprovingPlans`: a full
+        compile of a failure set it first served repaired) at the boundary every member agreed on."""
+        session, trainer, report = self.session, self.trainer, self.report
+        view = session.view
+        assert trainer is not None and report is not None and view is not None
+        if self._improved is None or not view.failed:
+            return
+        if self._better is None or self._better[0] != view.generation:
+            plan = self._improved(view.topology)
+            if plan is None:
+                return
+            digest = hashlib.sha256(plan.to_text().encode()).hexdigest()
+            self._better = (view.generation, plan if offer_better(session.store, view, digest) else None)
+        plan = self._better[1]
+        if plan is None or plan is trainer.plan:
+            return
+        if agreed_better(session.store, view, completed, session.lead) == completed + 1:
+            trainer.use_plan(plan)
+            report.improved.append(completed + 1)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -425,3 +457,6 @@ class ResilientTrainer:
 
     def close(self) -> None:
         self.session.close()
+        close = getattr(self._plans_owner, "close", None)  # stops background compiles (`ImprovingPlans`)
+        if close is not None:
+            close()

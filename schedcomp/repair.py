@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from schedcomp.check import check
+from schedcomp.check import check, peak_memory
 from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
-from schedcomp.memory import stage_deltas
+from schedcomp.memory import FAULT_FREE, MemoryLimit, resolve_limit, stage_deltas
 from schedcomp.optimes import OpTimes, op_times, remember, retimed
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
@@ -63,11 +63,16 @@ class _Slot:
     times: tuple[float, ...]  # each op's start in the plan in use
 
 
-def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool = True) -> Plan:
+def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool = True,
+           memory_limit: MemoryLimit = FAULT_FREE) -> Plan:
     """`plan` with `failed` dead too, by a local re-route (see the module docstring); checked unless
-    `validate=False`. Raises `TopologyError` for a worker outside the job or already failed,
-    `RecoveryError` when its stage has no live worker left or no peer has the memory for a slot,
-    `ScheduleError` for plans with virtual stages, re-cut micro-batches or streams `lower` did not make."""
+    `validate=False`. `memory_limit`: by default the plan's own limit, or for a fault-free plan (which
+    carries none) its own per-stage peaks, so a peer never holds more than its stage held before the
+    failure (the memory the job was sized for); a plan with failures compiled with no limit keeps none.
+    Any other value is `compile`'s (`memory_limit=None`: no limit). Raises `TopologyError` for a
+    worker outside the job or already failed, `RecoveryError` when its stage has no live worker left or
+    no peer has the memory for a slot, `ScheduleError` for plans with virtual stages, re-cut
+    micro-batches or streams `lower` did not make."""
     if not isinstance(plan, Plan):
         raise SchedcompTypeError(f"repair needs a Plan, got {type(plan).__name__}")
     topo = plan.topology
@@ -87,7 +92,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     if times is None:
         raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
                             "step): compile the plan for the new failure set instead")
-    costs = plan.costs  # its memory limit, if any, binds the re-route too
+    costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
     computes = {g: _compute_ops(plan.streams[g]) for g in peers}
     taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
@@ -107,7 +112,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
 
 
 def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | Topology, *,
-                     validate: bool = True) -> Plan:
+                     validate: bool = True, memory_limit: MemoryLimit = FAULT_FREE) -> Plan:
     """`plans.lookup(failed)` (a `PlanCache`), or on a miss the cached plan of the largest set of the
     failed workers in rank order that it holds, repaired around the rest one at a time: a cache of every
     k-failure set then serves more failures at once, with no compile. Deterministic, so every rank of a
@@ -122,9 +127,20 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
             except RecoveryError:
                 continue
             for w in workers[n:]:
-                plan = repair(plan, w, validate=validate)
+                plan = repair(plan, w, validate=validate, memory_limit=memory_limit)
             return plan
         raise miss from None
+
+
+def _repair_costs(plan: Plan, after: Topology, memory_limit: MemoryLimit) -> CostModel:
+    """The plan's costs with the limit a repair keeps to (see `repair`)."""
+    if not (isinstance(memory_limit, str) and memory_limit == FAULT_FREE):
+        return resolve_limit(memory_limit, after, plan.microbatches, plan.costs)
+    if plan.costs.memory_limit is not None or plan.topology.failed:
+        return plan.costs
+    peaks = peak_memory(plan)
+    return plan.costs.with_memory_limit(tuple(max(v for w, v in peaks.items() if w.stage == s)
+                                              for s in range(plan.topology.pp)))
 
 
 def _worker(topo: Topology, failed: object) -> Worker:

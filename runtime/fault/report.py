@@ -41,6 +41,7 @@ class Report:
     failed: tuple[str, ...]
     recoveries: list[Recovery] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # iterations at which replacements entered
+    improved: list[int] = field(default_factory=list)  # iterations from which a better plan ran (background compile)
     handed_over: int = 0  # stage states this worker sent to replacements
     resumed_at: int | None = None  # a replacement: the iteration it started at
     rejoined: Rejoined | None = None  # a replacement: when it announced itself, entered, got its state

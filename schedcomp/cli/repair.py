@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from schedcomp.cli.common import add_failure_arguments, load_plan, save_and_report
+from schedcomp.cli.common import add_failure_arguments, load_plan, memory_limit, save_and_report
 
 
 def register(subparsers: Any) -> None:
@@ -25,12 +25,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip checking the repaired plan (seconds at thousands of workers; the runtime must not "
                    "run an unchecked plan)")
+    p.add_argument("--memory-limit", type=memory_limit, metavar="X",
+                   help="activation memory per worker (default: the plan's own limit, or a fault-free plan's own "
+                   "per-stage peaks; none lifts it; else as in compile)")
     p.add_argument("--json", action="store_true", help="print the repaired plan's facts, period and repair_seconds")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from schedcomp.errors import TopologyError
+    from schedcomp.memory import FAULT_FREE
     from schedcomp.repair import repair
 
     if not args.failed:
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     began = time.perf_counter()
     for worker in args.failed:
-        plan = repair(plan, worker, validate=not args.no_check)
+        plan = repair(plan, worker, validate=not args.no_check, memory_limit=args.memory_limit or FAULT_FREE)
     seconds = time.perf_counter() - began
     save_and_report(args, plan, "repaired", "repair_seconds", seconds, simulated=not args.no_check)
     return 0

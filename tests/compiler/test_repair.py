@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from schedcomp.check import check
+from schedcomp.check import check, peak_memory
 from schedcomp.cli import main
 from schedcomp.compiler import compile
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError
@@ -19,13 +20,20 @@ from schedcomp.topology import Worker
 
 W = Worker.parse
 
-# (compile arguments, workers to fail next): small jobs whose local re-route validates.
+# (compile arguments, workers to fail next, repair arguments): small jobs whose local re-route validates.
 CASES = [
-    ({"pp": 3, "dp": 3, "microbatches": 4, "schedule": "1f1b"}, ["0:0", "1:1", "2:2"]),
-    ({"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h2"}, ["0:0", "1:3"]),
-    ({"pp": 4, "dp": 3, "microbatches": 6, "failed": [(0, 1)], "memory_limit": None}, ["1:1", "2:0", "0:3"]),
-    ({"pp": 8, "dp": 4, "microbatches": 16, "failed": [(0, 3), (1, 5)]}, ["0:6", "1:4", "2:7"]),
+    ({"pp": 3, "dp": 3, "microbatches": 4, "schedule": "1f1b"}, ["0:0", "1:1", "2:2"], {}),
+    # (ZB-H2 holds its peers' memory full: re-routed here only past it)
+    ({"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h2"}, ["0:0", "1:3"], {"memory_limit": None}),
+    ({"pp": 4, "dp": 3, "microbatches": 6, "failed": [(0, 1)], "memory_limit": None}, ["1:1", "2:0", "0:3"], {}),
+    ({"pp": 8, "dp": 4, "microbatches": 16, "failed": [(0, 3), (1, 5)]}, ["0:6", "1:4", "2:7"], {}),
 ]
+
+
+def stage_peaks(plan: Plan) -> tuple[float, ...]:
+    """The most activation memory any worker of each stage holds in `plan`."""
+    peaks = peak_memory(plan)
+    return tuple(max(v for w, v in peaks.items() if w.stage == s) for s in range(plan.topology.pp))
 
 
 def slots_of(plan: Plan) -> Counter[tuple[object, int, int, int]]:
@@ -34,23 +42,47 @@ def slots_of(plan: Plan) -> Counter[tuple[object, int, int, int]]:
                    for stream in plan.streams.values() for ins in stream if ins.kind in COMPUTE_KINDS and ins.op)
 
 
-@pytest.mark.parametrize(("kw", "workers"), CASES, ids=lambda x: str(x))
-def test_repair_validates_and_runs_every_op_once(kw: dict[str, object], workers: list[str]) -> None:
+@pytest.mark.parametrize(("kw", "workers", "options"), CASES, ids=lambda x: str(x))
+def test_repair_validates_and_runs_every_op_once(kw: dict[str, object], workers: list[str],
+                                                 options: dict[str, object]) -> None:
     plan = compile(**kw)  # type: ignore[arg-type]
     ops = slots_of(plan)
     for name in workers:
         dead = W(name)
-        fixed = repair(plan, dead, validate=False)
+        fixed = repair(plan, dead, validate=False, **options)  # type: ignore[arg-type]
         check(fixed)  # sound: transfers paired in FIFO order, no deadlock, memory within the plan's limit
         assert fixed.topology.failed == plan.topology.failed | {dead} and dead not in fixed.streams
         assert slots_of(fixed) == ops and set(ops.values()) == {1}  # every op of every micro-batch, once
-        assert fixed.costs == plan.costs and fixed.solver == "repair" and fixed.lower_bound is None
+        # the plan's costs, with its memory limit, or a fault-free plan's own per-stage peaks
+        assert replace(fixed.costs, memory_limit=None) == replace(plan.costs, memory_limit=None)
+        assert fixed.costs.memory_limit == (plan.costs.memory_limit if plan.topology.failed or options
+                                            else stage_peaks(plan))
+        assert fixed.solver == "repair" and fixed.lower_bound is None
         touched = {w for w in plan.streams if w != dead and fixed.streams[w] is not plan.streams[w]}
         neighbours = {ins.peer for ins in plan.streams[dead] if ins.peer is not None}
         # Local: only peers of the dead worker's stage and its neighbours are lowered again.
         assert touched and all(w.stage == dead.stage or w in neighbours for w in touched)
         assert all(fixed.streams[w] is plan.streams[w] for w in fixed.streams if w not in touched)
         assert simulate(fixed).period >= simulate(plan).period  # the same work on fewer workers
+
+
+def test_a_repaired_fault_free_plan_holds_no_more_than_its_stage_held() -> None:
+    """A fault-free plan carries no memory limit; its repair keeps each stage within the plan's own peaks
+    (without that, a peer took the dead worker's micro-batches on top of its own: twice the memory)."""
+    plan = compile(pp=4, dp=2, microbatches=4, schedule="adaptive", time_limit=1.0)
+    assert plan.costs.memory_limit is None
+    limit, over = stage_peaks(plan), 0
+    for dead in plan.streams:
+        try:
+            fixed = repair(plan, dead)
+        except RecoveryError as e:
+            assert "memory" in str(e)
+        else:
+            peaks = peak_memory(fixed)
+            assert all(peaks[w] <= limit[w.stage] + 1e-9 for w in fixed.streams), (dead, peaks)
+        unbounded = peak_memory(repair(plan, dead, memory_limit=None))
+        over += any(unbounded[w] > limit[w.stage] + 1e-9 for w in unbounded)
+    assert over  # the default limit made a difference
 
 
 def test_repair_validates_by_default_and_chains() -> None:
@@ -204,3 +236,12 @@ def test_chained_repairs_at_the_memory_limit_stay_sound() -> None:
         check(plan)
         done += 1
     assert done >= 2
+
+
+def test_cli_repair_takes_a_memory_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(compile(pp=4, dp=2, microbatches=8, schedule="zb-h2").to_json())
+    assert main(["repair", str(plan_file), "--fail", "0:0"]) == 2  # its own peaks: no room
+    assert "memory" in capsys.readouterr().err
+    assert main(["repair", str(plan_file), "--fail", "0:0", "--memory-limit", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["repair_seconds"] >= 0

@@ -1,0 +1,163 @@
+"""Plans served at once and improved in the background: `ImprovingPlans(cache)`, a `ResilientTrainer` plan source.
+
+A failure set the plan cache lacks would otherwise stall training for a whole compile (tens of seconds at
+thousands of workers). `ImprovingPlans.lookup(topology)` returns the cache's plan; on a miss, a plan
+repaired from the cache's (`repair.lookup_or_repair`: a local re-route, a fraction of a second) and
+starts a full compile of that failure set in a background process. `improved(topology)` returns the
+compiled plan once it is done (None before, or when the compile failed), so the trainer can switch to it
+at an iteration boundary every worker agrees on (`runtime/fault/agreement.propose_better`).
+
+`lookup` itself never returns the compiled plan: every worker of a job must run the same plan, and a
+worker whose compile finished first would otherwise get a different one. Both answers are deterministic
+(the repair, and the compile: greedy, or CP-SAT with its deterministic limit), so every worker computes the
+same plans on its own; the switch still compares their digests first.
+
+The compile runs in a fresh interpreter (`python -m schedcomp.improving REQUEST PLAN`), not a fork or a
+`multiprocessing` child: a fork of a process holding torch and its communicators is unsafe, and a spawned
+child re-imports the user's script. Only the compiler is imported there (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schedcomp import fileio
+from schedcomp.cache import PlanCache
+from schedcomp.costs import CostModel
+from schedcomp.errors import RecoveryError, SchedcompError, SchedcompTypeError
+from schedcomp.ir import Plan
+from schedcomp.memory import FAULT_FREE, MemoryLimit
+from schedcomp.repair import lookup_or_repair
+from schedcomp.topology import Topology, Worker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ImprovingPlans"]
+
+
+@dataclass
+class _Compile:
+    """One background compile: its process and the files it reads and writes."""
+
+    process: subprocess.Popen[bytes]
+    folder: tempfile.TemporaryDirectory[str]
+    plan: Plan | None = None
+    failed: str | None = None  # why it gave no plan
+
+    @property
+    def output(self) -> Path:
+        return Path(self.folder.name) / "plan.json"
+
+
+@dataclass
+class ImprovingPlans:
+    """The cache's plans, repaired plans for the failure sets it lacks, and full compiles of those in the
+    background (see the module docstring). `solver`, `time_limit` and `memory_limit` are `compile`'s, as
+    `precompile` built the cache with them."""
+
+    cache: PlanCache
+    solver: str = "greedy"
+    time_limit: float = 10.0
+    memory_limit: MemoryLimit = FAULT_FREE
+    _compiles: dict[frozenset[Worker], _Compile] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, PlanCache):
+            raise SchedcompTypeError(f"ImprovingPlans needs a PlanCache, got {type(self.cache).__name__}")
+
+    def lookup(self, topology: Topology) -> Plan:
+        """The cached plan for `topology`'s failed set, or a repaired one (a background compile starts)."""
+        try:
+            return self.cache.lookup(topology)
+        except RecoveryError:
+            plan = lookup_or_repair(self.cache, topology, memory_limit=self.memory_limit)  # or raises the miss
+        self._start(topology)
+        return plan
+
+    def improved(self, topology: Topology) -> Plan | None:
+        """The fully compiled plan for `topology`'s failed set once its compile is done; None before, for a
+        set the cache held, and when the compile failed (logged once)."""
+        job = self._compiles.get(topology.failed)
+        if job is None or job.process.poll() is None:
+            return None
+        if job.plan is None and job.failed is None:
+            self._collect(job, topology)
+        return job.plan
+
+    def close(self) -> None:
+        """Stop compiles still running and remove their files."""
+        for job in self._compiles.values():
+            if job.process.poll() is None:
+                job.process.kill()
+                job.process.wait()
+            job.folder.cleanup()
+        self._compiles.clear()
+
+    def _start(self, topology: Topology) -> None:
+        if topology.failed in self._compiles:
+            return
+        cache = self.cache
+        request = {"pp": cache.pp, "dp": cache.dp, "microbatches": cache.microbatches,
+                   "failed": sorted(str(w) for w in topology.failed), "costs": cache.costs.to_dict(),
+                   "solver": self.solver, "time_limit": self.time_limit, "memory_limit": self.memory_limit,
+                   "chunks": cache.chunks, "placement": cache.placement}
+        folder = tempfile.TemporaryDirectory(prefix="schedcomp-improve-")
+        path = Path(folder.name) / "request.json"
+        path.write_text(json.dumps(request))
+        process = subprocess.Popen([sys.executable, "-m", "schedcomp.improving", str(path),
+                                    str(Path(folder.name) / "plan.json")],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   env={**os.environ, "PYTHONHASHSEED": "0"})
+        self._compiles[topology.failed] = _Compile(process, folder)
+        log.info("compiling the plan for failed %s in the background", sorted(map(str, topology.failed)))
+
+    def _collect(self, job: _Compile, topology: Topology) -> None:
+        stderr = job.process.stderr.read().decode(errors="replace").strip() if job.process.stderr else ""
+        try:
+            if job.process.returncode != 0:
+                raise SchedcompError(stderr.splitlines()[-1] if stderr else f"exit status {job.process.returncode}")
+            plan = Plan.from_json(fileio.read_text(job.output, "plan"))
+            if plan.topology != topology:
+                raise SchedcompError(f"it is for {sorted(map(str, plan.topology.failed))}")
+            job.plan = plan
+        except (SchedcompError, OSError) as e:
+            job.failed = str(e)
+            log.warning("the background compile for failed %s gave no plan (%s): keeping the repaired one",
+                        sorted(map(str, topology.failed)), e)
+
+
+def _compile_request(request_path: str, plan_path: str) -> None:
+    """The background process: compile the request, write the plan atomically."""
+    from schedcomp.compiler import compile
+
+    r = json.loads(Path(request_path).read_text())
+    limit = r["memory_limit"]
+    plan = compile(r["pp"], r["dp"], r["microbatches"], failed=[Worker.parse(w) for w in r["failed"]],
+                   schedule="adaptive", costs=CostModel.from_dict(r["costs"]), solver=r["solver"],
+                   time_limit=r["time_limit"], memory_limit=tuple(limit) if isinstance(limit, list) else limit,
+                   chunks=r["chunks"], placement=r["placement"])
+    fileio.write_atomic(plan_path, plan.to_json())
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m schedcomp.improving REQUEST.json PLAN.json", file=sys.stderr)
+        return 2
+    try:
+        _compile_request(*argv)
+    except SchedcompError as e:
+        print(f"schedcomp.improving: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
+
