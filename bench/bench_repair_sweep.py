@@ -5,8 +5,9 @@ Reproduce (from the repository root; a few seconds):
     python bench/bench_repair_sweep.py
 
 8 plans, pp 3-8, dp 2-4 (fault-free families, and adaptive plans with 0-2 failures), each repaired
-around every live worker that has a live peer (118 repairs), at each plan's default memory limit and
-with the limit lifted. Each repair runs with `validate=False` and is then checked: `valid` passed
+around every live worker that has a live peer (118 repairs), at each plan's default memory limit (a
+plan with failures: its own limit; a fault-free plan: its own per-stage peaks) and with the limit
+lifted (compile and repair with `memory_limit=None`). Each repair runs with `validate=False` and is then checked: `valid` passed
 `check`, `refused` raised `RecoveryError` (memory), `INVALID` is a plan `repair` returned that fails
 `check` (a deadlock, before issue 14's fix); the last must stay 0.
 """
@@ -41,7 +42,7 @@ def outcomes(lifted: bool) -> Counter[str]:
             if len(plan.topology.stage_group(dead.stage)) < 2:
                 continue
             try:
-                fixed = repair(plan, dead, validate=False)
+                fixed = repair(plan, dead, validate=False, **({"memory_limit": None} if lifted else {}))
             except RecoveryError:
                 tally["refused"] += 1
                 continue
