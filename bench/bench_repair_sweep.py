@@ -7,9 +7,9 @@ Reproduce (from the repository root; a few seconds):
 8 plans, pp 3-8, dp 2-4 (fault-free families, and adaptive plans with 0-2 failures), each repaired
 around every live worker that has a live peer (118 repairs), at each plan's default memory limit (a
 plan with failures: its own limit; a fault-free plan: its own per-stage peaks) and with the limit
-lifted (compile and repair with `memory_limit=None`). Each repair runs with `validate=False` and is then checked: `valid` passed
-`check`, `refused` raised `RecoveryError` (memory), `INVALID` is a plan `repair` returned that fails
-`check` (a deadlock, before issue 14's fix); the last must stay 0.
+lifted (compile and repair with `memory_limit=None`). Each repair runs with `validate=False` and is
+then checked: `valid` passed `check`, `refused` raised `RecoveryError` (memory), `INVALID` is a plan
+`repair` returned that fails `check` (a deadlock, before issue 14's fix); the last must stay 0.
 """
 
 from __future__ import annotations

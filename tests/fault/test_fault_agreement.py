@@ -15,11 +15,13 @@ from schedcomp.runtime.fault.agreement import (
     Evicted,
     admit,
     agree,
+    agreed_better,
     agreed_switch,
     announce_join,
     counted_failed,
     join_job,
     latest_view,
+    offer_better,
     pending_joins,
     propose_switch,
 )
@@ -324,3 +326,26 @@ def test_commit_log_reads_back_each_workers_last_step(job) -> None:
     a, b = Worker(0, 0), Worker(0, 1)
     log.record(a, 4)
     assert log.read([a, b]) == {a: 4, b: -1}
+
+
+def test_a_better_plan_is_switched_to_at_one_boundary_once_every_member_holds_it() -> None:
+    _server, address = serve_store()  # (kept: the store lives as long as its server object)
+    view = View(3, Topology.of(2, 2, [Worker(1, 1)]))  # three members
+    a, b, c = (address.connect() for _ in range(3))
+    assert offer_better(a, view, "digest-x") and offer_better(b, view, "digest-x")
+    assert agreed_better(a, view, completed=7, lead=2) is None  # c does not hold it yet
+    assert offer_better(c, view, "digest-x")
+    assert agreed_better(b, view, completed=8, lead=2) == 11  # the first to see all fixes it (8 + lead + 1)
+    assert agreed_better(a, view, completed=9, lead=2) == 11 and agreed_better(c, view, completed=10, lead=2) == 11
+    later = View(4, view.topology)  # a new generation starts over: its keys are its own
+    assert agreed_better(a, later, completed=12, lead=2) is None
+
+
+def test_members_holding_different_better_plans_never_switch() -> None:
+    _server, address = serve_store()  # (kept: the store lives as long as its server object)
+    view = View(1, Topology.of(2, 2, [Worker(0, 0)]))
+    a, b, c = (address.connect() for _ in range(3))
+    assert offer_better(a, view, "one") and offer_better(b, view, "one")
+    assert not offer_better(c, view, "two")
+    for store in (a, b, c):
+        assert agreed_better(store, view, completed=5, lead=2) is None

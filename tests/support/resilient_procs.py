@@ -167,6 +167,14 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     cache = PlanCache.load(cache_dir)
     chunks = env.dp * cache.microbatches
     at, recovering = parse_victims(victims)
+    # CHAOS_IMPROVE=W: plans from `ImprovingPlans` (a miss is repaired, then compiled in the background);
+    # at the start of iteration W each worker waits for its compile, so the switch comes at a known point
+    improve_at = int(os.environ.get("CHAOS_IMPROVE", "-1"))
+    plans = cache
+    if improve_at >= 0:
+        from schedcomp.improving import ImprovingPlans
+
+        plans = ImprovingPlans(cache, time_limit=1.0)
 
     def die_while_recovering(rerun: int) -> None:
         if recovering.get(env.worker) == "rec" and env.incarnation == 0:
@@ -189,6 +197,10 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
             deadline = time.monotonic() + 60
             while not pending_joins(session.store, session.view) and time.monotonic() < deadline:
                 time.sleep(0.01)
+        if iteration == improve_at and index == 0 and session.view.failed:
+            deadline = time.monotonic() + child_deadline()
+            while plans.pending(session.view.topology) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if kill is not None:
             if (iteration, index) >= at[env.worker] and not session.store.check(["killed_at"]):
                 session.store.set("killed_at", repr(time.time()))  # for the benchmark's recovery times
@@ -204,7 +216,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
         Momentum = ScheduledMomentum
         options = {"lr_scheduler": SCHEDULES[schedule] if schedule else None,
                    "max_grad_norm": float(max_norm) if max_norm else None}
-    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+    trainer = ResilientTrainer(plans, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
                                after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"),
                                **options)
@@ -218,6 +230,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "state": {k: v.tolist() for k, v in trainer.state().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
+          "improved": report.improved, "plan_solver": trainer.trainer.plan.solver if trainer.trainer else None,
           "resumed_at": report.resumed_at, "handed_over": report.handed_over,
           "rejoined": report.rejoined.__dict__ if report.rejoined is not None else None,
           "completed_at": {str(i): t for i, t in report.completed_at.items()},
