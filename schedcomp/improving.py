@@ -7,7 +7,8 @@ starts a full compile of that failure set in a background process, under the rep
 limit. `improved(topology)` returns the compiled plan once it is done and only if it is faster than the
 repaired one (simulated; None before, or when the compile failed or did not do better), so the trainer
 can switch to it at an iteration boundary every worker agrees on (`runtime/fault/agreement.offer_better`).
-Comparing simulates the repaired plan once, in the caller (about 2 s at pp = 32, dp = 256).
+The comparison simulates the repaired plan once, in the caller (about 2 s at pp = 32, dp = 256; the
+compiled plan is simulated in the background process).
 
 `lookup` itself never returns the compiled plan: every worker of a job must run the same plan, and a
 worker whose compile finished first would otherwise get a different one. Both answers are deterministic
@@ -152,11 +153,14 @@ class ImprovingPlans:
             plan = Plan.from_json(fileio.read_text(job.output, "plan"))
             if plan.topology != topology:
                 raise SchedcompError(f"it is for {sorted(map(str, plan.topology.failed))}")
+            better = fileio.load_json(fileio.read_text(str(job.output) + ".period", "period"), "period")
+            if not isinstance(better, float):
+                raise SchedcompError(f"its period file holds {better!r}")
         except (SchedcompError, OSError) as e:
             job.failed = str(e)
             log.warning("the background compile for failed %s gave no plan (%s): keeping the repaired one", failed, e)
             return
-        better, now = simulate(plan).period, simulate(job.repaired).period
+        now = simulate(job.repaired).period
         if better < now * (1 - 1e-9):
             job.plan = plan
         else:
@@ -165,8 +169,10 @@ class ImprovingPlans:
 
 
 def _compile_request(request_path: str, plan_path: str) -> None:
-    """The background process: compile the request, write the plan atomically."""
+    """The background process: compile the request, write the plan and its simulated period (beside it, as
+    `.period`; written first, so a plan file is never there without it)."""
     from schedcomp.compiler import compile
+    from schedcomp.simulator import simulate
 
     r = json.loads(Path(request_path).read_text())
     limit = r["memory_limit"]
@@ -174,6 +180,7 @@ def _compile_request(request_path: str, plan_path: str) -> None:
                    schedule="adaptive", costs=CostModel.from_dict(r["costs"]), solver=r["solver"],
                    time_limit=r["time_limit"], memory_limit=tuple(limit) if isinstance(limit, list) else limit,
                    chunks=r["chunks"], placement=r["placement"])
+    fileio.write_atomic(plan_path + ".period", json.dumps(simulate(plan).period))
     fileio.write_atomic(plan_path, plan.to_json())
 
 
