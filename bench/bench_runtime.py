@@ -7,6 +7,10 @@ times in rotation (so a busy neighbour hurts all of them alike), `--warmup` step
 measures: "step", one step from a barrier to a barrier (the slowest rank), the median of
 `--steps`; "steady", `--steps` steps back to back between two barriers, divided by `--steps`
 (the period when nothing waits between steps: our staggered optimizer shows there).
+With `--paired N`, also "paired": for each pair compared with a target (ours / theirs), N rounds of one
+step of each, alternating which goes first, each from a barrier to a barrier; the median of the
+per-round ratios and its interquartile range. A ratio of two neighbouring steps cancels the load
+drift that moves separate runs by +-25% on a shared machine.
 
 PyTorch's schedules: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleavedZeroBubble` with one
 stage per rank (their ZB1P), followed by `optimizer.step()`. Ours: `PipelineTrainer.step` on
@@ -132,7 +136,36 @@ def ours(kind: str, rank: int, pp: int, microbatches: int, hidden: int) -> Calla
     return step
 
 
-def worker(rank: int, configs: list[tuple[int, int, int]], warmup: int, steps: int, repeats: int) -> None:
+PAIRS = (("1f1b", "1f1b"), ("zb-h1", "zb1p"), ("interleaved-1f1b", "interleaved"), ("zb-v", "zbv"))
+"""(ours, theirs) compared with a target: the paired measure's pairs."""
+TARGETS = {"1f1b": "<= 1.00", "zb-h1": "<= 0.85", "interleaved-1f1b": "<= 1.00", "zb-v": "<= 1.00"}
+
+
+def _once(step: Callable[[], None]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def paired(runs: dict[tuple[str, str], Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Per pair of `PAIRS`, the ratio ours / theirs of `rounds` neighbouring single steps (order alternating)."""
+    ratios: dict[str, list[float]] = {}
+    for mine, other in PAIRS:
+        a, b = runs[("ours", mine)], runs[("theirs", other)]
+        out = ratios.setdefault(mine, [])
+        for r in range(rounds):
+            if r % 2:
+                tb, ta = _once(b), _once(a)
+            else:
+                ta, tb = _once(a), _once(b)
+            out.append(ta / tb)
+    return ratios
+
+
+def worker(rank: int, configs: list[tuple[int, int, int]], warmup: int, steps: int, repeats: int,
+           rounds: int = 0) -> None:
     for pp, microbatches, hidden in configs:
         if dist.get_world_size() != pp:
             continue
@@ -148,6 +181,16 @@ def worker(rank: int, configs: list[tuple[int, int, int]], warmup: int, steps: i
         if rank == 0:
             report(pp, microbatches, hidden, "step", {key: statistics.median(t) for key, t in times.items()})
             report(pp, microbatches, hidden, "steady", {key: statistics.median(t) for key, t in steady.items()})
+        if rounds:
+            ratios = paired(runs, rounds)
+            if rank == 0:
+                print(f"\npp={pp} M={microbatches} H={hidden}, paired: ours / theirs, {rounds} alternating rounds "
+                      "of one step each (median [interquartile range])")
+                for (mine, other), values in zip(PAIRS, ratios.values(), strict=True):
+                    q1, med, q3 = statistics.quantiles(values, n=4)
+                    spread = f"[{q1:4.2f} - {q3:4.2f}]"
+                    print(f"  ours {mine:17s} / their {other:12s} {med:5.2f}  {spread}   target {TARGETS[mine]}")
+                sys.stdout.flush()
 
 
 def report(pp: int, microbatches: int, hidden: int, measure: str, ms: dict[tuple[str, str], float]) -> None:
@@ -181,11 +224,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2, help="rotations over the schedules (default 2)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="also N alternating rounds of one step per compared pair (default 0: none)")
     args = p.parse_args()
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
     print(__doc__.split("\n\n")[1])
     for pp in sorted({c[0] for c in configs}):
-        spawn(worker, pp, ([c for c in configs if c[0] == pp], args.warmup, args.steps, args.repeats), timeout=1800)
+        spawn(worker, pp, ([c for c in configs if c[0] == pp], args.warmup, args.steps, args.repeats, args.paired),
+              timeout=1800)
 
 
 if __name__ == "__main__":
