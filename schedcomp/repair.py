@@ -196,7 +196,9 @@ class _Peer:
                 continue
             f_time = f_at if gap[0] < f_at < gap[1] else _inside(gap)
             b_lo = max(b_span[0], f_time)
-            k_min = next((k for k in range(j, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
+            # (no gap before the first op after b_lo: start the scan there)
+            first = max(j, bisect.bisect_right(times, b_lo))
+            k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
             if k_min is None:
                 return None
             for k in dict.fromkeys((max(k_min, bisect.bisect(times, b_at)), k_min)):

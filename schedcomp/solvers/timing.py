@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -82,20 +83,27 @@ def op_dependencies(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     """Every op's producers (op ids, two columns, -1 for none) and their latencies: an F reads the previous
     (virtual) stage's F (a transfer), a B (or BW) its own F and the next stage's B (a transfer), a W its own
     B. A transfer between two chunks that end up on one worker is a local hand-off: the timing core drops its
-    latency, since only the lanes say where each op runs."""
-    stages, nk, n_ops = problem.stages, len(problem.kinds), problem.n_slots * len(problem.kinds)
+    latency, since only the lanes say where each op runs. They do not depend on the failed set, so the last
+    few shapes are kept (read-only arrays): a repair at pp = 32, dp = 256 re-times without rebuilding them."""
+    return _dependencies(problem.stages, len(problem.kinds), problem.n_slots, problem.costs.p2p)
+
+
+@lru_cache(maxsize=2)
+def _dependencies(stages: int, nk: int, n_slots: int, p2p: float) -> tuple[np.ndarray, np.ndarray]:
+    n_ops = n_slots * nk
     slot, kind = np.divmod(np.arange(n_ops), nk)
     stage = slot % stages
     pred = np.full((n_ops, 2), -1, dtype=np.int64)
     lat = np.zeros((n_ops, 2))
     f = (kind == 0) & (stage > 0)
-    pred[f, 0], lat[f, 0] = (slot[f] - 1) * nk, problem.costs.p2p
+    pred[f, 0], lat[f, 0] = (slot[f] - 1) * nk, p2p
     b = kind == 1
     pred[b, 0] = slot[b] * nk
     b2 = b & (stage < stages - 1)
-    pred[b2, 1], lat[b2, 1] = (slot[b2] + 1) * nk + 1, problem.costs.p2p
+    pred[b2, 1], lat[b2, 1] = (slot[b2] + 1) * nk + 1, p2p
     w = kind == 2
     pred[w, 0] = slot[w] * nk + 1
+    pred.flags.writeable = lat.flags.writeable = False
     return pred, lat
 
 
