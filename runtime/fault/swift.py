@@ -8,8 +8,8 @@ every replica of a stage restarts every worker from the last checkpoint (`fault.
 recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
 
 1. Logging (`fault.boundary_log`): each worker keeps the tensors it sent across stage boundaries
-   since its neighbours' checkpoints, and each worker's random state at the start of each
-   iteration sits in the store (a few KB), so a replacement can replay random layers too.
+   since its neighbours' checkpoints. Random layers need nothing logged: each forward draws from
+   its micro-batch's own stream (`runtime.rng`), which a replay derives again from the job's seed.
 2. Recovery: the survivors agree on the next generation as for any failure and the commit
    records give the iteration to re-run, r (`rollback`). Then, in `finish`:
    - each lost stage's source is its newest complete checkpoint c <= r - 1 (first survivor's
@@ -31,10 +31,10 @@ recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
 
 Exactness: the replacement sums the gradients of all the stage's micro-batches itself, where the
 original replicas summed theirs and all-reduced: the same values up to summation order (1e-10 in
-float64, as rollback). The random state is restored per home pipeline and iteration, and each
-pipeline's micro-batches are replayed in order, as every family's fault-free plan runs them.
+float64, as rollback). Random layers draw the same masks in the replay as in the original run,
+in whatever order and on whichever worker each micro-batch is replayed (`runtime.rng`).
 The replacements of a stage's replicas replay in parallel (SWIFT's parallel recovery): each its
-share of the pipelines, summing their gradients before each step; other idle workers do not help.
+share of the micro-batches, summing their gradients before each step; other idle workers do not help.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.transfer import recv_tree, send_tree
 from schedcomp.runtime.lossy import _exchange
+from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage
 from schedcomp.runtime.trainer import _to
 from schedcomp.topology import Topology, Worker
@@ -75,10 +76,6 @@ def lost_stages(topology: Topology) -> list[int]:
     return [s for s in range(topology.pp) if not topology.stage_group(s)]
 
 
-def _rng_key(worker: Worker, iteration: int) -> str:
-    return f"swift/rng/{worker}/{iteration}"
-
-
 class SwiftPolicy(RollbackPolicy):
     """Rollback for ordinary failures; a stage that lost every replica is rebuilt by replay (module docstring)."""
 
@@ -88,19 +85,15 @@ class SwiftPolicy(RollbackPolicy):
         self.logging, self.checkpoint = logging, checkpoint
         self.host: RecoveryHost | None = None
         self.log: BoundaryLog | None = None
-        self._rng_from = 0  # the oldest iteration whose random state this worker left in the store
 
     # ---- logging ---------------------------------------------------------------------------------
 
     def on_start(self, host: RecoveryHost, start: int) -> None:
         self.host = host
         self.log = BoundaryLog(self.logging, host.session.me)
-        self._rng_from = start
 
     def on_iteration(self, it: Iteration) -> None:
         it.keep_sent = True  # logged in `on_completed`
-        assert self.host is not None
-        self.host.session.store.set(_rng_key(it.worker, it.number), _rng_bytes())
 
     def on_completed(self, it: Iteration) -> None:
         assert self.host is not None and self.log is not None and self.host.report is not None
@@ -111,11 +104,6 @@ class SwiftPolicy(RollbackPolicy):
                 else []
             if len(done) >= 2:  # see `boundary_log`: the log reaches back to the second newest
                 self.log.prune(neighbour, done[-2])
-        done = complete_iterations(self.checkpoint.directory, me.stage)
-        if len(done) >= 2:
-            for j in range(self._rng_from, done[-2] + 1):
-                self.host.session.store.delete_key(_rng_key(me, j))
-            self._rng_from = max(self._rng_from, done[-2] + 1)
         report.log_peak = self.log.peak
 
     # ---- recovery on the survivors --------------------------------------------------------------
@@ -124,6 +112,7 @@ class SwiftPolicy(RollbackPolicy):
         """Rebuild lost stages by replay and return the iteration to run next (None: not a lost stage, or fall back)."""
         session = host.session
         assert session.view is not None and self.log is not None and host.report is not None
+        assert host.trainer is not None
         lost = lost_stages(session.view.topology)
         if not lost:
             return None  # a replica is left everywhere: rollback and re-planning
@@ -132,7 +121,8 @@ class SwiftPolicy(RollbackPolicy):
         rerun = decision.rerun
         session.admit(propose_switch(session.store, session.view, rerun, joiners))
         session.store.compare_set(f"swift/gen{session.view.generation}", "",
-                                  json.dumps({"rerun": rerun, "from": {str(s): c for s, c in sources.items()}}))
+                                  json.dumps({"rerun": rerun, "from": {str(s): c for s, c in sources.items()},
+                                              "seed": host.trainer.seed}))
         self.log.discard_from(rerun)  # re-run, logged again
         host.roll_back(decision)
         me = session.me
@@ -201,6 +191,7 @@ class SwiftPolicy(RollbackPolicy):
                 raise GenerationAborted("a member failed before the survivors said what to replay")
         record = json.loads(store.get(key))
         rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
+        trainer.seed = record["seed"]  # the survivors' random streams, whatever this process was given
         stage = trainer.stage
         restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer)
         joiners = set(session.joiners())
@@ -214,16 +205,13 @@ class SwiftPolicy(RollbackPolicy):
             for j, p, m, tensors in entries:
                 table.setdefault(int(j), {})[(int(p), int(m))] = tuple(tensors)
         iterations = range(source + 1, rerun)
-        states = {(p, j): store.get(_rng_key(Worker(p, me.stage), j))
-                  for j in iterations for p in range(session.env.dp)
-                  if store.check([_rng_key(Worker(p, me.stage), j)])}
-        # SWIFT's parallel replay: the stage's replacements split its pipelines and sum their gradients.
+        # SWIFT's parallel replay: the stage's replacements split its micro-batches and sum their gradients.
         peers = sorted(w for w in joiners if w.stage == me.stage)
         group = trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage))
-        pipelines = range(session.env.dp)
-        reduce = None
+        every = [(p, m) for p in range(session.env.dp) for m in range(trainer.plan.microbatches)]
+        share, reduce = every, None
         if group is not None and sorted(trainer.plan.topology.stage_group(me.stage)) == peers:
-            pipelines = range(peers.index(me), session.env.dp, len(peers))
+            share = every[peers.index(me)::len(peers)]
 
             def reduce(stage: Stage) -> None:
                 flat = stage.flat_grads()
@@ -231,8 +219,8 @@ class SwiftPolicy(RollbackPolicy):
                 stage.set_flat_grads(flat)
 
         began = time.perf_counter()
-        replay(stage, iterations, inputs, grads, states, host.batch_for, session.env.dp, trainer.plan.microbatches,
-               trainer.device, me.pipeline, pipelines, reduce)
+        replay(stage, iterations, inputs, grads, trainer.seed, host.batch_for, session.env.dp,
+               trainer.plan.microbatches, trainer.device, share, reduce)
         report.replayed = list(iterations)
         report.replay_seconds = time.perf_counter() - began
         report.restored_from = source
@@ -280,57 +268,33 @@ def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int,
     return None
 
 
-def _rng_bytes() -> bytes:
-    state = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state.append(torch.cuda.get_rng_state())
-    return b"".join(len(t).to_bytes(8, "little") + t.numpy().tobytes() for t in state)
-
-
-def _set_rng(data: bytes) -> None:
-    states, pos = [], 0
-    while pos < len(data):
-        n = int.from_bytes(data[pos:pos + 8], "little")
-        states.append(torch.frombuffer(bytearray(data[pos + 8:pos + 8 + n]), dtype=torch.uint8))
-        pos += 8 + n
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state(states[1])
-
-
-def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, rng: Mapping[tuple[int, int], bytes],
-           batch_for, dp: int, microbatches: int, device: torch.device, own: int = 0,
-           pipelines: Iterable[int] | None = None, reduce: Callable[[Stage], None] | None = None) -> None:
+def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, seed: int | None,
+           batch_for, dp: int, microbatches: int, device: torch.device, share: Iterable[Key] | None = None,
+           reduce: Callable[[Stage], None] | None = None) -> None:
     """Run `iterations` of `stage` alone: every chunk's forward and backward from the logs, then the optimizer step.
 
     `inputs[j][chunk]`: what the previous stage sent (unused at stage 0, which reads the batch);
     `grads[j][chunk]`: the gradients the next stage sent back (unused at the last stage, which has
-    the loss); `rng[(pipeline, j)]`: that pipeline's random state at the start of iteration j.
-    The random state left is pipeline `own`'s after the last iteration, as if that replica had run it.
-    `pipelines`: the home pipelines whose chunks to replay here (default: all); `reduce(stage)` then
-    sums the gradients with the workers replaying the others, before each step.
+    the loss); `seed`: the job's, from which each forward's random stream derives (`runtime.rng`),
+    so the chunks may be replayed in any order and anywhere. `share`: the chunks (home pipeline,
+    micro-batch) to replay here (default: all); `reduce(stage)` then sums the gradients with the
+    workers replaying the others, before each step.
     """
-    chunks, after = dp * microbatches, None
-    mine = list(range(dp) if pipelines is None else pipelines)
+    chunks = dp * microbatches
+    mine = sorted((p, m) for p in range(dp) for m in range(microbatches)) if share is None else list(share)
     for j in iterations:
         x_all, y_all = batch_for(j)
-        for p in mine:
-            if (p, j) in rng:
-                _set_rng(rng[(p, j)])
-            for m in range(microbatches):
-                key, index = (p, m), chunk_index(p, m, microbatches)
-                if stage.is_first:
-                    x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
-                else:
-                    x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
-                y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
-                stage.forward(key, x, y, scale=1.0 / chunks)
-                stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
-            if p == own and (p, j) in rng:
-                after = _rng_bytes()
+        for key in mine:
+            p, m = key
+            index = chunk_index(p, m, microbatches)
+            if stage.is_first:
+                x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
+            else:
+                x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
+            y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
+            drawn = None if seed is None else stream_seed(seed, j, stage.index, p, m)
+            stage.forward(key, x, y, scale=1.0 / chunks, seed=drawn)
+            stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
         if reduce is not None:
             reduce(stage)
         stage.step()
-    if after is not None:
-        _set_rng(after)
-

@@ -9,6 +9,7 @@ restart from the checkpoints. The other tests check the pieces in one process.
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from fault_procs import run_job
 from resilient_procs import HERE, chaos_batch, chaos_reference, chaos_stage
+from stream_models import noisy_stage, stream_reference
 from torch import nn
 
 from schedcomp.cache import precompile
@@ -25,6 +27,7 @@ from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy, _gap, lost_stages, replay, replay_sources
 from schedcomp.runtime.resilient import recovery_policy
+from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage
 from schedcomp.semantics import ACT, GRAD
 from schedcomp.topology import Topology, Worker
@@ -132,7 +135,7 @@ def test_replay_falls_back_when_it_cannot_rebuild_the_stage() -> None:
 
 
 class _Noisy(nn.Module):
-    """A stage with dropout: its replay is exact only with the random state restored."""
+    """A stage with dropout: its replay is exact only when each micro-batch draws from its own stream."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -157,31 +160,27 @@ def _stages(pp: int, noisy: int) -> list[Stage]:
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("lost", [0, 1, 3])
 def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) -> None:
-    pp, microbatches, iterations, source = 4, 2, 5, 1
+    pp, microbatches, iterations, source, seed = 4, 2, 5, 1, 77
     chunks = dp * microbatches
     stages = _stages(pp, noisy=lost)
     inputs: dict = {}
     grads: dict = {}
-    rng: dict = {}
     saved = None
-    for j in range(iterations):  # GPipe order in one process: each stage runs its chunks in order
+    for j in range(iterations):  # GPipe in one process, chunks backwards: the replay runs them forwards
         x_all, y_all = chaos_batch(j, chunks)
         acts = {}
         for p in range(dp):
             for m in range(microbatches):
                 acts[(p, m)] = (micro_batch(x_all, chunk_index(p, m, microbatches), chunks),)
         for stage in stages:
-            for p in range(dp):
+            torch.rand(3)  # the global stream moves on between stages: nothing may depend on it
+            for key in sorted(acts, reverse=True):
+                p, m = key
                 if stage.index == lost:
-                    torch.manual_seed(1000 * j + p)
-                    rng[(p, j)] = torch.get_rng_state().numpy().tobytes()
-                    rng[(p, j)] = len(rng[(p, j)]).to_bytes(8, "little") + rng[(p, j)]
-                for m in range(microbatches):
-                    key = (p, m)
-                    if stage.index == lost:
-                        inputs.setdefault(j, {})[key] = tuple(t.clone() for t in acts[key])
-                    y = micro_batch(y_all, chunk_index(p, m, microbatches), chunks) if stage.is_last else None
-                    acts[key] = stage.forward(key, tuple(t.clone() for t in acts[key]), y, scale=1.0 / chunks)
+                    inputs.setdefault(j, {})[key] = tuple(t.clone() for t in acts[key])
+                y = micro_batch(y_all, chunk_index(p, m, microbatches), chunks) if stage.is_last else None
+                acts[key] = stage.forward(key, tuple(t.clone() for t in acts[key]), y, scale=1.0 / chunks,
+                                          seed=stream_seed(seed, j, stage.index, p, m))
         back = {key: () for key in acts}
         for stage in reversed(stages):
             for key in sorted(back):
@@ -197,7 +196,7 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
     assert saved is not None
     replacement.module.load_state_dict(saved[0])
     replacement.optimizer.buffers = saved[1]
-    replay(replacement, range(source + 1, iterations), inputs, grads, rng, lambda j: chaos_batch(j, chunks), dp,
+    replay(replacement, range(source + 1, iterations), inputs, grads, seed, lambda j: chaos_batch(j, chunks), dp,
            microbatches, torch.device("cpu"))
     for name, value in stages[lost].module.state_dict().items():
         assert (replacement.module.state_dict()[name] - value).abs().max().item() <= TOLERANCE, name
@@ -209,16 +208,22 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
 
 
 def _launch(tmp_path: Path, pp: int, dp: int, victims: str, iterations: int, every: int = 2,
-            budget: int = 1 << 30) -> tuple[dict, str]:
+            budget: int = 1 << 30, noisy: bool = False) -> tuple[dict, str]:
     plans, ckpt = tmp_path / "plans", tmp_path / "ckpt"
     precompile(pp, dp, 4, dp - 1, directory=plans, time_limit=1.0)
     return run_job(pp, dp, ["--respawn", "1", "--max-restarts", "1"],
-                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget)], 240)
+                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget), "8",
+                    "1" if noisy else "0"], 240)
 
 
-def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int) -> None:
+def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int, noisy: bool = False) -> None:
+    """Every worker's stage equals the fault-free model's (`noisy`: the model with dropout, `stream_models`)."""
     assert set(results) == {str(w) for w in Topology.of(pp, dp).workers}
-    reference = chaos_reference(pp, dp * 4, iterations)
+    if noisy:
+        reference = [{k: v.tolist() for k, v in state.items()} for state in stream_reference(
+            functools.partial(noisy_stage, pp=pp), pp, dp, 4, iterations, lambda i: chaos_batch(i, dp * 4))]
+    else:
+        reference = chaos_reference(pp, dp * 4, iterations)
     for r in results.values():
         assert r["iterations"] == iterations
         for name, value in reference[Worker.parse(r["worker"]).stage].items():
@@ -244,12 +249,13 @@ def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) ->
 
 
 @pytest.mark.slow
-def test_a_lost_stage_of_a_dp1_pipeline_is_rebuilt_by_replay(tmp_path: Path) -> None:
+def test_a_lost_stage_of_a_dp1_pipeline_with_dropout_is_rebuilt_by_replay(tmp_path: Path) -> None:
+    # dropout in every stage: the replay draws each micro-batch's masks again from its stream
     rng = random.Random(13)
     lost, iteration, index = rng.choice([1, 2]), rng.randrange(3, 5), rng.randrange(0, 16)
-    results, err = _launch(tmp_path, 4, 1, f"0:{lost}@{iteration}.{index}", 6)
+    results, err = _launch(tmp_path, 4, 1, f"0:{lost}@{iteration}.{index}", 6, noisy=True)
     assert "Traceback" not in err, err[-6000:]
-    _assert_fault_free(results, 4, 1, 6)
+    _assert_fault_free(results, 4, 1, 6, noisy=True)
     _assert_rebuilt_by_replay(results, lost, 2, err)
 
 
@@ -331,9 +337,10 @@ def test_replacements_replay_in_parallel_each_its_pipelines() -> None:
             stage.set_flat_grads(total)
         return reduce
 
-    threads = [threading.Thread(target=replay, args=(replicas[p], range(3), inputs, grads, {},
+    shares = [[(0, 1), (1, 0)], [(1, 1), (0, 0)]]  # any split of the micro-batches, in any order
+    threads = [threading.Thread(target=replay, args=(replicas[p], range(3), inputs, grads, None,
                                                      lambda j: chaos_batch(j, chunks), dp, microbatches,
-                                                     torch.device("cpu"), p, [p], reducer(p))) for p in range(dp)]
+                                                     torch.device("cpu"), shares[p], reducer(p))) for p in range(dp)]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,10 +1,12 @@
 """Worker processes of logging-based recovery jobs (`fault.swift`) for the tests and `bench/bench_logging.py`.
 
-Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]`
+Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]
+[NOISY]`
 under `python -m schedcomp.runtime.fault.launch --respawn 1 --max-restarts 1`; victims (`resilient_procs.
 parse_victims`) die in run 0, first incarnation only. Each worker prints one JSON line: its report
 and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart;
-HIDDEN: the chaos model's width (default 8; the benchmark's larger model).
+HIDDEN: the chaos model's width (default 8; the benchmark's larger model); NOISY = "1": the model with
+dropout of `stream_models` (seed `stream_models.SEED`) instead of the chaos model.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from resilient_procs import chaos_batch, chaos_stage, restarting_worker
 
 
 def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
-           budget: str = str(1 << 30), hidden: str = "8") -> None:
+           budget: str = str(1 << 30), hidden: str = "8", noisy: str = "0") -> None:
     import functools
 
     import resilient_procs
     import torch.nn.functional as F
     from momentum import Momentum  # imports torch: only once the child's deadline is armed
+    from stream_models import SEED, noisy_stage
 
     from schedcomp.runtime.fault.boundary_log import LoggingPolicy
     from schedcomp.runtime.fault.restart import CheckpointPolicy
@@ -42,9 +45,10 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
         kill(iteration, index, ins)
 
     logging = None if where == "none" else LoggingPolicy(where, budget_bytes=int(budget))
-    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+    build = noisy_stage if noisy == "1" else chaos_stage
+    trainer = ResilientTrainer(cache, functools.partial(build, pp=env.pp), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session, before=before,
-                               checkpoint=CheckpointPolicy(ckpt_dir, every=int(every)), logging=logging)
+                               checkpoint=CheckpointPolicy(ckpt_dir, every=int(every)), logging=logging, seed=SEED)
     report = trainer.run(int(iterations))
     emit({"worker": str(env.worker), "incarnation": env.incarnation, "run": report.run,
           "iterations": report.iterations, "restored_from": report.restored_from,
