@@ -206,7 +206,10 @@ class ResilientTrainer:
             donor = session.donor_for(session.me.stage)
             rebuild = getattr(self.policy, "rebuild", None)  # logging-based recovery replays the stage
             if donor is None and rebuild is not None:
-                start = rebuild(self)
+                try:
+                    start = rebuild(self)
+                except RecoveryError as e:  # a parallel replay lost a worker: restart from the checkpoints
+                    self.last_resort.give_up(e)
                 self.report.resumed_at = start
                 session.commit(start - 1)
                 self.trainer.iteration = self.iteration = start

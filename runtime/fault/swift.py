@@ -42,33 +42,37 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-
-import torch
-import torch.distributed as dist
-from torch import Tensor
+from collections.abc import Mapping
 
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import pending_joins, propose_switch
-from schedcomp.runtime.fault.boundary_log import BoundaryLog, Key, LoggingPolicy
+from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.checkpoint import complete_iterations, restore
 from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.recovery import RecoveryHost, RollbackPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback
-from schedcomp.runtime.fault.transfer import recv_tree, send_tree
+from schedcomp.runtime.fault.swift_parallel import (
+    choose_helpers,
+    done_key,
+    help_replay,
+    helper_failed,
+    post_logs,
+    receive_logs,
+    reducer,
+    replay,
+    replay_group,
+    shares,
+    unconfirmed,
+    wait_sends,
+)
 from schedcomp.runtime.lossy import _exchange
-from schedcomp.runtime.rng import stream_seed
-from schedcomp.runtime.stage import Stage
-from schedcomp.runtime.trainer import _to
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
 DROPPED = "dropped"  # a coverage record's key: receiving stage -> the newest iteration its budget dropped
-Logged = dict[int, dict[Key, tuple[Tensor, ...]]]  # iteration -> chunk -> tensors received by the lost stage
 
 
 def lost_stages(topology: Topology) -> list[int]:
@@ -85,6 +89,7 @@ class SwiftPolicy(RollbackPolicy):
         self.logging, self.checkpoint = logging, checkpoint
         self.host: RecoveryHost | None = None
         self.log: BoundaryLog | None = None
+        self._parallel: dict[int, int] = {}  # lost stage -> generation of its parallel replay, until confirmed
 
     # ---- logging ---------------------------------------------------------------------------------
 
@@ -105,6 +110,9 @@ class SwiftPolicy(RollbackPolicy):
             if len(done) >= 2:  # see `boundary_log`: the log reaches back to the second newest
                 self.log.prune(neighbour, done[-2])
         report.log_peak = self.log.peak
+        if self._parallel:  # a store read per iteration only until the parallel replay is confirmed
+            self._parallel = {s: g for s, g in self._parallel.items()
+                              if not self.host.session.store.check([done_key(g, s)])}
 
     # ---- recovery on the survivors --------------------------------------------------------------
 
@@ -113,28 +121,44 @@ class SwiftPolicy(RollbackPolicy):
         session = host.session
         assert session.view is not None and self.log is not None and host.report is not None
         assert host.trainer is not None
+        stalled = unconfirmed(host, self._parallel)
+        if stalled is not None:  # a replayer died in a parallel replay: the stage is half rebuilt
+            raise helper_failed(stalled)
         lost = lost_stages(session.view.topology)
         if not lost:
             return None  # a replica is left everywhere: rollback and re-planning
         sources = self._sources(host, lost, decision.rerun)
         joiners = self._replacements(host, lost)
         rerun = decision.rerun
+        plan = host.trainer.plan
+        helpers = choose_helpers(plan.costs, lost, {s: rerun - 1 - c for s, c in sources.items()},
+                                 session.env.dp * plan.microbatches, list(session.view.members),
+                                 self.logging.helpers)
         session.admit(propose_switch(session.store, session.view, rerun, joiners))
-        session.store.compare_set(f"swift/gen{session.view.generation}", "",
-                                  json.dumps({"rerun": rerun, "from": {str(s): c for s, c in sources.items()},
-                                              "seed": host.trainer.seed}))
+        record = json.loads(session.store.compare_set(f"swift/gen{session.view.generation}", "", json.dumps(
+            {"rerun": rerun, "from": {str(s): c for s, c in sources.items()}, "seed": host.trainer.seed,
+             "helpers": {str(s): [str(w) for w in ws] for s, ws in helpers.items()}})))
+        helpers = _helpers(record)
         self.log.discard_from(rerun)  # re-run, logged again
         host.roll_back(decision)
-        me = session.me
+        me, world = session.me, session.groups.world
+        replayers = {s: sorted(w for w in joiners if w.stage == s) + helpers.get(s, []) for s in lost}
+        groups = {s: replay_group(host, replayers[s]) for s in sorted(helpers)}  # every member, in order
+        pending = []
         for s, c in sources.items():
-            if abs(me.stage - s) != 1 or c + 1 >= rerun:
-                continue  # not a neighbour, or nothing to replay (the replacement expects nothing)
-            entries = self.log.entries(s, range(c + 1, rerun))
-            for w in sorted(joiners):
-                if w.stage == s:
-                    send_tree(entries, session.groups.world, [session.groups.rank_of(w)], wait=host.wait)
-        log.warning("worker %s: stage(s) %s rebuilt by replay from checkpoint(s) %s; going on with iteration %d",
-                    me, lost, sources, rerun)
+            if abs(me.stage - s) == 1 and c + 1 < rerun:  # a neighbour, with something to replay
+                split = shares(replayers[s], session.env.dp, plan.microbatches)
+                pending += post_logs(self.log, s, range(c + 1, rerun),
+                                     {session.groups.rank_of(w): share for w, share in split.items()}, world,
+                                     session.groups.rank)
+        for s, ws in helpers.items():
+            self._parallel[s] = session.view.generation
+            if me in ws:
+                help_replay(host, self.log, self.checkpoint.directory, s, sources[s], rerun, host.trainer.seed,
+                            shares(replayers[s], session.env.dp, plan.microbatches)[me], groups[s], replayers[s])
+        wait_sends(host, pending)
+        log.warning("worker %s: stage(s) %s rebuilt by replay from checkpoint(s) %s (helpers %s); going on with "
+                    "iteration %d", me, lost, sources, {s: list(map(str, ws)) for s, ws in helpers.items()}, rerun)
         return rerun
 
     def _sources(self, host: RecoveryHost, lost: list[int], rerun: int) -> dict[int, int]:
@@ -195,38 +219,40 @@ class SwiftPolicy(RollbackPolicy):
         stage = trainer.stage
         restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer)
         joiners = set(session.joiners())
-        inputs: Logged = {}
-        grads: Logged = {}
-        for w in sorted(w for w in view.members if abs(w.stage - me.stage) == 1 and w not in joiners):
-            if source + 1 >= rerun:
-                break  # nothing to replay: nothing was sent
-            entries, _ = recv_tree(session.groups.world, session.groups.rank_of(w), wait=host.wait)
-            table = inputs if w.stage < me.stage else grads
-            for j, p, m, tensors in entries:
-                table.setdefault(int(j), {})[(int(p), int(m))] = tuple(tensors)
+        helpers = _helpers(record)
+        replayers = sorted(w for w in joiners if w.stage == me.stage) + helpers.get(me.stage, [])
         iterations = range(source + 1, rerun)
-        # SWIFT's parallel replay: the stage's replacements split its micro-batches and sum their gradients.
-        peers = sorted(w for w in joiners if w.stage == me.stage)
-        group = trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage))
-        every = [(p, m) for p in range(session.env.dp) for m in range(trainer.plan.microbatches)]
-        share, reduce = every, None
-        if group is not None and sorted(trainer.plan.topology.stage_group(me.stage)) == peers:
-            share = every[peers.index(me)::len(peers)]
-
-            def reduce(stage: Stage) -> None:
-                flat = stage.flat_grads()
-                host.wait(dist.all_reduce(flat, group=group, async_op=True))
-                stage.set_flat_grads(flat)
-
+        # SWIFT's parallel replay: the stage's replacements (and helpers) split its micro-batches and sum
+        # their gradients, over the stage's group (replacements alone) or a group of their own (with helpers).
+        share = shares(replayers, session.env.dp, trainer.plan.microbatches)[me]
         began = time.perf_counter()
-        replay(stage, iterations, inputs, grads, trainer.seed, host.batch_for, session.env.dp,
-               trainer.plan.microbatches, trainer.device, share, reduce)
+        try:
+            groups = {s: replay_group(host, sorted(w for w in joiners if w.stage == s) + ws)  # every member, in order
+                      for s, ws in sorted(helpers.items())}
+            group = groups.get(me.stage, trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage)))
+            inputs, grads = receive_logs(host, me.stage, (w for w in view.members if w not in joiners)) \
+                if len(iterations) else ({}, {})
+            replay(stage, iterations, inputs, grads, trainer.seed, host.batch_for, session.env.dp,
+                   trainer.plan.microbatches, trainer.device, share, reducer(host, group))
+        except (GenerationAborted, RuntimeError) as e:
+            if me.stage in helpers:  # a replayer died: no second replay, restart (`swift_parallel`)
+                raise helper_failed(me.stage) from e
+            raise
+        if me.stage in helpers and me == replayers[0]:
+            store.set(done_key(view.generation, me.stage), "1")
         report.replayed = list(iterations)
+        report.replay_share = [list(k) for k in share]
+        report.replayed_with = [str(w) for w in replayers]
         report.replay_seconds = time.perf_counter() - began
         report.restored_from = source
         log.warning("worker %s: rebuilt stage %d from checkpoint %d by replaying %d iterations", me, me.stage, source,
                     len(iterations))
         return rerun
+
+
+def _helpers(record: Mapping) -> dict[int, list[Worker]]:
+    """The survivors' record's helpers: lost stage -> the survivors that replay part of it."""
+    return {int(s): [Worker.parse(w) for w in ws] for s, ws in record.get("helpers", {}).items()}
 
 
 def replay_sources(lost: list[int], pp: int, logging: LoggingPolicy, complete: Mapping[int, list[int]],
@@ -266,35 +292,3 @@ def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int,
                     return f"stage {neighbour} holds {len(held)} of the {len(every)} chunks it sent stage {s} " \
                            f"in iteration {j}" + (", dropped over the log budget" if dropped else "")
     return None
-
-
-def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, seed: int | None,
-           batch_for, dp: int, microbatches: int, device: torch.device, share: Iterable[Key] | None = None,
-           reduce: Callable[[Stage], None] | None = None) -> None:
-    """Run `iterations` of `stage` alone: every chunk's forward and backward from the logs, then the optimizer step.
-
-    `inputs[j][chunk]`: what the previous stage sent (unused at stage 0, which reads the batch);
-    `grads[j][chunk]`: the gradients the next stage sent back (unused at the last stage, which has
-    the loss); `seed`: the job's, from which each forward's random stream derives (`runtime.rng`),
-    so the chunks may be replayed in any order and anywhere. `share`: the chunks (home pipeline,
-    micro-batch) to replay here (default: all); `reduce(stage)` then sums the gradients with the
-    workers replaying the others, before each step.
-    """
-    chunks = dp * microbatches
-    mine = sorted((p, m) for p in range(dp) for m in range(microbatches)) if share is None else list(share)
-    for j in iterations:
-        x_all, y_all = batch_for(j)
-        for key in mine:
-            p, m = key
-            index = chunk_index(p, m, microbatches)
-            if stage.is_first:
-                x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
-            else:
-                x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
-            y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
-            drawn = None if seed is None else stream_seed(seed, j, stage.index, p, m)
-            stage.forward(key, x, y, scale=1.0 / chunks, seed=drawn)
-            stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
-        if reduce is not None:
-            reduce(stage)
-        stage.step()

@@ -21,11 +21,13 @@ from stream_models import noisy_stage, stream_reference
 from torch import nn
 
 from schedcomp.cache import precompile
+from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.data import chunk_index, micro_batch
 from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy, _gap, lost_stages, replay, replay_sources
+from schedcomp.runtime.fault.swift_parallel import choose_helpers, replay_seconds, shares
 from schedcomp.runtime.resilient import recovery_policy
 from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage
@@ -208,12 +210,13 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
 
 
 def _launch(tmp_path: Path, pp: int, dp: int, victims: str, iterations: int, every: int = 2,
-            budget: int = 1 << 30, noisy: bool = False) -> tuple[dict, str]:
+            budget: int = 1 << 30, noisy: bool = False, helpers: int = 0,
+            helper_dies: str = "none") -> tuple[dict, str]:
     plans, ckpt = tmp_path / "plans", tmp_path / "ckpt"
     precompile(pp, dp, 4, dp - 1, directory=plans, time_limit=1.0)
     return run_job(pp, dp, ["--respawn", "1", "--max-restarts", "1"],
                    [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget), "8",
-                    "1" if noisy else "0"], 240)
+                    "1" if noisy else "0", str(helpers), helper_dies], 240)
 
 
 def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int, noisy: bool = False) -> None:
@@ -231,8 +234,9 @@ def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int, noisy: 
             assert diff <= TOLERANCE, (r["worker"], name, diff)
 
 
-def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) -> None:
-    """The survivors never restarted nor restored anything; the replacements replayed since the checkpoint."""
+def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str, helped: bool = False) -> None:
+    """The survivors never restarted nor restored anything; the replacements replayed since the checkpoint
+    (`helped`: some survivors replayed with them, checked by `_assert_helped`)."""
     rebuilt = [r for r in results.values() if Worker.parse(r["worker"]).stage == lost]
     for r in results.values():
         assert r["run"] == 0, (r["worker"], r["restart_reason"], err[-8000:])
@@ -242,7 +246,7 @@ def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) ->
             assert r["replayed"] == list(range(source + 1, start))
             assert sorted(map(int, r["ledger"])) == list(range(start, r["iterations"]))
         else:
-            assert r["restored_from"] is None and r["replayed"] == []
+            assert r["restored_from"] is None and (helped or r["replayed"] == [])
             assert r["recoveries"][-1]["method"] == "swift"
             assert sorted(map(int, r["ledger"])) == list(range(r["iterations"]))  # nothing rolled back to a checkpoint
             assert r["log_peak"] > 0
@@ -348,3 +352,73 @@ def test_replacements_replay_in_parallel_each_its_pipelines() -> None:
     for replica in replicas:
         for name, value in stages[lost].module.state_dict().items():
             assert (replica.module.state_dict()[name] - value).abs().max().item() <= TOLERANCE, name
+
+
+# ---- parallel replay over idle survivors (`fault.swift_parallel`) ---------------------------------------------
+
+
+def test_helpers_are_chosen_where_the_cost_model_finds_them_faster() -> None:
+    survivors = [Worker(0, s) for s in (0, 2, 3)]
+    uniform = CostModel.uniform(4)  # no all-reduce cost: helpers shorten the replay while they shrink the largest share
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, None) == {1: survivors}  # a chunk each
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 2) == {1: [Worker(0, 0)]}  # 2 helpers: still 2 chunks
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 1) == {1: [Worker(0, 0)]}  # nearest first
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 0) == {}
+    assert choose_helpers(uniform, [1], {1: 0}, 4, survivors, None) == {}  # nothing to replay
+    assert choose_helpers(uniform, [1], {1: 3}, 2, survivors, None) == {1: [Worker(0, 0)]}  # 2 chunks: one helper
+    costly = CostModel.uniform(4, allreduce=10.0)  # summing the gradients costs more than the chunks saved
+    assert choose_helpers(costly, [1], {1: 3}, 4, survivors, None) == {}
+    assert replay_seconds(uniform, 1, 3, 4, 0) > replay_seconds(uniform, 1, 3, 4, 1)
+    # two lost stages share the survivors, each helping one stage
+    many = [Worker(0, s) for s in (0, 2, 4, 5)]
+    chosen = choose_helpers(CostModel.uniform(6), [1, 3], {1: 2, 3: 2}, 4, many, 3)
+    assert chosen == {1: [Worker(0, 0), Worker(0, 2), Worker(0, 4)], 3: [Worker(0, 5)]}
+    assert choose_helpers(CostModel.uniform(6), [1, 3], {1: 2, 3: 2}, 4, many, 1) == \
+        {1: [Worker(0, 0)], 3: [Worker(0, 2)]}
+
+
+def test_replayers_share_the_micro_batches_round_robin() -> None:
+    replayers = [Worker(0, 1), Worker(0, 0), Worker(0, 2)]
+    split = shares(replayers, 2, 2)
+    assert split == {Worker(0, 1): [(0, 0), (1, 1)], Worker(0, 0): [(0, 1)], Worker(0, 2): [(1, 0)]}
+    with pytest.raises(RecoveryError, match="helpers"):
+        LoggingPolicy(helpers=-1)
+
+
+def _assert_helped(results: dict, lost: int, helpers: list[str], microbatches: int = 4) -> None:
+    """The replacement and its helpers replayed the same iterations, each a disjoint share of the chunks."""
+    rebuilt = results[f"0:{lost}"]
+    assert rebuilt["replayed_with"] == [f"0:{lost}", *helpers]
+    assert rebuilt["replayed"], "nothing was replayed"
+    chunks = [tuple(k) for k in rebuilt["replay_share"]]
+    for w in helpers:
+        r = results[w]
+        assert r["helped"] == lost and r["replayed"] == rebuilt["replayed"] and r["replayed_with"] == \
+            rebuilt["replayed_with"], w
+        chunks += [tuple(k) for k in r["replay_share"]]
+    assert sorted(chunks) == [(0, m) for m in range(microbatches)]  # every chunk once
+    for w, r in results.items():
+        if w not in helpers and w != f"0:{lost}":
+            assert r["helped"] is None and r["replayed"] == [], w
+
+
+@pytest.mark.slow
+def test_idle_survivors_help_replay_a_lost_stage_with_dropout(tmp_path: Path) -> None:
+    # stage 1 dies in iteration 6 with checkpoints every 4 (at 3): its replacement and every survivor
+    # (its neighbours, who also send each other their logs, and stage 3) replay 4 and 5, a chunk each
+    results, err = _launch(tmp_path, 4, 1, "0:1@6.9", 8, every=4, noisy=True, helpers=3)
+    assert "Traceback" not in err, err[-6000:]
+    _assert_fault_free(results, 4, 1, 8, noisy=True)
+    _assert_rebuilt_by_replay(results, 1, 4, err, helped=True)
+    _assert_helped(results, 1, ["0:0", "0:2", "0:3"])
+
+
+@pytest.mark.slow
+def test_a_helper_death_falls_back_to_a_restart(tmp_path: Path) -> None:
+    results, err = _launch(tmp_path, 4, 1, "0:1@6.9", 8, every=4, helpers=1, helper_dies="0:0")
+    assert "Traceback" not in err, err[-6000:]
+    _assert_fault_free(results, 4, 1, 8)
+    for r in results.values():
+        assert r["run"] == 1 and r["restored_from"] is not None, r["worker"]
+        assert r["restart_reason"] == "stage(s) 1 lost, cannot replay (a worker of its parallel replay failed)", \
+            (r["worker"], r["restart_reason"])
