@@ -404,20 +404,21 @@ def _assert_helped(results: dict, lost: int, helpers: list[str], microbatches: i
 
 @pytest.mark.slow
 def test_idle_survivors_help_replay_a_lost_stage_with_dropout(tmp_path: Path) -> None:
-    # stage 1 dies in iteration 6 with checkpoints every 4 (at 3): its replacement and every survivor
-    # (its neighbours, who also send each other their logs, and stage 3) replay 4 and 5, a chunk each
-    results, err = _launch(tmp_path, 4, 1, "0:1@6.9", 8, every=4, noisy=True, helpers=3)
+    # stage 1 dies in iteration 3 (checkpoint 1): its replacement and every survivor (its neighbours,
+    # who also send each other their logs, and stage 3) replay iteration 2, a chunk each
+    results, err = _launch(tmp_path, 4, 1, "0:1@3.9", 5, noisy=True, helpers=3)
     assert "Traceback" not in err, err[-6000:]
-    _assert_fault_free(results, 4, 1, 8, noisy=True)
-    _assert_rebuilt_by_replay(results, 1, 4, err, helped=True)
+    _assert_fault_free(results, 4, 1, 5, noisy=True)
+    _assert_rebuilt_by_replay(results, 1, 2, err, helped=True)
     _assert_helped(results, 1, ["0:0", "0:2", "0:3"])
 
 
 @pytest.mark.slow
 def test_a_helper_death_falls_back_to_a_restart(tmp_path: Path) -> None:
-    results, err = _launch(tmp_path, 4, 1, "0:1@6.9", 8, every=4, helpers=1, helper_dies="0:0")
+    # stage 1 dies in iteration 3 (checkpoint 1); its one helper, 0:0, dies before its first gradient sum
+    results, err = _launch(tmp_path, 3, 1, "0:1@3.5", 5, helpers=1, helper_dies="0:0")
     assert "Traceback" not in err, err[-6000:]
-    _assert_fault_free(results, 4, 1, 8)
+    _assert_fault_free(results, 3, 1, 5)
     for r in results.values():
         assert r["run"] == 1 and r["restored_from"] is not None, r["worker"]
         assert r["restart_reason"] == "stage(s) 1 lost, cannot replay (a worker of its parallel replay failed)", \
