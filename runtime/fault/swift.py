@@ -34,7 +34,8 @@ original replicas summed theirs and all-reduced: the same values up to summation
 float64, as rollback). Random layers draw the same masks in the replay as in the original run,
 in whatever order and on whichever worker each micro-batch is replayed (`runtime.rng`).
 The replacements of a stage's replicas replay in parallel (SWIFT's parallel recovery): each its
-share of the micro-batches, summing their gradients before each step; other idle workers do not help.
+share of the micro-batches, summing their gradients before each step; with `LoggingPolicy(helpers=k)`
+idle survivors join them when the cost model says it is faster (`fault.swift_parallel`).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class SwiftPolicy(RollbackPolicy):
             {"rerun": rerun, "from": {str(s): c for s, c in sources.items()}, "seed": host.trainer.seed,
              "helpers": {str(s): [str(w) for w in ws] for s, ws in helpers.items()}})))
         helpers = _helpers(record)
+        self._parallel.update({s: session.view.generation for s in helpers})  # confirmed by the replacement
         self.log.discard_from(rerun)  # re-run, logged again
         host.roll_back(decision)
         me, world = session.me, session.groups.world
@@ -152,7 +154,6 @@ class SwiftPolicy(RollbackPolicy):
                                      {session.groups.rank_of(w): share for w, share in split.items()}, world,
                                      session.groups.rank)
         for s, ws in helpers.items():
-            self._parallel[s] = session.view.generation
             if me in ws:
                 help_replay(host, self.log, self.checkpoint.directory, s, sources[s], rerun, host.trainer.seed,
                             shares(replayers[s], session.env.dp, plan.microbatches)[me], groups[s], replayers[s])

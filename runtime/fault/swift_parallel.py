@@ -162,7 +162,8 @@ def help_replay(host: RecoveryHost, log: BoundaryLog, directory: str | Path, sta
     trainer, session, report = host.trainer, host.session, host.report
     assert trainer is not None and report is not None
     pp = session.env.pp
-    module = build_module(host.build_stage, stage, pp).to(trainer.device)
+    with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
+        module = build_module(host.build_stage, stage, pp).to(trainer.device)  # a builder may seed: not ours
     copy = Stage(stage, pp, module, host.loss_fn if stage == pp - 1 else None, host.make_optimizer)
     prepare_stage(copy, trainer.options)
     restore(directory, source, stage, copy.module, copy.optimizer)

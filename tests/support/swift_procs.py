@@ -1,14 +1,15 @@
 """Worker processes of logging-based recovery jobs (`fault.swift`) for the tests and `bench/bench_logging.py`.
 
 Run as `python tests/support/swift_procs.py ITERATIONS CACHE_DIR CKPT_DIR VICTIMS EVERY [WHERE] [BUDGET] [HIDDEN]
-[NOISY] [HELPERS] [HELPER_DIES]`
+[NOISY] [HELPERS] [HELPER_DIES] [ROWS]`
 under `python -m schedcomp.runtime.fault.launch --respawn 1 --max-restarts 1`; victims (`resilient_procs.
 parse_victims`) die in run 0, first incarnation only. Each worker prints one JSON line: its report
 and its stage's final state. WHERE = "memory" or a directory, or "none" for plain checkpoint-restart;
 HIDDEN: the chaos model's width (default 8; the benchmark's larger model); NOISY = "1": the model with
 dropout of `stream_models` (seed `stream_models.SEED`) instead of the chaos model; HELPERS: at most
 that many idle survivors help replay a lost stage (`LoggingPolicy.helpers`, default 0); HELPER_DIES: this
-worker (e.g. "0:0") SIGKILLs itself in run 0 if it helps a replay, before its first gradient sum.
+worker (e.g. "0:0") SIGKILLs itself in run 0 if it helps a replay, before its first gradient sum; ROWS:
+rows per micro-batch (default 2; the benchmark's heavier replay).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from resilient_procs import chaos_batch, chaos_stage, restarting_worker
 
 def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: str, where: str = "memory",
            budget: str = str(1 << 30), hidden: str = "8", noisy: str = "0",
-           helpers: str = "0", helper_dies: str = "none") -> None:
+           helpers: str = "0", helper_dies: str = "none", rows: str = "2") -> None:
     import functools
 
     import resilient_procs
@@ -37,7 +38,7 @@ def worker(iterations: str, cache_dir: str, ckpt_dir: str, victims: str, every: 
     from schedcomp.runtime.resilient import ResilientTrainer
 
     started = time.time()
-    resilient_procs.H = int(hidden)  # read by chaos_stage and chaos_batch when called
+    resilient_procs.H, resilient_procs.ROWS = int(hidden), int(rows)  # read by chaos_stage and chaos_batch
     env, root, cache, at, session, kill = restarting_worker(cache_dir, victims)
 
     def before(iteration: int, index: int, ins) -> None:
