@@ -415,10 +415,11 @@ def test_idle_survivors_help_replay_a_lost_stage_with_dropout(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_a_helper_death_falls_back_to_a_restart(tmp_path: Path) -> None:
-    # stage 1 dies in iteration 3 (checkpoint 1); its one helper, 0:0, dies before its first gradient sum
-    results, err = _launch(tmp_path, 3, 1, "0:1@3.5", 5, helpers=1, helper_dies="0:0")
+    # stage 1 dies in iteration 3 (checkpoint 1); every survivor helps (so none waits for a restart
+    # in vain, which would cost the launcher's grace), and helper 0:0 dies before its first gradient sum
+    results, err = _launch(tmp_path, 4, 1, "0:1@3.9", 5, helpers=3, helper_dies="0:0")
     assert "Traceback" not in err, err[-6000:]
-    _assert_fault_free(results, 3, 1, 5)
+    _assert_fault_free(results, 4, 1, 5)
     for r in results.values():
         assert r["run"] == 1 and r["restored_from"] is not None, r["worker"]
         assert r["restart_reason"] == "stage(s) 1 lost, cannot replay (a worker of its parallel replay failed)", \
