@@ -32,6 +32,7 @@ from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, as_tuple, batch_rows, chunk_index, micro_batch, piece_rows, take_rows
 from schedcomp.runtime.memory import MemoryMeter
+from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
 from schedcomp.topology import Worker
@@ -60,6 +61,7 @@ class Iteration:
     keep_sent: bool = False  # keep every sent tensor until the iteration is dropped (lossy recovery)
     meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
     stages: dict[int, Stage] = field(default_factory=dict)  # every chunk held, by virtual stage (default: `stage`)
+    seed: int | None = None  # the job's: each forward draws from its micro-batch's stream (`runtime.rng`)
     # state, filled and emptied as the stream runs
     loaded: dict[tuple[int, Key], tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[Slot, tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -253,7 +255,8 @@ def _forward(it: Iteration, ins: Instruction) -> None:
         inputs = as_tuple(loaded_inputs)
     else:
         inputs = it.take_received(_ACT, op)
-    outputs = stage.forward(_key(op), inputs, targets, scale=it.scale_of(op))
+    seed = None if it.seed is None else stream_seed(it.seed, it.number, op.stage, op.pipeline, op.microbatch)
+    outputs = stage.forward(_key(op), inputs, targets, scale=it.scale_of(op), seed=seed)
     if stage.is_last:
         it.losses[_key(op)] = outputs[0]
     else:

@@ -134,7 +134,7 @@ class ResilientTrainer:
       (default: re-run it, exactly the fault-free model), "lossy" (finish it without the lost
       micro-batches, rescaled; `runtime.lossy`), "restart" (restart the job from its latest
       checkpoint on every failure), or a `RecoveryPolicy` object (one per trainer: it holds state).
-    - `lr_scheduler`, `max_grad_norm`, `skip_nonfinite`, `autocast`: as for `PipelineTrainer` (`runtime.training`);
+    - `lr_scheduler`, `max_grad_norm`, `skip_nonfinite`, `autocast`, `seed`: as for `PipelineTrainer`;
       the global check always waits before stepping here (grad_check="barrier"), so that a step
       is final when its commit is recorded; the LR schedule moves with the stage's state (rollback
       undo, transfer to a replacement, checkpoints).
@@ -152,8 +152,9 @@ class ResilientTrainer:
                  checkpoint: CheckpointPolicy | None = None, policy: str | RecoveryPolicy = "rollback",
                  lr_scheduler: SchedulerFactory | None = None, max_grad_norm: float | None = None,
                  skip_nonfinite: bool = False, autocast: torch.dtype | None = None,
-                 logging: LoggingPolicy | None = None) -> None:
+                 logging: LoggingPolicy | None = None, seed: int | None = 0) -> None:
         self.policy = recovery_policy(policy, checkpoint, logging)
+        self.seed = seed
         # the barrier: a step is final when its commit is recorded (see `training`)
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, BARRIER, autocast)
         if self.options.checks_globally and isinstance(self.policy, LossyPolicy):
@@ -207,7 +208,7 @@ class ResilientTrainer:
         self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
-                                       setup_collectives=False, **self.options.__dict__)
+                                       setup_collectives=False, seed=self.seed, **self.options.__dict__)
         stage = self.trainer.stage
         self.snapshot = StepSnapshot(stage.module, stage.optimizer)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -215,7 +216,10 @@ class ResilientTrainer:
             donor = session.donor_for(session.me.stage)
             rebuild = getattr(self.policy, "rebuild", None)  # logging-based recovery replays the stage
             if donor is None and rebuild is not None:
-                start = rebuild(self)
+                try:
+                    start = rebuild(self)
+                except RecoveryError as e:  # a parallel replay lost a worker: restart from the checkpoints
+                    self.last_resort.give_up(e)
                 self.report.resumed_at = start
                 session.commit(start - 1)
                 self.trainer.iteration = self.iteration = start

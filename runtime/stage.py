@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.data import Tensors, as_tuple
+from schedcomp.runtime.rng import drawing
 from schedcomp.runtime.splitgrad import WeightGradStore, enable_split_backward
 from schedcomp.runtime.training import LossScaler, lr_scheduler_of
 
@@ -110,16 +111,18 @@ class Stage:
         return self.index == self.stages - 1
 
     def forward(self, key: Key, inputs: tuple[Tensor, ...], targets: Tensors | None = None,
-                scale: float = 1.0) -> tuple[Tensor, ...]:
+                scale: float = 1.0, seed: int | None = None) -> tuple[Tensor, ...]:
         """Run the stage on one micro-batch; return the outputs to send (last stage: the scaled loss).
 
-        Received inputs become leaves that collect their gradient in the backward.
+        Received inputs become leaves that collect their gradient in the backward. `seed`: the
+        micro-batch's random stream (`runtime.rng`; None: the global one, as it stands).
         """
         if not self.is_first:
             for t in inputs:
                 if TensorMeta.of(t).has_grad:
                     t.requires_grad_(True)
-        with self.store.forward(key), self._autocast():
+        device = inputs[0].device if inputs else torch.device("cpu")
+        with self.store.forward(key), self._autocast(), drawing(seed, device):
             out = self.module(*inputs)
             if self.is_last:
                 if self.loss_fn is None:

@@ -66,6 +66,9 @@ class PipelineTrainer:
       `autocast=torch.bfloat16` runs F and the loss under `torch.autocast` with float32 master
       weights (and float32 weight gradients); `torch.float16` also scales the loss by a dynamic
       scale that every worker updates alike from the global overflow flag (`training.LossScaler`).
+    - `seed`: random layers (dropout) draw from a stream per (seed, iteration, stage, home pipeline,
+      micro-batch) (`runtime.rng`), the same whichever worker runs the micro-batch and in whatever
+      order; None draws from the global generators as they stand (the order then matters).
 
     `step((inputs, targets))` runs one iteration; every rank passes the same global batch (only
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
@@ -80,7 +83,10 @@ class PipelineTrainer:
                  process: tuple[int, int, torch.device] | None = None, wait: Waiter | None = None,
                  setup_collectives: bool = True, lr_scheduler: SchedulerFactory | None = None,
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST,
-                 autocast: torch.dtype | None = None) -> None:
+                 autocast: torch.dtype | None = None, seed: int | None = 0) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RuntimeSetupError(f"seed must be a whole number or None, got {seed!r}")
+        self.seed = seed
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
         if plan.topology.chunks > 1 and self.options.checks_globally:  # refused before any process group is made
             raise RuntimeSetupError("max_grad_norm and skip_nonfinite run one stage per worker for now: compile a "
@@ -302,6 +308,7 @@ class PipelineTrainer:
             step=step,
             ledger=ledger,
             meter=self._meter,
+            seed=self.seed,
         )
         return it
 

@@ -14,6 +14,8 @@ can be rebuilt from its checkpoint by replaying the iterations since (`fault.swi
   receiving stage and iteration, under a folder of this worker's own).
 - `budget_bytes`: the most this worker holds; past it the oldest iterations are dropped, and a
   stage whose log has such a gap restarts from its checkpoint instead.
+- `helpers`: how many idle survivors may replay part of a lost stage beside its replacement
+  (`fault.swift_parallel`; 0, the default: none; None: as many as the cost model finds faster).
 
 Entries for receiving stage t are dropped once t has two complete checkpoints newer than them:
 recovery restores t's newest checkpoint at or before the iteration the survivors roll back to,
@@ -47,8 +49,12 @@ class LoggingPolicy:
     where: str | Path = MEMORY
     budget_bytes: int = 1 << 30
     boundaries: str | tuple[int, ...] = "all"
+    helpers: int | None = 0  # idle survivors that may help replay a lost stage (None: any; `fault.swift_parallel`)
 
     def __post_init__(self) -> None:
+        if self.helpers is not None and (isinstance(self.helpers, bool) or not isinstance(self.helpers, int)
+                                         or self.helpers < 0):
+            raise RecoveryError(f"helpers must be a whole number >= 0 or None, got {self.helpers!r}")
         if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes < 0:
             raise RecoveryError(f"logging budget must be a whole number of bytes >= 0, got {self.budget_bytes!r}")
         if isinstance(self.boundaries, str):

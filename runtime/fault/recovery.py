@@ -101,6 +101,9 @@ class RecoveryHost(Protocol):
     snapshot: StepSnapshot | None
     report: Report | None
     iterations: int  # to train
+    build_stage: Any  # what the trainer builds stages with, loss_fn and make_optimizer: a helper of a replay
+    loss_fn: Any  # builds a lost stage beside its own (`fault.swift_parallel`)
+    make_optimizer: Any
 
     def batch_for(self, iteration: int) -> tuple[Tensors, Tensors]: ...
 

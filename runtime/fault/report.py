@@ -60,3 +60,6 @@ class Report:
     replay_seconds: float = 0.0  # logging: how long that replay took
     log_bytes: dict[int, int] = field(default_factory=dict)  # logging: iteration -> bytes this worker logged
     log_peak: int = 0  # logging: the most bytes this worker's log held
+    helped: int | None = None  # logging: the lost stage this survivor helped replay (`fault.swift_parallel`)
+    replay_share: list[list[int]] = field(default_factory=list)  # logging: the [pipeline, micro-batch]s replayed here
+    replayed_with: list[str] = field(default_factory=list)  # logging: every worker that replayed that stage (it too)

@@ -8,8 +8,8 @@ every replica of a stage restarts every worker from the last checkpoint (`fault.
 recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
 
 1. Logging (`fault.boundary_log`): each worker keeps the tensors it sent across stage boundaries
-   since its neighbours' checkpoints, and each worker's random state at the start of each
-   iteration sits in the store (a few KB), so a replacement can replay random layers too.
+   since its neighbours' checkpoints. Random layers need nothing logged: each forward draws from
+   its micro-batch's own stream (`runtime.rng`), which a replay derives again from the job's seed.
 2. Recovery: the survivors agree on the next generation as for any failure and the commit
    records give the iteration to re-run, r (`rollback`). Then, in `finish`:
    - each lost stage's source is its newest complete checkpoint c <= r - 1 (first survivor's
@@ -31,10 +31,11 @@ recomputes every iteration since, on every worker. With it (`SwiftPolicy`):
 
 Exactness: the replacement sums the gradients of all the stage's micro-batches itself, where the
 original replicas summed theirs and all-reduced: the same values up to summation order (1e-10 in
-float64, as rollback). The random state is restored per home pipeline and iteration, and each
-pipeline's micro-batches are replayed in order, as every family's fault-free plan runs them.
+float64, as rollback). Random layers draw the same masks in the replay as in the original run,
+in whatever order and on whichever worker each micro-batch is replayed (`runtime.rng`).
 The replacements of a stage's replicas replay in parallel (SWIFT's parallel recovery): each its
-share of the pipelines, summing their gradients before each step; other idle workers do not help.
+share of the micro-batches, summing their gradients before each step; with `LoggingPolicy(helpers=k)`
+idle survivors join them when the cost model says it is faster (`fault.swift_parallel`).
 """
 
 from __future__ import annotations
@@ -42,41 +43,42 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-
-import torch
-import torch.distributed as dist
-from torch import Tensor
+from collections.abc import Mapping
 
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import pending_joins, propose_switch
-from schedcomp.runtime.fault.boundary_log import BoundaryLog, Key, LoggingPolicy
+from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.checkpoint import complete_iterations, restore
 from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.recovery import RecoveryHost, RollbackPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback
-from schedcomp.runtime.fault.transfer import recv_tree, send_tree
+from schedcomp.runtime.fault.swift_parallel import (
+    choose_helpers,
+    done_key,
+    help_replay,
+    helper_failed,
+    post_logs,
+    receive_logs,
+    reducer,
+    replay,
+    replay_group,
+    shares,
+    unconfirmed,
+    wait_sends,
+)
 from schedcomp.runtime.lossy import _exchange
-from schedcomp.runtime.stage import Stage
-from schedcomp.runtime.trainer import _to
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
 
 DROPPED = "dropped"  # a coverage record's key: receiving stage -> the newest iteration its budget dropped
-Logged = dict[int, dict[Key, tuple[Tensor, ...]]]  # iteration -> chunk -> tensors received by the lost stage
 
 
 def lost_stages(topology: Topology) -> list[int]:
     """Stages with no live worker."""
     return [s for s in range(topology.pp) if not topology.stage_group(s)]
-
-
-def _rng_key(worker: Worker, iteration: int) -> str:
-    return f"swift/rng/{worker}/{iteration}"
 
 
 class SwiftPolicy(RollbackPolicy):
@@ -88,19 +90,16 @@ class SwiftPolicy(RollbackPolicy):
         self.logging, self.checkpoint = logging, checkpoint
         self.host: RecoveryHost | None = None
         self.log: BoundaryLog | None = None
-        self._rng_from = 0  # the oldest iteration whose random state this worker left in the store
+        self._parallel: dict[int, int] = {}  # lost stage -> generation of its parallel replay, until confirmed
 
     # ---- logging ---------------------------------------------------------------------------------
 
     def on_start(self, host: RecoveryHost, start: int) -> None:
         self.host = host
         self.log = BoundaryLog(self.logging, host.session.me)
-        self._rng_from = start
 
     def on_iteration(self, it: Iteration) -> None:
         it.keep_sent = True  # logged in `on_completed`
-        assert self.host is not None
-        self.host.session.store.set(_rng_key(it.worker, it.number), _rng_bytes())
 
     def on_completed(self, it: Iteration) -> None:
         assert self.host is not None and self.log is not None and self.host.report is not None
@@ -111,12 +110,10 @@ class SwiftPolicy(RollbackPolicy):
                 else []
             if len(done) >= 2:  # see `boundary_log`: the log reaches back to the second newest
                 self.log.prune(neighbour, done[-2])
-        done = complete_iterations(self.checkpoint.directory, me.stage)
-        if len(done) >= 2:
-            for j in range(self._rng_from, done[-2] + 1):
-                self.host.session.store.delete_key(_rng_key(me, j))
-            self._rng_from = max(self._rng_from, done[-2] + 1)
         report.log_peak = self.log.peak
+        if self._parallel:  # a store read per iteration only until the parallel replay is confirmed
+            self._parallel = {s: g for s, g in self._parallel.items()
+                              if not self.host.session.store.check([done_key(g, s)])}
 
     # ---- recovery on the survivors --------------------------------------------------------------
 
@@ -124,27 +121,45 @@ class SwiftPolicy(RollbackPolicy):
         """Rebuild lost stages by replay and return the iteration to run next (None: not a lost stage, or fall back)."""
         session = host.session
         assert session.view is not None and self.log is not None and host.report is not None
+        assert host.trainer is not None
+        stalled = unconfirmed(host, self._parallel)
+        if stalled is not None:  # a replayer died in a parallel replay: the stage is half rebuilt
+            raise helper_failed(stalled)
         lost = lost_stages(session.view.topology)
         if not lost:
             return None  # a replica is left everywhere: rollback and re-planning
         sources = self._sources(host, lost, decision.rerun)
         joiners = self._replacements(host, lost)
         rerun = decision.rerun
+        plan = host.trainer.plan
+        helpers = choose_helpers(plan.costs, lost, {s: rerun - 1 - c for s, c in sources.items()},
+                                 session.env.dp * plan.microbatches, list(session.view.members),
+                                 self.logging.helpers)
         session.admit(propose_switch(session.store, session.view, rerun, joiners))
-        session.store.compare_set(f"swift/gen{session.view.generation}", "",
-                                  json.dumps({"rerun": rerun, "from": {str(s): c for s, c in sources.items()}}))
+        record = json.loads(session.store.compare_set(f"swift/gen{session.view.generation}", "", json.dumps(
+            {"rerun": rerun, "from": {str(s): c for s, c in sources.items()}, "seed": host.trainer.seed,
+             "helpers": {str(s): [str(w) for w in ws] for s, ws in helpers.items()}})))
+        helpers = _helpers(record)
+        self._parallel.update({s: session.view.generation for s in helpers})  # confirmed by the replacement
         self.log.discard_from(rerun)  # re-run, logged again
         host.roll_back(decision)
-        me = session.me
+        me, world = session.me, session.groups.world
+        replayers = {s: sorted(w for w in joiners if w.stage == s) + helpers.get(s, []) for s in lost}
+        groups = {s: replay_group(host, replayers[s]) for s in sorted(helpers)}  # every member, in order
+        pending = []
         for s, c in sources.items():
-            if abs(me.stage - s) != 1 or c + 1 >= rerun:
-                continue  # not a neighbour, or nothing to replay (the replacement expects nothing)
-            entries = self.log.entries(s, range(c + 1, rerun))
-            for w in sorted(joiners):
-                if w.stage == s:
-                    send_tree(entries, session.groups.world, [session.groups.rank_of(w)], wait=host.wait)
-        log.warning("worker %s: stage(s) %s rebuilt by replay from checkpoint(s) %s; going on with iteration %d",
-                    me, lost, sources, rerun)
+            if abs(me.stage - s) == 1 and c + 1 < rerun:  # a neighbour, with something to replay
+                split = shares(replayers[s], session.env.dp, plan.microbatches)
+                pending += post_logs(self.log, s, range(c + 1, rerun),
+                                     {session.groups.rank_of(w): share for w, share in split.items()}, world,
+                                     session.groups.rank)
+        for s, ws in helpers.items():
+            if me in ws:
+                help_replay(host, self.log, self.checkpoint.directory, s, sources[s], rerun, host.trainer.seed,
+                            shares(replayers[s], session.env.dp, plan.microbatches)[me], groups[s], replayers[s])
+        wait_sends(host, pending)
+        log.warning("worker %s: stage(s) %s rebuilt by replay from checkpoint(s) %s (helpers %s); going on with "
+                    "iteration %d", me, lost, sources, {s: list(map(str, ws)) for s, ws in helpers.items()}, rerun)
         return rerun
 
     def _sources(self, host: RecoveryHost, lost: list[int], rerun: int) -> dict[int, int]:
@@ -201,44 +216,44 @@ class SwiftPolicy(RollbackPolicy):
                 raise GenerationAborted("a member failed before the survivors said what to replay")
         record = json.loads(store.get(key))
         rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
+        trainer.seed = record["seed"]  # the survivors' random streams, whatever this process was given
         stage = trainer.stage
         restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer)
         joiners = set(session.joiners())
-        inputs: Logged = {}
-        grads: Logged = {}
-        for w in sorted(w for w in view.members if abs(w.stage - me.stage) == 1 and w not in joiners):
-            if source + 1 >= rerun:
-                break  # nothing to replay: nothing was sent
-            entries, _ = recv_tree(session.groups.world, session.groups.rank_of(w), wait=host.wait)
-            table = inputs if w.stage < me.stage else grads
-            for j, p, m, tensors in entries:
-                table.setdefault(int(j), {})[(int(p), int(m))] = tuple(tensors)
+        helpers = _helpers(record)
+        replayers = sorted(w for w in joiners if w.stage == me.stage) + helpers.get(me.stage, [])
         iterations = range(source + 1, rerun)
-        states = {(p, j): store.get(_rng_key(Worker(p, me.stage), j))
-                  for j in iterations for p in range(session.env.dp)
-                  if store.check([_rng_key(Worker(p, me.stage), j)])}
-        # SWIFT's parallel replay: the stage's replacements split its pipelines and sum their gradients.
-        peers = sorted(w for w in joiners if w.stage == me.stage)
-        group = trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage))
-        pipelines = range(session.env.dp)
-        reduce = None
-        if group is not None and sorted(trainer.plan.topology.stage_group(me.stage)) == peers:
-            pipelines = range(peers.index(me), session.env.dp, len(peers))
-
-            def reduce(stage: Stage) -> None:
-                flat = stage.flat_grads()
-                host.wait(dist.all_reduce(flat, group=group, async_op=True))
-                stage.set_flat_grads(flat)
-
+        # SWIFT's parallel replay: the stage's replacements (and helpers) split its micro-batches and sum
+        # their gradients, over the stage's group (replacements alone) or a group of their own (with helpers).
+        share = shares(replayers, session.env.dp, trainer.plan.microbatches)[me]
         began = time.perf_counter()
-        replay(stage, iterations, inputs, grads, states, host.batch_for, session.env.dp, trainer.plan.microbatches,
-               trainer.device, me.pipeline, pipelines, reduce)
+        try:
+            groups = {s: replay_group(host, sorted(w for w in joiners if w.stage == s) + ws)  # every member, in order
+                      for s, ws in sorted(helpers.items())}
+            group = groups.get(me.stage, trainer.comm.stage_group(trainer.plan.topology.stage_group(me.stage)))
+            inputs, grads = receive_logs(host, me.stage, (w for w in view.members if w not in joiners)) \
+                if len(iterations) else ({}, {})
+            replay(stage, iterations, inputs, grads, trainer.seed, host.batch_for, session.env.dp,
+                   trainer.plan.microbatches, trainer.device, share, reducer(host, group))
+        except (GenerationAborted, RuntimeError) as e:
+            if me.stage in helpers:  # a replayer died: no second replay, restart (`swift_parallel`)
+                raise helper_failed(me.stage) from e
+            raise
+        if me.stage in helpers and me == replayers[0]:
+            store.set(done_key(view.generation, me.stage), "1")
         report.replayed = list(iterations)
+        report.replay_share = [list(k) for k in share]
+        report.replayed_with = [str(w) for w in replayers]
         report.replay_seconds = time.perf_counter() - began
         report.restored_from = source
         log.warning("worker %s: rebuilt stage %d from checkpoint %d by replaying %d iterations", me, me.stage, source,
                     len(iterations))
         return rerun
+
+
+def _helpers(record: Mapping) -> dict[int, list[Worker]]:
+    """The survivors' record's helpers: lost stage -> the survivors that replay part of it."""
+    return {int(s): [Worker.parse(w) for w in ws] for s, ws in record.get("helpers", {}).items()}
 
 
 def replay_sources(lost: list[int], pp: int, logging: LoggingPolicy, complete: Mapping[int, list[int]],
@@ -278,59 +293,3 @@ def _gap(records: Mapping[Worker, dict], sources: Mapping[int, int], rerun: int,
                     return f"stage {neighbour} holds {len(held)} of the {len(every)} chunks it sent stage {s} " \
                            f"in iteration {j}" + (", dropped over the log budget" if dropped else "")
     return None
-
-
-def _rng_bytes() -> bytes:
-    state = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state.append(torch.cuda.get_rng_state())
-    return b"".join(len(t).to_bytes(8, "little") + t.numpy().tobytes() for t in state)
-
-
-def _set_rng(data: bytes) -> None:
-    states, pos = [], 0
-    while pos < len(data):
-        n = int.from_bytes(data[pos:pos + 8], "little")
-        states.append(torch.frombuffer(bytearray(data[pos + 8:pos + 8 + n]), dtype=torch.uint8))
-        pos += 8 + n
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state(states[1])
-
-
-def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logged, rng: Mapping[tuple[int, int], bytes],
-           batch_for, dp: int, microbatches: int, device: torch.device, own: int = 0,
-           pipelines: Iterable[int] | None = None, reduce: Callable[[Stage], None] | None = None) -> None:
-    """Run `iterations` of `stage` alone: every chunk's forward and backward from the logs, then the optimizer step.
-
-    `inputs[j][chunk]`: what the previous stage sent (unused at stage 0, which reads the batch);
-    `grads[j][chunk]`: the gradients the next stage sent back (unused at the last stage, which has
-    the loss); `rng[(pipeline, j)]`: that pipeline's random state at the start of iteration j.
-    The random state left is pipeline `own`'s after the last iteration, as if that replica had run it.
-    `pipelines`: the home pipelines whose chunks to replay here (default: all); `reduce(stage)` then
-    sums the gradients with the workers replaying the others, before each step.
-    """
-    chunks, after = dp * microbatches, None
-    mine = list(range(dp) if pipelines is None else pipelines)
-    for j in iterations:
-        x_all, y_all = batch_for(j)
-        for p in mine:
-            if (p, j) in rng:
-                _set_rng(rng[(p, j)])
-            for m in range(microbatches):
-                key, index = (p, m), chunk_index(p, m, microbatches)
-                if stage.is_first:
-                    x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
-                else:
-                    x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
-                y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
-                stage.forward(key, x, y, scale=1.0 / chunks)
-                stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
-            if p == own and (p, j) in rng:
-                after = _rng_bytes()
-        if reduce is not None:
-            reduce(stage)
-        stage.step()
-    if after is not None:
-        _set_rng(after)
-

@@ -9,6 +9,7 @@ restart from the checkpoints. The other tests check the pieces in one process.
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -16,15 +17,19 @@ import pytest
 import torch
 from fault_procs import run_job
 from resilient_procs import HERE, chaos_batch, chaos_reference, chaos_stage
+from stream_models import noisy_stage, stream_reference
 from torch import nn
 
 from schedcomp.cache import precompile
+from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.data import chunk_index, micro_batch
 from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy, _gap, lost_stages, replay, replay_sources
+from schedcomp.runtime.fault.swift_parallel import choose_helpers, replay_seconds, shares
 from schedcomp.runtime.resilient import recovery_policy
+from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage
 from schedcomp.semantics import ACT, GRAD
 from schedcomp.topology import Topology, Worker
@@ -132,7 +137,7 @@ def test_replay_falls_back_when_it_cannot_rebuild_the_stage() -> None:
 
 
 class _Noisy(nn.Module):
-    """A stage with dropout: its replay is exact only with the random state restored."""
+    """A stage with dropout: its replay is exact only when each micro-batch draws from its own stream."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -157,31 +162,27 @@ def _stages(pp: int, noisy: int) -> list[Stage]:
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("lost", [0, 1, 3])
 def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) -> None:
-    pp, microbatches, iterations, source = 4, 2, 5, 1
+    pp, microbatches, iterations, source, seed = 4, 2, 5, 1, 77
     chunks = dp * microbatches
     stages = _stages(pp, noisy=lost)
     inputs: dict = {}
     grads: dict = {}
-    rng: dict = {}
     saved = None
-    for j in range(iterations):  # GPipe order in one process: each stage runs its chunks in order
+    for j in range(iterations):  # GPipe in one process, chunks backwards: the replay runs them forwards
         x_all, y_all = chaos_batch(j, chunks)
         acts = {}
         for p in range(dp):
             for m in range(microbatches):
                 acts[(p, m)] = (micro_batch(x_all, chunk_index(p, m, microbatches), chunks),)
         for stage in stages:
-            for p in range(dp):
+            torch.rand(3)  # the global stream moves on between stages: nothing may depend on it
+            for key in sorted(acts, reverse=True):
+                p, m = key
                 if stage.index == lost:
-                    torch.manual_seed(1000 * j + p)
-                    rng[(p, j)] = torch.get_rng_state().numpy().tobytes()
-                    rng[(p, j)] = len(rng[(p, j)]).to_bytes(8, "little") + rng[(p, j)]
-                for m in range(microbatches):
-                    key = (p, m)
-                    if stage.index == lost:
-                        inputs.setdefault(j, {})[key] = tuple(t.clone() for t in acts[key])
-                    y = micro_batch(y_all, chunk_index(p, m, microbatches), chunks) if stage.is_last else None
-                    acts[key] = stage.forward(key, tuple(t.clone() for t in acts[key]), y, scale=1.0 / chunks)
+                    inputs.setdefault(j, {})[key] = tuple(t.clone() for t in acts[key])
+                y = micro_batch(y_all, chunk_index(p, m, microbatches), chunks) if stage.is_last else None
+                acts[key] = stage.forward(key, tuple(t.clone() for t in acts[key]), y, scale=1.0 / chunks,
+                                          seed=stream_seed(seed, j, stage.index, p, m))
         back = {key: () for key in acts}
         for stage in reversed(stages):
             for key in sorted(back):
@@ -197,7 +198,7 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
     assert saved is not None
     replacement.module.load_state_dict(saved[0])
     replacement.optimizer.buffers = saved[1]
-    replay(replacement, range(source + 1, iterations), inputs, grads, rng, lambda j: chaos_batch(j, chunks), dp,
+    replay(replacement, range(source + 1, iterations), inputs, grads, seed, lambda j: chaos_batch(j, chunks), dp,
            microbatches, torch.device("cpu"))
     for name, value in stages[lost].module.state_dict().items():
         assert (replacement.module.state_dict()[name] - value).abs().max().item() <= TOLERANCE, name
@@ -209,16 +210,23 @@ def test_replay_from_the_logs_rebuilds_the_fault_free_stage(dp: int, lost: int) 
 
 
 def _launch(tmp_path: Path, pp: int, dp: int, victims: str, iterations: int, every: int = 2,
-            budget: int = 1 << 30) -> tuple[dict, str]:
+            budget: int = 1 << 30, noisy: bool = False, helpers: int = 0,
+            helper_dies: str = "none") -> tuple[dict, str]:
     plans, ckpt = tmp_path / "plans", tmp_path / "ckpt"
     precompile(pp, dp, 4, dp - 1, directory=plans, time_limit=1.0)
     return run_job(pp, dp, ["--respawn", "1", "--max-restarts", "1"],
-                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget)], 240)
+                   [SWIFT, str(iterations), str(plans), str(ckpt), victims, str(every), "memory", str(budget), "8",
+                    "1" if noisy else "0", str(helpers), helper_dies], 240)
 
 
-def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int) -> None:
+def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int, noisy: bool = False) -> None:
+    """Every worker's stage equals the fault-free model's (`noisy`: the model with dropout, `stream_models`)."""
     assert set(results) == {str(w) for w in Topology.of(pp, dp).workers}
-    reference = chaos_reference(pp, dp * 4, iterations)
+    if noisy:
+        reference = [{k: v.tolist() for k, v in state.items()} for state in stream_reference(
+            functools.partial(noisy_stage, pp=pp), pp, dp, 4, iterations, lambda i: chaos_batch(i, dp * 4))]
+    else:
+        reference = chaos_reference(pp, dp * 4, iterations)
     for r in results.values():
         assert r["iterations"] == iterations
         for name, value in reference[Worker.parse(r["worker"]).stage].items():
@@ -226,8 +234,9 @@ def _assert_fault_free(results: dict, pp: int, dp: int, iterations: int) -> None
             assert diff <= TOLERANCE, (r["worker"], name, diff)
 
 
-def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) -> None:
-    """The survivors never restarted nor restored anything; the replacements replayed since the checkpoint."""
+def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str, helped: bool = False) -> None:
+    """The survivors never restarted nor restored anything; the replacements replayed since the checkpoint
+    (`helped`: some survivors replayed with them, checked by `_assert_helped`)."""
     rebuilt = [r for r in results.values() if Worker.parse(r["worker"]).stage == lost]
     for r in results.values():
         assert r["run"] == 0, (r["worker"], r["restart_reason"], err[-8000:])
@@ -237,19 +246,20 @@ def _assert_rebuilt_by_replay(results: dict, lost: int, every: int, err: str) ->
             assert r["replayed"] == list(range(source + 1, start))
             assert sorted(map(int, r["ledger"])) == list(range(start, r["iterations"]))
         else:
-            assert r["restored_from"] is None and r["replayed"] == []
+            assert r["restored_from"] is None and (helped or r["replayed"] == [])
             assert r["recoveries"][-1]["method"] == "swift"
             assert sorted(map(int, r["ledger"])) == list(range(r["iterations"]))  # nothing rolled back to a checkpoint
             assert r["log_peak"] > 0
 
 
 @pytest.mark.slow
-def test_a_lost_stage_of_a_dp1_pipeline_is_rebuilt_by_replay(tmp_path: Path) -> None:
+def test_a_lost_stage_of_a_dp1_pipeline_with_dropout_is_rebuilt_by_replay(tmp_path: Path) -> None:
+    # dropout in every stage: the replay draws each micro-batch's masks again from its stream
     rng = random.Random(13)
     lost, iteration, index = rng.choice([1, 2]), rng.randrange(3, 5), rng.randrange(0, 16)
-    results, err = _launch(tmp_path, 4, 1, f"0:{lost}@{iteration}.{index}", 6)
+    results, err = _launch(tmp_path, 4, 1, f"0:{lost}@{iteration}.{index}", 6, noisy=True)
     assert "Traceback" not in err, err[-6000:]
-    _assert_fault_free(results, 4, 1, 6)
+    _assert_fault_free(results, 4, 1, 6, noisy=True)
     _assert_rebuilt_by_replay(results, lost, 2, err)
 
 
@@ -331,9 +341,10 @@ def test_replacements_replay_in_parallel_each_its_pipelines() -> None:
             stage.set_flat_grads(total)
         return reduce
 
-    threads = [threading.Thread(target=replay, args=(replicas[p], range(3), inputs, grads, {},
+    shares = [[(0, 1), (1, 0)], [(1, 1), (0, 0)]]  # any split of the micro-batches, in any order
+    threads = [threading.Thread(target=replay, args=(replicas[p], range(3), inputs, grads, None,
                                                      lambda j: chaos_batch(j, chunks), dp, microbatches,
-                                                     torch.device("cpu"), p, [p], reducer(p))) for p in range(dp)]
+                                                     torch.device("cpu"), shares[p], reducer(p))) for p in range(dp)]
     for t in threads:
         t.start()
     for t in threads:
@@ -341,3 +352,75 @@ def test_replacements_replay_in_parallel_each_its_pipelines() -> None:
     for replica in replicas:
         for name, value in stages[lost].module.state_dict().items():
             assert (replica.module.state_dict()[name] - value).abs().max().item() <= TOLERANCE, name
+
+
+# ---- parallel replay over idle survivors (`fault.swift_parallel`) ---------------------------------------------
+
+
+def test_helpers_are_chosen_where_the_cost_model_finds_them_faster() -> None:
+    survivors = [Worker(0, s) for s in (0, 2, 3)]
+    uniform = CostModel.uniform(4)  # no all-reduce cost: helpers shorten the replay while they shrink the largest share
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, None) == {1: survivors}  # a chunk each
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 2) == {1: [Worker(0, 0)]}  # 2 helpers: still 2 chunks
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 1) == {1: [Worker(0, 0)]}  # nearest first
+    assert choose_helpers(uniform, [1], {1: 3}, 4, survivors, 0) == {}
+    assert choose_helpers(uniform, [1], {1: 0}, 4, survivors, None) == {}  # nothing to replay
+    assert choose_helpers(uniform, [1], {1: 3}, 2, survivors, None) == {1: [Worker(0, 0)]}  # 2 chunks: one helper
+    costly = CostModel.uniform(4, allreduce=10.0)  # summing the gradients costs more than the chunks saved
+    assert choose_helpers(costly, [1], {1: 3}, 4, survivors, None) == {}
+    assert replay_seconds(uniform, 1, 3, 4, 0) > replay_seconds(uniform, 1, 3, 4, 1)
+    # two lost stages share the survivors, each helping one stage
+    many = [Worker(0, s) for s in (0, 2, 4, 5)]
+    chosen = choose_helpers(CostModel.uniform(6), [1, 3], {1: 2, 3: 2}, 4, many, 3)
+    assert chosen == {1: [Worker(0, 0), Worker(0, 2), Worker(0, 4)], 3: [Worker(0, 5)]}
+    assert choose_helpers(CostModel.uniform(6), [1, 3], {1: 2, 3: 2}, 4, many, 1) == \
+        {1: [Worker(0, 0)], 3: [Worker(0, 2)]}
+
+
+def test_replayers_share_the_micro_batches_round_robin() -> None:
+    replayers = [Worker(0, 1), Worker(0, 0), Worker(0, 2)]
+    split = shares(replayers, 2, 2)
+    assert split == {Worker(0, 1): [(0, 0), (1, 1)], Worker(0, 0): [(0, 1)], Worker(0, 2): [(1, 0)]}
+    with pytest.raises(RecoveryError, match="helpers"):
+        LoggingPolicy(helpers=-1)
+
+
+def _assert_helped(results: dict, lost: int, helpers: list[str], microbatches: int = 4) -> None:
+    """The replacement and its helpers replayed the same iterations, each a disjoint share of the chunks."""
+    rebuilt = results[f"0:{lost}"]
+    assert rebuilt["replayed_with"] == [f"0:{lost}", *helpers]
+    assert rebuilt["replayed"], "nothing was replayed"
+    chunks = [tuple(k) for k in rebuilt["replay_share"]]
+    for w in helpers:
+        r = results[w]
+        assert r["helped"] == lost and r["replayed"] == rebuilt["replayed"] and r["replayed_with"] == \
+            rebuilt["replayed_with"], w
+        chunks += [tuple(k) for k in r["replay_share"]]
+    assert sorted(chunks) == [(0, m) for m in range(microbatches)]  # every chunk once
+    for w, r in results.items():
+        if w not in helpers and w != f"0:{lost}":
+            assert r["helped"] is None and r["replayed"] == [], w
+
+
+@pytest.mark.slow
+def test_idle_survivors_help_replay_a_lost_stage_with_dropout(tmp_path: Path) -> None:
+    # stage 1 dies in iteration 3 (checkpoint 1): its replacement and every survivor (its neighbours,
+    # who also send each other their logs, and stage 3) replay iteration 2, a chunk each
+    results, err = _launch(tmp_path, 4, 1, "0:1@3.9", 5, noisy=True, helpers=3)
+    assert "Traceback" not in err, err[-6000:]
+    _assert_fault_free(results, 4, 1, 5, noisy=True)
+    _assert_rebuilt_by_replay(results, 1, 2, err, helped=True)
+    _assert_helped(results, 1, ["0:0", "0:2", "0:3"])
+
+
+@pytest.mark.slow
+def test_a_helper_death_falls_back_to_a_restart(tmp_path: Path) -> None:
+    # stage 1 dies in iteration 3 (checkpoint 1); every survivor helps (so none waits for a restart
+    # in vain, which would cost the launcher's grace), and helper 0:0 dies before its first gradient sum
+    results, err = _launch(tmp_path, 4, 1, "0:1@3.9", 5, helpers=3, helper_dies="0:0")
+    assert "Traceback" not in err, err[-6000:]
+    _assert_fault_free(results, 4, 1, 5)
+    for r in results.values():
+        assert r["run"] == 1 and r["restored_from"] is not None, r["worker"]
+        assert r["restart_reason"] == "stage(s) 1 lost, cannot replay (a worker of its parallel replay failed)", \
+            (r["worker"], r["restart_reason"])
