@@ -225,8 +225,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2, help="rotations over the schedules (default 2)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
-                   help="also N alternating rounds of one step per compared pair (default 0: none)")
+                   help="also N alternating rounds of one step per compared pair (default 0: none; else at least 2)")
     args = p.parse_args()
+    if args.paired == 1 or args.paired < 0:
+        p.error("--paired takes 0 (none) or at least 2 rounds (a median and quartiles need two)")
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
     print(__doc__.split("\n\n")[1])
     for pp in sorted({c[0] for c in configs}):

@@ -37,8 +37,8 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
 - A plan source with `improved(topology)` (`schedcomp.improving.ImprovingPlans`) serves a failure
   set its cache lacks with a repaired plan at once and compiles it fully in the background; once
   every member holds the compiled plan (same digest), they switch to it at an agreed iteration
-  boundary (`agreement.offer_better` / `agreed_better`; `Report.improved`). A new generation
-  cancels a pending switch: its keys are the generation's.
+  boundary (`fault.better`; `Report.improved`). A new generation cancels a pending switch: its keys
+  are the generation's.
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -52,7 +52,6 @@ holds, for its stage, how many times each micro-batch's gradient entered the upd
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -65,7 +64,8 @@ from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
-from schedcomp.runtime.fault.agreement import Evicted, agreed_better, offer_better
+from schedcomp.runtime.fault.agreement import Evicted
+from schedcomp.runtime.fault.better import BetterPlan
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
@@ -165,14 +165,14 @@ class ResilientTrainer:
                                 "yet (a replayed step needs its iteration's global norm): drop logging= to use them")
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
-        self._plans_owner = plans
-        # `improved(topology) -> Plan | None` (`ImprovingPlans`): a better plan than `lookup`'s, when done
-        self._improved: Callable[[Topology], Plan | None] | None = getattr(plans, "improved", None)
-        self._better: tuple[int, Plan | None] | None = None  # (generation, the better plan; None: none there)
+        self._plan_source = plans
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
         self.last_resort = LastResort(checkpoint, self.session)  # checkpoints, restart when a stage is lost
+        # a source with `improved(topology)` (`ImprovingPlans`): switch to its better plans (`fault.better`)
+        improved = getattr(plans, "improved", None)
+        self.better = BetterPlan(improved, self.session.store, self.session.lead) if improved is not None else None
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
         self.iteration = 0
@@ -396,25 +396,12 @@ class ResilientTrainer:
         report.admitted.append(completed + 1)
 
     def _improve(self, completed: int) -> None:
-        """Switch to the plan source's better plan for this generation (`improving.ImprovingPlans`: a full
-        compile of a failure set it first served repaired) at the boundary every member agreed on."""
-        session, trainer, report = self.session, self.trainer, self.report
-        view = session.view
-        assert trainer is not None and report is not None and view is not None
-        if self._improved is None or not view.failed:
-            return
-        if self._better is None or self._better[0] != view.generation:
-            plan = self._improved(view.topology)
-            if plan is None:
-                return
-            digest = hashlib.sha256(plan.to_text().encode()).hexdigest()
-            self._better = (view.generation, plan if offer_better(session.store, view, digest) else None)
-        plan = self._better[1]
-        if plan is None or plan is trainer.plan:
-            return
-        if agreed_better(session.store, view, completed, session.lead) == completed + 1:
-            trainer.use_plan(plan)
-            report.improved.append(completed + 1)
+        """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
+        assert self.trainer is not None and self.report is not None and self.session.view is not None
+        plan = self.better.due(self.session.view, completed) if self.better is not None else None
+        if plan is not None:
+            self.trainer.use_plan(plan)
+            self.report.improved.append(completed + 1)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -460,7 +447,9 @@ class ResilientTrainer:
         return self.trainer.stage.module.state_dict()
 
     def close(self) -> None:
-        self.session.close()
-        close = getattr(self._plans_owner, "close", None)  # stops background compiles (`ImprovingPlans`)
-        if close is not None:
-            close()
+        try:
+            self.session.close()
+        finally:
+            close = getattr(self._plan_source, "close", None)  # stops background compiles (`ImprovingPlans`)
+            if close is not None:
+                close()

@@ -7,17 +7,20 @@ starts a full compile of that failure set in a background process, under the rep
 limit. `improved(topology)` returns the compiled plan once it is done and only if it is faster than the
 repaired one (simulated; None before, or when the compile failed or did not do better), so the trainer
 can switch to it at an iteration boundary every worker agrees on (`runtime/fault/agreement.offer_better`).
-The comparison simulates the repaired plan once, in the caller (about 2 s at pp = 32, dp = 256; the
-compiled plan is simulated in the background process).
 
 `lookup` itself never returns the compiled plan: every worker of a job must run the same plan, and a
 worker whose compile finished first would otherwise get a different one. Both answers are deterministic
 (the repair, and the compile: greedy, or CP-SAT with its deterministic limit), so every worker computes the
 same plans on its own; the switch still compares their digests first.
 
-The compile runs in a fresh interpreter (`python -m schedcomp.improving REQUEST PLAN`), not a fork or a
-`multiprocessing` child: a fork of a process holding torch and its communicators is unsafe, and a spawned
-child re-imports the user's script. Only the compiler is imported there (no torch).
+The background process is a fresh interpreter (`python -m schedcomp.improving`, on this process's
+`sys.path`, so it imports the same schedcomp): a fork of a process holding torch and its communicators is
+unsafe, and a `multiprocessing` spawn re-imports the user's script. It imports the compiler only (no
+torch), simulates both plans (the repaired one re-derived from the cache's files when the cache was loaded
+from a directory, so the training thread does not pay for it) and writes its result into a folder of its
+own. It watches its parent: if the parent dies (a worker is killed, fenced, or leaves with `os._exit`), it
+removes the folder and exits, so nothing outlives a worker. A compile for an older failure set is stopped
+when a newer one starts.
 """
 
 from __future__ import annotations
@@ -26,18 +29,22 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from schedcomp import fileio
 from schedcomp.cache import PlanCache
 from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Plan
-from schedcomp.memory import FAULT_FREE, MemoryLimit
+from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free
 from schedcomp.repair import lookup_or_repair
 from schedcomp.topology import Topology, Worker
 
@@ -45,33 +52,42 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ImprovingPlans"]
 
+_PLAN, _RESULT, _REQUEST, _ERRORS = "plan.json", "result.json", "request.json", "stderr.txt"
+
 
 @dataclass
 class _Compile:
-    """One background compile: its process and the files it reads and writes."""
+    """One background compile: its process, its folder, and what came of it."""
 
     process: subprocess.Popen[bytes]
-    folder: tempfile.TemporaryDirectory[str]
-    repaired: Plan  # what `lookup` serves meanwhile
+    folder: Path
+    repaired: Plan | None  # what `lookup` serves meanwhile (dropped once compared)
     plan: Plan | None = None
     failed: str | None = None  # why it gave no plan
 
-    @property
-    def output(self) -> Path:
-        return Path(self.folder.name) / "plan.json"
+    def done(self) -> bool:
+        """Its result is written, or it exited without one (it lingers after writing, watching its parent)."""
+        return (self.folder / _PLAN).exists() or self.process.poll() is not None or self.failed is not None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
 class ImprovingPlans:
     """The cache's plans, repaired plans for the failure sets it lacks, and full compiles of those in the
     background (see the module docstring). `solver`, `time_limit` and `memory_limit` are `compile`'s, as
-    `precompile` built the cache with them."""
+    `precompile` built the cache with them (`memory_limit` also goes to the repair)."""
 
     cache: PlanCache
     solver: str = "greedy"
     time_limit: float = 10.0
     memory_limit: MemoryLimit = FAULT_FREE
-    _compiles: dict[frozenset[Worker], _Compile] = field(default_factory=dict, repr=False)
+    _served: dict[frozenset[Worker], Plan] = field(default_factory=dict, init=False, repr=False)
+    _compiles: dict[frozenset[Worker], _Compile] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         from schedcomp.adaptive import SOLVERS
@@ -85,19 +101,23 @@ class ImprovingPlans:
             raise ScheduleError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
 
     def lookup(self, topology: Topology) -> Plan:
-        """The cached plan for `topology`'s failed set, or a repaired one (a background compile starts)."""
+        """The cached plan for `topology`'s failed set, or a repaired one (the same object on every call;
+        a background compile starts)."""
         try:
             return self.cache.lookup(topology)
         except RecoveryError:
-            plan = lookup_or_repair(self.cache, topology, memory_limit=self.memory_limit)  # or raises the miss
-        self._start(topology, plan)
-        return plan
+            served = self._served.get(topology.failed)
+            if served is None:  # the miss itself is raised when nothing can be repaired
+                served = lookup_or_repair(self.cache, topology, memory_limit=self.memory_limit)
+                self._served[topology.failed] = served
+        self._start(topology, served)
+        return served
 
     def improved(self, topology: Topology) -> Plan | None:
-        """The fully compiled plan for `topology`'s failed set once its compile is done; None before, for a
-        set the cache held, and when the compile failed (logged once)."""
+        """The fully compiled plan for `topology`'s failed set once its compile is done and if it is faster
+        than the repaired plan; None before, for a set the cache held, and otherwise (logged once)."""
         job = self._compiles.get(topology.failed)
-        if job is None or job.process.poll() is None:
+        if job is None or not job.done():
             return None
         if job.plan is None and job.failed is None:
             self._collect(job, topology)
@@ -106,96 +126,129 @@ class ImprovingPlans:
     def pending(self, topology: Topology) -> bool:
         """Whether a background compile for `topology`'s failed set is still running."""
         job = self._compiles.get(topology.failed)
-        return job is not None and job.process.poll() is None
+        return job is not None and not job.done()
 
     def close(self) -> None:
-        """Stop compiles still running and remove their files."""
+        """Stop compiles still running and remove their folders."""
         for job in self._compiles.values():
-            if job.process.poll() is None:
-                job.process.kill()
-                job.process.wait()
-            job.folder.cleanup()
+            job.stop()
         self._compiles.clear()
 
     def _start(self, topology: Topology, repaired: Plan) -> None:
         if topology.failed in self._compiles:
             return
+        for stale in self._compiles.values():  # for an older failure set: its plan will not be asked for
+            stale.stop()
         cache = self.cache
         # the repair's limit (`repair`: the plan's, or a fault-free plan's own peaks), so the two compare
-        limit = (repaired.costs.memory_limit if isinstance(self.memory_limit, str) and self.memory_limit == FAULT_FREE
-                 else self.memory_limit)
+        limit = repaired.costs.memory_limit if is_fault_free(self.memory_limit) else self.memory_limit
         request = {"pp": cache.pp, "dp": cache.dp, "microbatches": cache.microbatches,
                    "failed": sorted(str(w) for w in topology.failed), "costs": cache.costs.to_dict(),
                    "solver": self.solver, "time_limit": self.time_limit, "memory_limit": limit,
-                   "chunks": cache.chunks, "placement": cache.placement}
-        folder = tempfile.TemporaryDirectory(prefix="schedcomp-improve-")
-        path = Path(folder.name) / "request.json"
-        path.write_text(json.dumps(request))
-        with open(Path(folder.name) / "stderr.txt", "wb") as errors:  # a file: a full pipe would stall it
-            process = subprocess.Popen(self._command(path, Path(folder.name) / "plan.json"),
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-                                       env={**os.environ, "PYTHONHASHSEED": "0"})
-        self._compiles[topology.failed] = _Compile(process, folder, repaired)
+                   "chunks": cache.chunks, "placement": cache.placement,
+                   "cache": str(cache.root) if cache.root is not None else None,
+                   "repair_memory_limit": self.memory_limit}
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="schedcomp-improve-"))
+            (folder / _REQUEST).write_text(json.dumps(request))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            with open(folder / _ERRORS, "wb") as errors:  # a file: a full pipe would stall it
+                process = subprocess.Popen(self._command(folder), cwd=folder, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        except (OSError, TypeError, ValueError) as e:  # an optional speed-up must never break recovery
+            log.warning("cannot start the background compile for failed %s (%s): keeping the repaired plan",
+                        sorted(map(str, topology.failed)), e)
+            return
+        self._compiles = {topology.failed: _Compile(process, folder, repaired)}
         log.info("compiling the plan for failed %s in the background", sorted(map(str, topology.failed)))
 
-    def _command(self, request: Path, plan: Path) -> list[str]:
-        """The background process: a fresh interpreter running `_compile_request`."""
-        return [sys.executable, "-m", "schedcomp.improving", str(request), str(plan)]
+    def _command(self, folder: Path) -> list[str]:
+        """The background process: a fresh interpreter running `_compile_request` on `folder`."""
+        return [sys.executable, "-m", "schedcomp.improving", str(folder), str(os.getpid())]
 
     def _collect(self, job: _Compile, topology: Topology) -> None:
-        from schedcomp.simulator import simulate
-
         failed = sorted(map(str, topology.failed))
         try:
-            if job.process.returncode != 0:
-                stderr = (Path(job.folder.name) / "stderr.txt").read_text(errors="replace").strip()
+            if not (job.folder / _PLAN).exists():
+                stderr = (job.folder / _ERRORS).read_text(errors="replace").strip()
                 raise SchedcompError(stderr.splitlines()[-1] if stderr else f"exit status {job.process.returncode}")
-            plan = Plan.from_json(fileio.read_text(job.output, "plan"))
+            plan = Plan.from_json(fileio.read_text(job.folder / _PLAN, "plan"))
             if plan.topology != topology:
                 raise SchedcompError(f"it is for {sorted(map(str, plan.topology.failed))}")
-            better = fileio.load_json(fileio.read_text(str(job.output) + ".period", "period"), "period")
-            if not isinstance(better, float):
-                raise SchedcompError(f"its period file holds {better!r}")
-        except (SchedcompError, OSError) as e:
+            result = fileio.load_json(fileio.read_text(job.folder / _RESULT, "result"), "result")
+            better, now = float(result["period"]), result.get("repaired_period")
+            if now is None and job.repaired is not None:  # a cache held in memory only: simulated here
+                from schedcomp.simulator import simulate
+
+                now = simulate(job.repaired).period
+        except (SchedcompError, OSError, KeyError, TypeError, ValueError) as e:
             job.failed = str(e)
             log.warning("the background compile for failed %s gave no plan (%s): keeping the repaired one", failed, e)
             return
-        now = simulate(job.repaired).period
-        if better < now * (1 - 1e-9):
+        finally:
+            job.repaired = None
+            job.stop()  # the process exits once its folder is gone
+        if now is not None and better < float(now) * (1 - 1e-9):
             job.plan = plan
+            log.info("the background compile for failed %s: period %.6g against the repaired plan's %.6g", failed,
+                     better, now)
         else:
             job.failed = f"its period {better:.6g} is no better than the repaired plan's {now:.6g}"
-        log.info("the background compile for failed %s: period %.6g, the repaired plan's %.6g", failed, better, now)
+            log.info("the background compile for failed %s is no better: keeping the repaired plan (%s)", failed,
+                     job.failed)
 
 
-def _compile_request(request_path: str, plan_path: str) -> None:
-    """The background process: compile the request, write the plan and its simulated period (beside it, as
-    `.period`; written first, so a plan file is never there without it)."""
+def _compile_request(folder: Path) -> None:
+    """The background process's work: compile the request, simulate it (and the repaired plan, when the cache
+    is on disk), write the result and then the plan (each atomically: a plan file means a complete result)."""
     from schedcomp.compiler import compile
     from schedcomp.simulator import simulate
 
-    r = json.loads(Path(request_path).read_text())
-    limit = r["memory_limit"]
-    plan = compile(r["pp"], r["dp"], r["microbatches"], failed=[Worker.parse(w) for w in r["failed"]],
-                   schedule="adaptive", costs=CostModel.from_dict(r["costs"]), solver=r["solver"],
-                   time_limit=r["time_limit"], memory_limit=tuple(limit) if isinstance(limit, list) else limit,
-                   chunks=r["chunks"], placement=r["placement"])
-    fileio.write_atomic(plan_path + ".period", json.dumps(simulate(plan).period))
-    fileio.write_atomic(plan_path, plan.to_json())
+    r: dict[str, Any] = json.loads((folder / _REQUEST).read_text())
+    failed = [Worker.parse(w) for w in r["failed"]]
+    plan = compile(r["pp"], r["dp"], r["microbatches"], failed=failed, schedule="adaptive",
+                   costs=CostModel.from_dict(r["costs"]), solver=r["solver"], time_limit=r["time_limit"],
+                   memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
+                   placement=r["placement"])
+    result: dict[str, Any] = {"period": simulate(plan).period, "repaired_period": None}
+    if r["cache"] is not None:
+        cache = PlanCache.load(r["cache"])
+        repaired = lookup_or_repair(cache, failed, memory_limit=_as_limit(r["repair_memory_limit"]))
+        result["repaired_period"] = simulate(repaired).period
+    fileio.write_atomic(folder / _RESULT, json.dumps(result))
+    fileio.write_atomic(folder / _PLAN, plan.to_json())
+
+
+def _as_limit(value: Any) -> MemoryLimit:
+    """A memory limit read back from JSON (per-stage limits come back as a list)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _watch(folder: Path, parent: int) -> None:
+    """Exit once the parent is gone (removing the folder it can no longer remove) or has removed the folder."""
+    while True:
+        if os.getppid() != parent:
+            shutil.rmtree(folder, ignore_errors=True)
+            os._exit(3)
+        if not folder.exists():
+            os._exit(0)
+        time.sleep(0.2)
 
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m schedcomp.improving REQUEST.json PLAN.json", file=sys.stderr)
+        print("usage: python -m schedcomp.improving FOLDER PARENT_PID", file=sys.stderr)
         return 2
+    folder, parent = Path(argv[0]), int(argv[1])
+    threading.Thread(target=_watch, args=(folder, parent), daemon=True).start()
     try:
-        _compile_request(*argv)
+        _compile_request(folder)
     except SchedcompError as e:
         print(f"schedcomp.improving: {e}", file=sys.stderr)
         return 2
+    _watch(folder, parent)  # linger until the parent has read the result (or is gone)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
-

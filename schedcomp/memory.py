@@ -39,6 +39,11 @@ MAX_BYTES = 2.0**60
 
 MemoryLimit = float | str | Sequence[float] | None
 
+
+def is_fault_free(limit: MemoryLimit) -> bool:
+    """Whether `limit` names the default, "fault-free" (any case, any surrounding blanks)."""
+    return isinstance(limit, str) and limit.strip().lower() == FAULT_FREE
+
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe]i?b|b|bytes?)?\s*", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5, "e": 6}
 

@@ -11,7 +11,7 @@ compute it while the plan is in use, before any failure) and `repair` hands its 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -90,13 +90,7 @@ def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTim
     """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
     changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
     seqs = times._seqs_of(plan, orders)
-    problem = Problem(plan.topology, plan.microbatches, plan.costs, times.kinds == 3)
-    old = times.problem
-    if replace(old.costs, memory_limit=None) == replace(plan.costs, memory_limit=None):
-        # the op times of the workers still live are theirs before (0.2-0.4 s at pp = 32, dp = 256): filled in
-        # as `Problem.op_times` (a cached property) would fill itself
-        live = (problem.worker_id(w) for w in plan.topology.live_workers)
-        problem.__dict__["op_times"] = {wid: old.op_times[wid] for wid in live}
+    problem = times.problem.with_failed(plan.topology, plan.costs)
     new = _timed(problem, seqs)
     if new is not None:
         remember(plan, new)

@@ -15,7 +15,8 @@ Warm-up iterations (the first `skip` of each trace) are left out when later ones
 - virtual stages (interleaved, V): every cost above is per chunk, the model's pp x chunks entries, read
   from the op's stage; a worker's STEP and ALLREDUCE serve all its chunks at once, so each chunk gets an
   equal share (the sum, which is what the timing engines charge a worker, is exact; its split is not
-  observable); a worker's speed is the median over its chunks.
+  observable, so a model reused with another placement of the chunks, loop against V, charges each worker
+  the sum of shares of chunks it did not hold together); a worker's speed is the median over its chunks.
 - activation (bytes) and b_frees, when the trace carries memory (`profile=True` records it): per
   stage, the median rise of held activation memory over an F, and the median share of it a B frees;
   the model's `memory_unit` is then "bytes". Traces without memory keep `base`'s (default: units).
@@ -74,7 +75,7 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
     for trace in traces:
         spans = _steady(list(trace), skip)
         kept.append(spans)
-        held = chunks_held(spans)
+        held = _chunks_held(spans)
         for s in spans:
             kind = s.instruction.kind
             if kind in _COMPUTE and s.instruction.op is not None:
@@ -111,12 +112,15 @@ def profile_costs(traces: Iterable[Sequence[Span]], *, base: CostModel | None = 
             w.append(bw_time - bw_time * b_share)
         else:
             raise CostModelError(f"the traces have no backward at stage {stage}: profile whole iterations")
+    ratios: dict[Worker, list[float]] = defaultdict(list)  # per worker, its chunks' forward against the stage's
+    for (kind, stage, ran_on), times in samples.items():
+        if kind == "F" and (mine := _median(times)) > 0:
+            ratios[ran_on].append(forward[stage] / mine)
     speed = {}
-    for worker in workers:  # the median over its chunks of the stage's forward over its own
-        ratios = [forward[stage] / mine for (kind, stage, w), times in samples.items()
-                  if kind == "F" and w == worker and (mine := _median(times)) > 0]
-        if ratios and abs(statistics.median(ratios) - 1.0) > straggler:
-            speed[worker] = statistics.median(ratios)
+    for worker, values in ratios.items():  # a worker's factor: the median over its chunks
+        factor = statistics.median(values)
+        if abs(factor - 1.0) > straggler:
+            speed[worker] = factor
     steps = [stage_time("STEP", stage) for stage in range(pp)]
     template = base or CostModel.uniform(pp)
     activation, b_frees, unit = template.activation, template.b_frees, template.memory_unit
@@ -203,7 +207,7 @@ def _steady(spans: list[Span], skip: int) -> list[Span]:
     return spans
 
 
-def chunks_held(spans: Iterable[Span]) -> dict[Worker, tuple[int, ...]]:
+def _chunks_held(spans: Iterable[Span]) -> dict[Worker, tuple[int, ...]]:
     """The stages (chunks) each worker ran compute for: its own stage, or its virtual stages."""
     held: dict[Worker, set[int]] = defaultdict(set)
     for s in spans:

@@ -43,7 +43,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
-from schedcomp.memory import FAULT_FREE, MemoryLimit, resolve_limit, stage_deltas
+from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_limit, stage_deltas
 from schedcomp.optimes import OpTimes, op_times, remember, retimed
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
@@ -134,7 +134,7 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
 
 def _repair_costs(plan: Plan, after: Topology, memory_limit: MemoryLimit) -> CostModel:
     """The plan's costs with the limit a repair keeps to (see `repair`)."""
-    if not (isinstance(memory_limit, str) and memory_limit == FAULT_FREE):
+    if not is_fault_free(memory_limit):
         return resolve_limit(memory_limit, after, plan.microbatches, plan.costs)
     if plan.costs.memory_limit is not None or plan.topology.failed:
         return plan.costs

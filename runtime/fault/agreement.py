@@ -191,33 +191,6 @@ def switch_iteration(completed: int, lead: int = 2) -> int:
     return completed + lead + 1
 
 
-def offer_better(store: Store, view: View, digest: str) -> bool:
-    """Say this member holds a better plan for `view`'s failed set (`improving.ImprovingPlans`), by the
-    digest of its text. False when another member's differs: nobody then switches in this generation
-    (the compiles should agree; a member that disagrees would run a different plan)."""
-    key = f"gen/{view.generation}/better"
-    first = store.compare_set(f"{key}/digest", "", digest).decode()
-    if first != digest:
-        store.set(f"{key}/off", "1")
-        return False
-    store.add(f"{key}/ready", 1)
-    return True
-
-
-def agreed_better(store: Store, view: View, completed: int, lead: int) -> int | None:
-    """The iteration from which every member runs the better plan of this generation, or None yet.
-
-    Fixed by the first member to see every member holding it (`offer_better`), like a joiner's
-    switch (`switch_iteration`), so each member reaches that boundary after the choice is in the store.
-    """
-    key = f"gen/{view.generation}/better"
-    if store.check([f"{key}/at"]):
-        return int(store.get(f"{key}/at"))
-    if store.check([f"{key}/off"]) or store.add(f"{key}/ready", 0) < len(view.members):
-        return None
-    return int(store.compare_set(f"{key}/at", "", str(switch_iteration(completed, lead))))
-
-
 # ---- commit records --------------------------------------------------------------------------------
 
 

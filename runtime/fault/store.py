@@ -173,6 +173,11 @@ class Keys:
         return f"join/{w}"
 
     @staticmethod
+    def better(generation: int, what: str) -> str:
+        """A better plan for the generation (`fault.better`): "digest", "ready", "off" or "at"."""
+        return f"gen/{generation}/better/{what}"
+
+    @staticmethod
     def commit(w: Worker) -> str:
         return f"commit/{w}"
 

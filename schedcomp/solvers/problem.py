@@ -16,7 +16,7 @@ leaves the slots of every chunk it held. With one chunk, stage and place coincid
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from schedcomp.costs import CostModel
@@ -175,6 +175,17 @@ class Problem:
         worker = self.worker_of(wid)
         held, idle = set(self.topology.chunks_of(worker.stage)), [0.0] * len(self.kinds)
         return [[self.duration(k, worker, s) for k in self.kinds] if s in held else idle for s in range(self.stages)]
+
+    def with_failed(self, topology: Topology, costs: CostModel) -> Problem:
+        """This problem with more workers failed, under `costs` (these costs but for the memory limit):
+        the live workers' op times are kept, as they do not depend on who else failed (seconds of Python
+        at pp = 32, dp = 256; `optimes.retimed`)."""
+        if replace(costs, memory_limit=None) != replace(self.costs, memory_limit=None):
+            raise ScheduleError("with_failed keeps the op times: the costs may differ in their memory limit only")
+        new = replace(self, topology=topology, costs=costs)
+        live = (new.worker_id(w) for w in topology.live_workers)
+        new.__dict__["op_times"] = {wid: self.op_times[wid] for wid in live}  # `op_times`' own cache slot
+        return new
 
     @cached_property
     def op_times(self) -> dict[int, list[float]]:

@@ -84,11 +84,12 @@ def op_dependencies(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     (virtual) stage's F (a transfer), a B (or BW) its own F and the next stage's B (a transfer), a W its own
     B. A transfer between two chunks that end up on one worker is a local hand-off: the timing core drops its
     latency, since only the lanes say where each op runs. They do not depend on the failed set, so the last
-    few shapes are kept (read-only arrays): a repair at pp = 32, dp = 256 re-times without rebuilding them."""
+    shape's are kept (read-only arrays, about 50 MB at pp = 32, dp = 256, M = 64): a repair re-times without
+    rebuilding them."""
     return _dependencies(problem.stages, len(problem.kinds), problem.n_slots, problem.costs.p2p)
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=1)
 def _dependencies(stages: int, nk: int, n_slots: int, p2p: float) -> tuple[np.ndarray, np.ndarray]:
     n_ops = n_slots * nk
     slot, kind = np.divmod(np.arange(n_ops), nk)

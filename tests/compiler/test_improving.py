@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,13 +57,16 @@ def test_a_miss_is_repaired_at_once_and_compiled_in_the_background(cache) -> Non
         plans.close()
 
 
-def test_a_compile_no_better_than_the_repair_is_not_offered(cache) -> None:
+def test_a_compile_no_better_than_the_repair_is_not_offered(cache, caplog: pytest.LogCaptureFixture) -> None:
     plans = ImprovingPlans(cache, time_limit=1.0)
     try:
         topology = Topology.of(PP, DP, [Worker(1, 3)])  # the repair is already as fast as a compile
         plans.lookup(topology)
         settle(plans, topology)
-        assert plans.improved(topology) is None
+        with caplog.at_level(logging.INFO, logger="schedcomp.improving"):
+            assert plans.improved(topology) is None
+        assert "is no better: keeping the repaired plan (its period 27 is no better than the repaired plan's 27)" \
+            in caplog.text
     finally:
         plans.close()
 
@@ -69,7 +74,7 @@ def test_a_compile_no_better_than_the_repair_is_not_offered(cache) -> None:
 class Failing(ImprovingPlans):
     """A background process that fails as a compile would (one line on stderr, exit 2)."""
 
-    def _command(self, request: Path, plan: Path) -> list[str]:
+    def _command(self, folder: Path) -> list[str]:
         return [sys.executable, "-c", "import sys; sys.exit('schedcomp.improving: out of memory, say')"]
 
 
@@ -97,13 +102,60 @@ def test_a_miss_nothing_can_repair_raises_the_miss(cache) -> None:
         plans.close()
 
 
-def test_close_stops_a_running_compile(cache) -> None:
+def test_close_stops_a_running_compile_and_removes_its_folder(cache) -> None:
     plans = ImprovingPlans(cache, solver="cpsat", time_limit=60.0)
     topology = Topology.of(PP, DP, [Worker(0, 2)])
     plans.lookup(topology)
-    assert plans.pending(topology)
+    job = plans._compiles[topology.failed]
+    assert plans.pending(topology) and job.folder.is_dir()
     plans.close()
-    assert not plans.pending(topology)
+    assert job.process.returncode is not None and not job.folder.exists()
+
+
+def test_a_newer_failure_set_stops_the_older_compile(cache) -> None:
+    plans = ImprovingPlans(cache, solver="cpsat", time_limit=60.0)
+    try:
+        first, second = Topology.of(PP, DP, [Worker(0, 2)]), Topology.of(PP, DP, [Worker(0, 2), Worker(1, 3)])
+        plans.lookup(first)
+        old = plans._compiles[first.failed]
+        plans.lookup(second)
+        assert old.process.returncode is not None and not old.folder.exists()
+        assert plans.pending(second) and not plans.pending(first)
+    finally:
+        plans.close()
+
+
+ORPHAN = """
+import os, sys, time
+from schedcomp.cache import PlanCache
+from schedcomp.improving import ImprovingPlans
+from schedcomp.topology import Topology, Worker
+plans = ImprovingPlans(PlanCache.load(sys.argv[1]), solver="cpsat", time_limit=60.0)
+topology = Topology.of(4, 2, [Worker(0, 2)])
+plans.lookup(topology)
+job = plans._compiles[topology.failed]
+print(job.process.pid, job.folder, flush=True)
+os._exit(0)  # as a fenced or killed worker leaves: no close(), no finalizers
+"""
+
+
+def test_a_compile_does_not_outlive_its_worker(tmp_path: Path) -> None:
+    precompile(PP, DP, M, 0, time_limit=1.0, directory=tmp_path / "plans")
+    out = subprocess.run([sys.executable, "-c", ORPHAN, str(tmp_path / "plans")], capture_output=True, text=True,
+                         timeout=100, check=True).stdout.split()
+    pid, folder = int(out[0]), Path(out[1])
+    deadline = time.monotonic() + 60  # it looks every 0.2 s; a hang guard, not a timing
+    while (folder.exists() or _alive(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not folder.exists() and not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # (an exited child of the dead parent is reaped by init)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
 def test_bad_input_is_one_clear_error(cache) -> None:

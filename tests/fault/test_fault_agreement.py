@@ -15,16 +15,15 @@ from schedcomp.runtime.fault.agreement import (
     Evicted,
     admit,
     agree,
-    agreed_better,
     agreed_switch,
     announce_join,
     counted_failed,
     join_job,
     latest_view,
-    offer_better,
     pending_joins,
     propose_switch,
 )
+from schedcomp.runtime.fault.better import agreed_better, offer_better
 from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat, View
 from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, serve_store
 from schedcomp.topology import Topology, Worker
@@ -349,3 +348,29 @@ def test_members_holding_different_better_plans_never_switch() -> None:
     assert not offer_better(c, view, "two")
     for store in (a, b, c):
         assert agreed_better(store, view, completed=5, lead=2) is None
+
+
+def test_nobody_switches_while_a_member_has_no_better_plan() -> None:
+    """A member whose compile failed or did no better never offers: the others wait for it forever."""
+    _server, address = serve_store()  # (kept: the store lives as long as its server object)
+    view = View(2, Topology.of(2, 2, [Worker(1, 0)]))
+    a, b = address.connect(), address.connect()
+    assert offer_better(a, view, "x") and offer_better(b, view, "x")
+    assert all(agreed_better(a, view, completed=i, lead=2) is None for i in range(5, 40))
+
+
+def test_a_worker_past_the_agreed_boundary_breaks_the_generation_rather_than_run_another_plan() -> None:
+    from schedcomp.compiler import compile
+    from schedcomp.runtime.fault.better import BetterPlan
+    from schedcomp.runtime.fault.membership import GenerationAborted
+
+    _server, address = serve_store()  # (kept: the store lives as long as its server object)
+    topology = Topology.of(2, 2, [Worker(1, 0)])
+    view, plan = View(2, topology), compile(2, 2, 4, failed=[Worker(1, 0)], schedule="adaptive")
+    workers = [BetterPlan(lambda t: plan, address.connect(), lead=2) for _ in view.members]
+    assert workers[0].due(view, completed=3) is None and workers[1].due(view, completed=3) is None
+    assert workers[2].due(view, completed=4) is None  # the last to offer fixes 4 + 2 + 1 = 7
+    assert workers[0].due(view, completed=6) is plan  # due from iteration 7
+    assert workers[0].due(view, completed=7) is None  # once
+    with pytest.raises(GenerationAborted, match="due from iteration 7, but this worker is at 9"):
+        workers[1].due(view, completed=8)  # (cannot happen with lead 2; if it did, no one must hang)

@@ -198,8 +198,13 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
             while not pending_joins(session.store, session.view) and time.monotonic() < deadline:
                 time.sleep(0.01)
         if iteration == improve_at and index == 0 and session.view.failed:
+            # every survivor waits here, in the store, until all have compiled: none waits inside a gloo
+            # operation on a neighbour still compiling (that wait is bounded by the group timeout)
             deadline = time.monotonic() + child_deadline()
             while plans.pending(session.view.topology) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            session.store.add("compiled", 1)
+            while session.store.add("compiled", 0) < len(session.view.members) and time.monotonic() < deadline:
                 time.sleep(0.01)
         if kill is not None:
             if (iteration, index) >= at[env.worker] and not session.store.check(["killed_at"]):
