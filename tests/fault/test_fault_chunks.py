@@ -1,0 +1,183 @@
+"""Resilient jobs with virtual stages: every chunk a worker holds is snapshotted, moved and checkpointed.
+
+The unit tests check the keying in one process: the step snapshot of several chunks, the state a
+donor sends (as the receiver decodes it) and the per-chunk checkpoints, each restoring exactly and
+never into another chunk. The end-to-end tests launch a pp = 2, dp = 2 job with two chunks per
+worker (interleaved 1F1B, ZB-V; 4 processes, CPU, gloo), SIGKILL a worker mid-iteration and
+respawn it: the survivors roll back and re-run on the re-routed chunked plan, the replacement
+receives both its chunks from the live worker at its place, the job switches back to the family's
+fault-free plan, and every worker's chunks end equal to the fault-free model trained in one
+process on the same batches (float64, 1e-10).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fault_procs import demo_stage, run_job, state_digest, train_demo
+from resilient_procs import HERE, assert_matches_reference, chaos_reference
+
+from schedcomp import compile
+from schedcomp.cache import PlanCache, precompile
+from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir
+from schedcomp.runtime.fault.chunks import held_snapshot, held_state, load_held_state
+from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv, serve_store
+from schedcomp.runtime.fault.transfer import decode_header, encode_header, flatten, from_bytes, to_bytes, unflatten
+from schedcomp.runtime.resilient import ResilientTrainer
+from schedcomp.topology import Topology, Worker
+
+PP, DP, MICROBATCHES, CHUNKS, ITERATIONS = 2, 2, 4, 2, 7
+FAMILIES = {"interleaved-1f1b": "loop", "zb-v": "v"}  # family -> its placement of chunks
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")]
+
+
+def _held(seeds: dict[int, int]) -> dict[int, tuple]:
+    """Chunks by virtual stage, each a module and optimizer of the same layout (`demo_stage`), trained apart."""
+    held = {}
+    for s, seed in seeds.items():
+        module, optimizer = demo_stage(seed)
+        train_demo(module, optimizer, steps=seed % 3 + 1)
+        held[s] = (module, optimizer)
+    return held
+
+
+def _digests(held: dict[int, tuple]) -> dict[int, str]:
+    return {s: state_digest(m, o) for s, (m, o) in held.items()}
+
+
+# ---- the keying, in one process ---------------------------------------------------------------------
+
+
+def test_one_snapshot_undoes_the_step_of_every_chunk_exactly() -> None:
+    held = _held({1: 1, 3: 2})  # place 1 of pp = 2 with loop placement: virtual stages 1 and 3
+    before = _digests(held)
+    snapshot = held_snapshot(held)
+    snapshot.take(4)
+    for module, optimizer in held.values():
+        train_demo(module, optimizer, steps=1)
+    assert all(_digests(held)[s] != before[s] for s in held)
+    assert snapshot.restore() == 4
+    assert _digests(held) == before
+
+
+def test_the_state_sent_to_a_replacement_lands_in_the_same_chunks_only() -> None:
+    donor, replacement = _held({0: 1, 3: 2}), _held({0: 5, 3: 6})  # place 0 of a V: virtual stages 0 and 3
+    skeleton, tensors = flatten(held_state(donor))  # what `send_held_state` sends, decoded as `recv_tree` does
+    got_skeleton, specs, _ = decode_header(encode_header(skeleton, tensors))
+    state = unflatten(got_skeleton, from_bytes(to_bytes(tensors, torch.device("cpu")), specs))
+    assert set(state) == {0, 3}
+    load_held_state(replacement, state)
+    assert _digests(replacement) == _digests(donor)  # bit-exact, each chunk from its own
+    # the layouts are the same, so only the keys keep a chunk from landing in another worker's chunk
+    other_place = _held({1: 7, 2: 8})
+    with pytest.raises(RecoveryError, match=r"the state holds chunks \[0, 3\], this worker \[1, 2\]"):
+        load_held_state(other_place, state)
+
+
+def test_checkpoints_are_written_and_restored_per_chunk(tmp_path: Path) -> None:
+    _server, address = serve_store()
+    session = _session(address)
+    held = _held({1: 1, 3: 2})
+    saved = _digests(held)
+    writer = LastResort(CheckpointPolicy(tmp_path), session)
+    writer.after_step(0, held)
+    writer.close()
+    assert sorted(p.name for p in (tmp_path / "iter00000000").iterdir()) == ["stage1", "stage3"]
+    # the other place's chunks, so that every virtual stage of the model has iteration 0
+    other = LastResort(CheckpointPolicy(tmp_path), _session(address, Worker(0, 0)))
+    other.after_step(0, _held({0: 3, 2: 4}))
+    other.close()
+    fresh = _held({1: 5, 3: 6})
+    resumed = LastResort(CheckpointPolicy(tmp_path), session).resume(fresh, stages=PP * CHUNKS)
+    assert resumed.restored_from == 0
+    assert _digests(fresh) == saved
+    # Swap the two chunks' directories: same layout, but each manifest names its virtual stage.
+    a, b = checkpoint_dir(tmp_path, 0, 1), checkpoint_dir(tmp_path, 0, 3)
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    assert (a / MANIFEST).is_file()
+    with pytest.raises(RecoveryError, match="has stage 3, expected 1"):
+        LastResort(CheckpointPolicy(tmp_path), _session(address, run=2)).resume(_held({1: 7, 3: 8}), stages=4)
+
+
+def _session(address: StoreAddress, worker: Worker | None = None, run: int = 1) -> SimpleNamespace:
+    """What `LastResort` reads of a session: `worker` (default 0:1) of a pp = 2, dp = 1 job in run `run`."""
+    worker = worker or Worker(0, 1)
+    env = WorkerEnv(address, worker, PP, 1, 0, run=run)
+    view = SimpleNamespace(topology=Topology.of(PP))
+    return SimpleNamespace(env=env, me=worker, store=env.store.connect(), view=view)
+
+
+@pytest.mark.parametrize("policy", ["lossy", "logging"])
+def test_lossy_and_logging_recovery_are_refused_with_chunks_in_one_line(tmp_path: Path, policy: str) -> None:
+    cache = precompile(PP, DP, MICROBATCHES, 0, chunks=CHUNKS, placement="v")
+    options = ({"policy": "lossy"} if policy == "lossy" else
+               {"logging": LoggingPolicy(tmp_path / "log"), "checkpoint": CheckpointPolicy(tmp_path / "ckpt")})
+    with pytest.raises(RuntimeSetupError) as refused:
+        ResilientTrainer(cache, lambda s: torch.nn.Linear(2, 2), torch.nn.functional.mse_loss,
+                         lambda p: torch.optim.SGD(p, lr=0.1), lambda i: None, session=object(), **options)
+    message = str(refused.value)
+    assert "\n" not in message and "2 chunks" in message
+    assert ("policy='rollback'" if policy == "lossy" else "drop logging=") in message
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+
+def precompile_chunked(directory: Path, family: str) -> str:
+    """The job's plan cache (every failure set of one worker, re-routed around it), whose fault-free
+    plan is `family`'s own."""
+    cache = precompile(PP, DP, MICROBATCHES, 1, chunks=CHUNKS, placement=FAMILIES[family], time_limit=1.0)
+    fault_free = next(key for key in cache.plans if not key[0])
+    cache.plans[fault_free] = compile(PP, DP, MICROBATCHES, schedule=family)
+    cache.save(directory)
+    return str(directory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "victim", "settle"), [
+    # 1:1 dies halfway through its stream: no worker can step iteration 1 without it (each place's
+    # all-reduce or backward waits for it), so nobody undoes anything.
+    ("interleaved-1f1b", Worker(1, 1), False),
+    # 1:0 (place 0: chunks 0 and 3, the V's ends) dies right before its all-reduce, once place 1
+    # has stepped iteration 1 (CHAOS_SETTLE): a half-applied step, which place 1 undoes from the
+    # snapshot of both its chunks before re-running it.
+    ("zb-v", Worker(1, 0), True),
+], ids=["interleaved-1f1b", "zb-v"])
+def test_a_worker_holding_two_chunks_dies_mid_iteration_and_its_replacement_rejoins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, victim: Worker, settle: bool) -> None:
+    cache_dir = precompile_chunked(tmp_path, family)
+    plan = PlanCache.load(cache_dir).lookup([])
+    assert plan.family == family and plan.topology.chunks == CHUNKS
+    stream = plan.streams[victim]
+    index = [str(ins) for ins in stream].index("ALLREDUCE") if settle else len(stream) // 2
+    if settle:
+        monkeypatch.setenv("CHAOS_SETTLE", "1")
+    # The survivors wait at iteration 2 until the replacement has announced itself; replacements enter
+    # three iterations after the boundary that finds them (`agreement.switch_iteration`): at 4 or 5.
+    worker_args = [str(HERE), "resilient", str(ITERATIONS), cache_dir, f"{victim}@1.{index}", "2"]
+    results, _ = run_job(PP, DP, ["--respawn", "1"], worker_args, timeout=150.0)
+    everyone = {str(w) for w in Topology.of(PP, DP).workers}
+    assert_matches_reference(results, chaos_reference(PP * CHUNKS, DP * MICROBATCHES, ITERATIONS), everyone,
+                             ITERATIONS, DP * MICROBATCHES)
+    joined = results[str(victim)]
+    assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5)
+    assert joined["rejoined"]["received_bytes"] > 0
+    for w, r in results.items():
+        worker = Worker.parse(w)
+        assert set(r["states"]) == {str(s) for s in plan.topology.chunks_of(worker.stage)}  # each chunk it holds
+        assert r["failed"] == []  # back on the fault-free plan
+        if worker != victim:
+            undone = settle and worker.stage != victim.stage
+            assert [(rec["failed"], rec["rerun"], rec["undone"]) for rec in r["recoveries"]] == [
+                ([str(victim)], 1, undone)], w
+            assert r["admitted"] == [joined["resumed_at"]]
