@@ -224,8 +224,10 @@ class ResilientTrainer:
             raise RuntimeSetupError("the plan re-cuts micro-batches: resilient jobs run whole ones, use "
                                     "PipelineTrainer for a re-cut plan")
         stages = plan.topology.stages
+        if stages != job.stages:  # a function's first plan has chunks: the model splits otherwise
+            built.clear()
 
-        def build(s: int) -> nn.Module:  # what was built before joining, else now (a function's first plan)
+        def build(s: int) -> nn.Module:  # what was built before joining, else now
             return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
 
         self.trainer = PipelineTrainer(plan, build, self.loss_fn, self.make_optimizer,

@@ -14,25 +14,32 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NoReturn
 
 import pytest
 import torch
-from fault_procs import demo_stage, run_job, state_digest, train_demo
+import torch.nn.functional as F
+from fault_procs import run_job, state_digest
+from momentum import Momentum
 from resilient_procs import HERE, assert_matches_reference, chaos_reference
+from scripted_session import ME, ScriptedSession
+from torch import nn
 
 from schedcomp import compile
 from schedcomp.cache import PlanCache, precompile
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
-from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir
+from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir, latest_complete
 from schedcomp.runtime.fault.chunks import held_snapshot, held_state, load_held_state
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.store import StoreAddress, WorkerEnv, serve_store
 from schedcomp.runtime.fault.transfer import decode_header, encode_header, flatten, from_bytes, to_bytes, unflatten
 from schedcomp.runtime.resilient import ResilientTrainer
 from schedcomp.topology import Topology, Worker
 
 PP, DP, MICROBATCHES, CHUNKS, ITERATIONS = 2, 2, 4, 2, 7
+WIDTH = 3  # of the one-process job's model
 FAMILIES = {"interleaved-1f1b": "loop", "zb-v": "v"}  # family -> its placement of chunks
 
 pytestmark = [pytest.mark.timeout(300),
@@ -40,13 +47,23 @@ pytestmark = [pytest.mark.timeout(300),
 
 
 def _held(seeds: dict[int, int]) -> dict[int, tuple]:
-    """Chunks by virtual stage, each a module and optimizer of the same layout (`demo_stage`), trained apart."""
+    """Chunks by virtual stage, each a module and optimizer of the same layout, trained apart."""
     held = {}
     for s, seed in seeds.items():
-        module, optimizer = demo_stage(seed)
-        train_demo(module, optimizer, steps=seed % 3 + 1)
+        torch.manual_seed(seed)
+        module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+        optimizer = Momentum(module.parameters())
+        _train(module, optimizer, steps=seed % 3 + 1)
         held[s] = (module, optimizer)
     return held
+
+
+def _train(module: nn.Module, optimizer: Momentum, steps: int) -> None:
+    for i in range(steps):
+        x = torch.randn(8, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        optimizer.zero_grad()
+        module(x).square().mean().backward()
+        optimizer.step()
 
 
 def _digests(held: dict[int, tuple]) -> dict[int, str]:
@@ -62,7 +79,7 @@ def test_one_snapshot_undoes_the_step_of_every_chunk_exactly() -> None:
     snapshot = held_snapshot(held)
     snapshot.take(4)
     for module, optimizer in held.values():
-        train_demo(module, optimizer, steps=1)
+        _train(module, optimizer, steps=1)
     assert all(_digests(held)[s] != before[s] for s in held)
     assert snapshot.restore() == 4
     assert _digests(held) == before
@@ -128,6 +145,70 @@ def test_lossy_and_logging_recovery_are_refused_with_chunks_in_one_line(tmp_path
     message = str(refused.value)
     assert "\n" not in message and "2 chunks" in message
     assert ("policy='rollback'" if policy == "lossy" else "drop logging=") in message
+
+
+# ---- the trainer in one process: one worker holding both chunks of a pp = 1 job ---------------------
+
+
+class UndoingSession(ScriptedSession):
+    """Each recovery undoes this worker's last step and re-runs that iteration (as when a peer had not
+    stepped it yet)."""
+
+    def rollback(self) -> Rollback:
+        return Rollback(self.commits[ME], frozenset({ME}))
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, 1)).double()
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    rows = 4 * MICROBATCHES
+    return (torch.randn(rows, WIDTH, generator=g, dtype=torch.float64),
+            torch.randn(rows, 1, generator=g, dtype=torch.float64))
+
+
+def _refuse_to_leave(code: int) -> NoReturn:
+    raise AssertionError(f"the job asked to leave the process with status {code}")  # not `os._exit` under pytest
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_worker_undoes_the_step_of_both_its_chunks_and_checkpoints_each(tmp_path: Path, family: str) -> None:
+    plan = compile(1, 1, MICROBATCHES, schedule=family)
+    failed: list[int] = []
+
+    def before(iteration: int, index: int, _ins) -> None:
+        if (iteration, index) == (2, 0) and not failed:  # after STEP of 1, which the recovery undoes
+            failed.append(iteration)
+            raise RuntimeError("Connection closed by peer")
+
+    net = _model()  # split into its two chunks; they keep its layers
+    # a plan source that is a function: the chunks are known from its first plan only, and built then
+    trainer = ResilientTrainer(lambda _topology: plan, net, F.mse_loss, Momentum, _batch, session=UndoingSession(),
+                               before=before, checkpoint=CheckpointPolicy(tmp_path))
+    trainer.last_resort.leave = _refuse_to_leave
+    try:
+        trainer.run(ITERATIONS)
+    finally:
+        trainer.close()
+    assert trainer.report is not None and failed == [2]
+    assert [(r.rerun, r.undone) for r in trainer.report.recoveries] == [(1, True)]
+    assert trainer.report.ledger == {i: [1.0] * MICROBATCHES for i in range(ITERATIONS)}  # one W per chunk, once
+    assert sorted(trainer.states()) == [0, 1]
+    reference = _model()
+    optimizer = Momentum(reference.parameters())
+    for i in range(ITERATIONS):
+        x, y = _batch(i)
+        optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(net.state_dict()[name], value, rtol=0, atol=1e-10), name
+    assert latest_complete(tmp_path, 2) == ITERATIONS - 1
+    assert sorted(p.name for p in checkpoint_dir(tmp_path, 0, 0).parent.iterdir()) == ["stage0", "stage1"]
 
 
 # ---- end to end -----------------------------------------------------------------------------------
