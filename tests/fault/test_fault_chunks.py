@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fault_procs import run_job, state_digest
 from momentum import Momentum
 from resilient_procs import HERE, assert_matches_reference, chaos_reference
-from scripted_session import ME, ScriptedSession
+from scripted_session import ME, ScriptedSession, mse_reference
 from torch import nn
 
 from schedcomp import compile
@@ -198,14 +198,7 @@ def test_one_worker_undoes_the_step_of_both_its_chunks_and_checkpoints_each(tmp_
     assert [(r.rerun, r.undone) for r in trainer.report.recoveries] == [(1, True)]
     assert trainer.report.ledger == {i: [1.0] * MICROBATCHES for i in range(ITERATIONS)}  # one W per chunk, once
     assert sorted(trainer.states()) == [0, 1]
-    reference = _model()
-    optimizer = Momentum(reference.parameters())
-    for i in range(ITERATIONS):
-        x, y = _batch(i)
-        optimizer.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        optimizer.step()
-    for name, value in reference.state_dict().items():
+    for name, value in mse_reference(_model(), _batch, ITERATIONS).items():
         assert torch.allclose(net.state_dict()[name], value, rtol=0, atol=1e-10), name
     assert latest_complete(tmp_path, 2) == ITERATIONS - 1
     assert sorted(p.name for p in checkpoint_dir(tmp_path, 0, 0).parent.iterdir()) == ["stage0", "stage1"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from momentum import Momentum
-from scripted_session import ScriptedSession
+from scripted_session import ScriptedSession, mse_reference
 from torch import nn
 
 from schedcomp import CostModel, Topology
@@ -110,14 +110,7 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fault_free() -> dict[str, torch.Tensor]:
     """The single-process reference: full-batch mean loss (= the mean over equal micro-batches), same optimizer."""
-    m = model()
-    opt = Momentum(m.parameters())
-    for i in range(ITERATIONS):
-        x, y = batch(i)
-        opt.zero_grad()
-        F.mse_loss(m(x), y).backward()
-        opt.step()
-    return m.state_dict()
+    return mse_reference(model(), batch, ITERATIONS)
 
 
 def train(policy: str | RecoveryPolicy, fail_at: tuple[int, int] | None, checkpoint: CheckpointPolicy | None = None,

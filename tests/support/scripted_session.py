@@ -1,12 +1,18 @@
-"""A scripted `FaultSession` for a one-worker resilient job run in the test process (no store, no peers)."""
+"""A one-worker resilient job run in the test process: a scripted `FaultSession` (no store, no peers)
+and the model it must train, trained plainly."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from momentum import Momentum
+from torch import nn
 
 from schedcomp.runtime.fault.groups import Generation
 from schedcomp.runtime.fault.membership import View
@@ -59,3 +65,16 @@ class ScriptedSession:
 
     def close(self) -> None:
         self.generation.close()  # group names are global: the next test builds its own
+
+
+def mse_reference(model: nn.Module, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                  iterations: int) -> dict[str, torch.Tensor]:
+    """The single-process reference: `model` trained on each iteration's full batch (mean squared error,
+    the mean over equal micro-batches) with `Momentum`; its final state."""
+    optimizer = Momentum(model.parameters())
+    for i in range(iterations):
+        x, y = batch(i)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
