@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from fault_procs import run_job, state_digest
 from momentum import Momentum
-from resilient_procs import HERE, assert_matches_reference, chaos_reference
+from resilient_procs import HERE, assert_matches_reference, assert_state_matches, chaos_reference
 from scripted_session import ME, ScriptedSession, mse_reference
 from torch import nn
 
@@ -255,3 +255,24 @@ def test_a_worker_holding_two_chunks_dies_mid_iteration_and_its_replacement_rejo
             assert [(rec["failed"], rec["rerun"], rec["undone"]) for rec in r["recoveries"]] == [
                 ([str(victim)], 1, undone)], w
             assert r["admitted"] == [joined["resumed_at"]]
+
+
+@pytest.mark.slow
+def test_losing_every_worker_of_a_place_restarts_every_chunk_from_its_checkpoint(tmp_path: Path) -> None:
+    # ZB-V: place 0 holds chunks 0 and 3, the V's two ends. Both its workers die right before their
+    # STEP of iteration 2, once place 1 stepped and checkpointed it (`settle`): chunks 1 and 2 have a
+    # checkpoint of 2, chunks 0 and 3 only of 1, so the restarted run restores every chunk from 1.
+    cache_dir, ckpt = precompile_chunked(tmp_path / "plans", "zb-v"), tmp_path / "ckpt"
+    plan = PlanCache.load(cache_dir).lookup([])
+    spec = ",".join(f"{w}@2.{len(plan.streams[w]) - 1}" for w in (Worker(0, 0), Worker(1, 0)))
+    iterations = 5
+    results, err = run_job(PP, DP, ["--max-restarts", "1"],
+                           [str(HERE), "restart", str(iterations), cache_dir, str(ckpt), spec, "replan", "1"], 150.0)
+    assert set(results) == {str(w) for w in Topology.of(PP, DP).workers}, err[-6000:]
+    reference = chaos_reference(PP * CHUNKS, DP * MICROBATCHES, iterations)
+    for w, r in results.items():
+        assert (r["run"], r["restored_from"], r["iterations_lost"]) == (1, 1, 1), w
+        assert sorted(map(int, r["ledger"])) == [2, 3, 4]
+        assert set(r["states"]) == {str(s) for s in plan.topology.chunks_of(Worker.parse(w).stage)}
+        assert_state_matches(r, reference)
+    assert latest_complete(ckpt, PP * CHUNKS) == iterations - 1  # every chunk kept checkpointing

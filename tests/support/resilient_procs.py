@@ -74,17 +74,23 @@ def assert_matches_reference(results: dict[str, dict], reference: list[dict], ex
     exactly once; and all of them ended in the same generation."""
     assert set(results) == expected, sorted(results)
     for r in results.values():
-        held = r.get("states") or {r["worker"].split(":")[1]: r["state"]}
         assert r["iterations"] == iterations
-        for stage, state in held.items():
-            for name, value in reference[int(stage)].items():
-                diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
-                assert diff <= tolerance, (r["worker"], stage, name, diff)
+        assert_state_matches(r, reference, tolerance)
         first = r["resumed_at"] or 0
         assert sorted(map(int, r["ledger"])) == list(range(first, iterations)), r["worker"]
         for i, counts in r["ledger"].items():
             assert counts == [1.0] * chunks, (r["worker"], i, counts)
     assert len({r["generation"] for r in results.values()}) == 1
+
+
+def assert_state_matches(result: dict, reference: list[dict], tolerance: float = 1e-10) -> None:
+    """A worker's stage (every chunk it holds, by virtual stage, with virtual stages) equals the
+    fault-free `reference` (one entry per (virtual) stage), float64, within `tolerance`."""
+    held = result.get("states") or {result["worker"].split(":")[1]: result["state"]}
+    for stage, state in held.items():
+        for name, value in reference[int(stage)].items():
+            diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
+            assert diff <= tolerance, (result["worker"], stage, name, diff)
 
 
 def _flat(x) -> list[float]:
@@ -303,7 +309,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
             root.set("killed_at", repr(time.time()))
         kill(iteration, index, ins)
 
-    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp * cache.chunks), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session,
                                before=before, checkpoint=CheckpointPolicy(ckpt_dir, every=1, on_failure=on_failure),
                                policy=os.environ.get("CHAOS_POLICY", "rollback"))
@@ -313,6 +319,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
           "restored_from": report.restored_from, "iterations_lost": report.iterations_lost,
           "previous": previous, "generation": report.generation, "failed": list(report.failed),
           "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries],
           "skipped_samples": {str(i): n for i, n in report.skipped_samples.items()},
