@@ -19,6 +19,7 @@ from typing import NoReturn
 import pytest
 import torch
 import torch.nn.functional as F
+from chaos_job import precompile_family
 from fault_procs import run_job, state_digest
 from momentum import Momentum
 from resilient_procs import HERE, assert_matches_reference, assert_state_matches, chaos_reference
@@ -210,11 +211,7 @@ def test_one_worker_undoes_the_step_of_both_its_chunks_and_checkpoints_each(tmp_
 def precompile_chunked(directory: Path, family: str) -> str:
     """The job's plan cache (every failure set of one worker, re-routed around it), whose fault-free
     plan is `family`'s own."""
-    cache = precompile(PP, DP, MICROBATCHES, 1, chunks=CHUNKS, placement=FAMILIES[family], time_limit=1.0)
-    fault_free = next(key for key in cache.plans if not key[0])
-    cache.plans[fault_free] = compile(PP, DP, MICROBATCHES, schedule=family)
-    cache.save(directory)
-    return str(directory)
+    return precompile_family(directory, PP, DP, MICROBATCHES, 1, family)
 
 
 @pytest.mark.slow
