@@ -184,6 +184,7 @@ class ResilientTrainer:
         # the job's chunks per worker and their placement (a `PlanCache` knows them; see `plan_for`)
         self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
         refuse_chunks(self.policy, self.chunks)
+        self.options.refuse_chunks(self.chunks)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)

@@ -82,9 +82,7 @@ class PipelineTrainer:
                  max_grad_norm: float | None = None, skip_nonfinite: bool = False, grad_check: str = POST,
                  autocast: torch.dtype | None = None) -> None:
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
-        if plan.topology.chunks > 1 and self.options.checks_globally:  # refused before any process group is made
-            raise RuntimeSetupError("max_grad_norm and skip_nonfinite run one stage per worker for now: compile a "
-                                    "family without virtual stages (chunks=1) to use them")
+        self.options.refuse_chunks(plan.topology.chunks)  # before any process group is made
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
