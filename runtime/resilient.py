@@ -38,7 +38,7 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   chunks, and everything above moves all of them (`fault.chunks`): the step snapshot, the
   transfer to a replacement (from a live worker at the same place, which holds the same chunks),
   and the checkpoints, one per chunk under its virtual stage. The lossy policy and logging-based
-  recovery work one stage per worker and are refused with chunks (`refuse_chunks`).
+  recovery work one stage per worker and are refused with chunks (`fault.policies.refuse_chunks`).
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -69,13 +69,13 @@ from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state, send_held_state
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy
+from schedcomp.runtime.fault.policies import recovery_policy, refuse_chunks
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
-from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
-from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
@@ -85,53 +85,8 @@ from schedcomp.topology import LOOP, Topology
 
 log = logging.getLogger(__name__)
 
-POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
-                                                     "restart": RestartPolicy}
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
-
-
-def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None,
-                    logging: LoggingPolicy | None = None) -> RecoveryPolicy:
-    """The policy object `ResilientTrainer(policy=..., checkpoint=..., logging=...)` runs: a name maps to a fresh one.
-
-    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`; `logging`
-    makes the default policy logging-based recovery (`fault.swift.SwiftPolicy`).
-    """
-    if logging is not None:
-        if policy != "rollback" or checkpoint is None or checkpoint.on_failure == RESTART:
-            raise RecoveryError("logging-based recovery replays from checkpoints and rolls back otherwise: pass "
-                                "checkpoint=CheckpointPolicy(...) (on_failure='replan') and no other policy")
-        return SwiftPolicy(logging, checkpoint)
-    if checkpoint is not None and checkpoint.on_failure == RESTART:
-        if not isinstance(policy, (str, RestartPolicy)):
-            raise RecoveryError(f"on_failure='restart' restarts on every failure, so recovery policy {policy!r} "
-                                "would never run: pass one or the other")
-        policy = "restart"
-    if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
-        policy = POLICIES[policy]()
-    if not isinstance(policy, RecoveryPolicy):
-        raise RecoveryError(f"recovery policy {policy!r} lacks the hooks of `fault.recovery.RecoveryPolicy`: "
-                            "subclass RollbackPolicy and override what you need")
-    if isinstance(policy, RestartPolicy) and checkpoint is None:
-        raise RecoveryError("recovery policy 'restart' needs a checkpoint: pass checkpoint=CheckpointPolicy(...)")
-    return policy
-
-
-def refuse_chunks(policy: RecoveryPolicy, chunks: int) -> None:
-    """Refuse, in one line, a policy that recovers one stage per worker for a job whose workers hold
-    several chunks (lossy: its residual streams and rescaling; logging: its boundary logs and replay)."""
-    if chunks <= 1:
-        return
-    if isinstance(policy, SwiftPolicy):
-        raise RuntimeSetupError(f"logging-based recovery replays one stage per worker, but this job's workers hold "
-                                f"{chunks} chunks: drop logging= (rollback, and checkpoint-restart when a place "
-                                "loses every worker)")
-    if isinstance(policy, LossyPolicy):
-        raise RuntimeSetupError(f"the lossy policy finishes an iteration one stage per worker, but this job's workers "
-                                f"hold {chunks} chunks: use policy='rollback' (the default) with virtual stages")
 
 
 class ResilientTrainer:
