@@ -1,13 +1,16 @@
 """Resilient jobs with virtual stages: every chunk a worker holds is snapshotted, moved and checkpointed.
 
-The unit tests check the keying in one process: the step snapshot of several chunks, the state a
-donor sends (as the receiver decodes it) and the per-chunk checkpoints, each restoring exactly and
-never into another chunk. The end-to-end tests launch a pp = 2, dp = 2 job with two chunks per
-worker (interleaved 1F1B, ZB-V; 4 processes, CPU, gloo), SIGKILL a worker mid-iteration and
-respawn it: the survivors roll back and re-run on the re-routed chunked plan, the replacement
-receives both its chunks from the live worker at its place, the job switches back to the family's
-fault-free plan, and every worker's chunks end equal to the fault-free model trained in one
-process on the same batches (float64, 1e-10).
+In one process: the keying (the step snapshot of several chunks, the state a donor sends as the
+receiver decodes it, the per-chunk checkpoints: each restores exactly and never into another
+chunk), the refusals, and `ResilientTrainer` on a one-worker job holding both chunks (a rollback
+that undoes both chunks' steps; per-chunk checkpoints).
+
+End to end, pp = 2, dp = 2 jobs with two chunks per worker (interleaved 1F1B, ZB-V; 4 processes,
+CPU, gloo) under the launcher: a worker is SIGKILLed mid-iteration and respawned (the survivors
+roll back and re-run on the re-routed chunked plan, the replacement receives both its chunks from
+the live worker at its place, the job switches back to the family's fault-free plan), or both
+workers of a place die (checkpoint-restart of every chunk). Every worker's chunks end equal to the
+fault-free model trained in one process on the same batches (float64, 1e-10).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from schedcomp.topology import Topology, Worker
 
 PP, DP, MICROBATCHES, CHUNKS, ITERATIONS = 2, 2, 4, 2, 7
 WIDTH = 3  # of the one-process job's model
-FAMILIES = {"interleaved-1f1b": "loop", "zb-v": "v"}  # family -> its placement of chunks
+FAMILIES = ("interleaved-1f1b", "zb-v")  # two chunks per worker, placed in a loop and in a V
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")]
