@@ -226,7 +226,7 @@ def precompile_chunked(directory: Path, family: str) -> str:
     ("interleaved-1f1b", Worker(1, 1), False),
     # 1:0 (place 0: chunks 0 and 3, the V's ends) dies right before its all-reduce, once place 1
     # has stepped iteration 1 (CHAOS_SETTLE): a half-applied step, which place 1 undoes from the
-    # snapshot of both its chunks before re-running it.
+    # snapshot of both its chunks (an LR schedule's state with them) before re-running it.
     ("zb-v", Worker(1, 0), True),
 ], ids=["interleaved-1f1b", "zb-v"])
 def test_a_worker_holding_two_chunks_dies_mid_iteration_and_its_replacement_rejoins(
@@ -236,15 +236,19 @@ def test_a_worker_holding_two_chunks_dies_mid_iteration_and_its_replacement_rejo
     assert plan.family == family and plan.topology.chunks == CHUNKS
     stream = plan.streams[victim]
     index = [str(ins) for ins in stream].index("ALLREDUCE") if settle else len(stream) // 2
+    schedule = "step" if settle else None  # StepLR on every chunk's optimizer: undone and handed over too
     if settle:
         monkeypatch.setenv("CHAOS_SETTLE", "1")
+        monkeypatch.setenv("CHAOS_SCHEDULE", schedule)
     # The survivors wait at iteration 2 until the replacement has announced itself; replacements enter
     # three iterations after the boundary that finds them (`agreement.switch_iteration`): at 4 or 5.
     worker_args = [str(HERE), "resilient", str(ITERATIONS), cache_dir, f"{victim}@1.{index}", "2"]
     results, _ = run_job(PP, DP, ["--respawn", "1"], worker_args, timeout=150.0)
     everyone = {str(w) for w in Topology.of(PP, DP).workers}
-    assert_matches_reference(results, chaos_reference(PP * CHUNKS, DP * MICROBATCHES, ITERATIONS), everyone,
-                             ITERATIONS, DP * MICROBATCHES)
+    reference = chaos_reference(PP * CHUNKS, DP * MICROBATCHES, ITERATIONS, schedule)
+    if schedule:
+        assert reference != chaos_reference(PP * CHUNKS, DP * MICROBATCHES, ITERATIONS)  # the schedule counts
+    assert_matches_reference(results, reference, everyone, ITERATIONS, DP * MICROBATCHES)
     joined = results[str(victim)]
     assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5)
     assert joined["rejoined"]["received_bytes"] > 0
@@ -252,6 +256,7 @@ def test_a_worker_holding_two_chunks_dies_mid_iteration_and_its_replacement_rejo
         worker = Worker.parse(w)
         assert set(r["states"]) == {str(s) for s in plan.topology.chunks_of(worker.stage)}  # each chunk it holds
         assert r["failed"] == []  # back on the fault-free plan
+        assert r["lr"] == (0.05 * 0.5 ** (ITERATIONS // 2) if schedule else None)  # StepLR: halved every 2 steps
         if worker != victim:
             undone = settle and worker.stage != victim.stage
             assert [(rec["failed"], rec["rerun"], rec["undone"]) for rec in r["recoveries"]] == [
