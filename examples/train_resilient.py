@@ -10,6 +10,9 @@ in flight, switch to the cached plan for the new failed set and go on; `--respaw
 replacement, which receives its stage's state from a live replica and rejoins. The model trained is
 exactly the fault-free one: every iteration uses the same global batch whoever runs it, so
 `batch_for(i)` must return the same tensors whenever it is called for iteration i.
+
+Precompiled with `--chunks 2` (interleaved placement) or `--chunks 2 --placement v` (ZB-V's), each
+worker holds two model chunks (the GPT is cut into pp x 2 stages) and recovery moves both.
 """
 
 from __future__ import annotations

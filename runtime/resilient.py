@@ -39,6 +39,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   every member holds the compiled plan (same digest), they switch to it at an agreed iteration
   boundary (`fault.better`; `Report.improved`). A new generation cancels a pending switch: its keys
   are the generation's.
+- Virtual stages (a plan with `chunks` > 1: interleaved-1f1b, zb-v): a worker holds several model
+  chunks, and everything above moves all of them (`fault.chunks`): the step snapshot, the
+  transfer to a replacement (from a live worker at the same place, which holds the same chunks),
+  and the checkpoints, one per chunk under its virtual stage. The lossy policy and logging-based
+  recovery work one stage per worker and are refused with chunks (`fault.policies.refuse_chunks`).
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -67,63 +72,36 @@ from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.better import BetterPlan
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state, send_held_state
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy
+from schedcomp.runtime.fault.policies import recovery_policy, refuse_chunks
+from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
-from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy, LastResort
+from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
-from schedcomp.runtime.fault.swift import SwiftPolicy
-from schedcomp.runtime.fault.transfer import StepSnapshot, recv_stage_state, send_stage_state
+from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
-from schedcomp.topology import Topology
+from schedcomp.topology import LOOP, Topology
 
 log = logging.getLogger(__name__)
 
-POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
-                                                     "restart": RestartPolicy}
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
 PlanSource = Callable[[Topology], Plan]
-
-
-def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None,
-                    logging: LoggingPolicy | None = None) -> RecoveryPolicy:
-    """The policy object `ResilientTrainer(policy=..., checkpoint=..., logging=...)` runs: a name maps to a fresh one.
-
-    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`; `logging`
-    makes the default policy logging-based recovery (`fault.swift.SwiftPolicy`).
-    """
-    if logging is not None:
-        if policy != "rollback" or checkpoint is None or checkpoint.on_failure == RESTART:
-            raise RecoveryError("logging-based recovery replays from checkpoints and rolls back otherwise: pass "
-                                "checkpoint=CheckpointPolicy(...) (on_failure='replan') and no other policy")
-        return SwiftPolicy(logging, checkpoint)
-    if checkpoint is not None and checkpoint.on_failure == RESTART:
-        if not isinstance(policy, (str, RestartPolicy)):
-            raise RecoveryError(f"on_failure='restart' restarts on every failure, so recovery policy {policy!r} "
-                                "would never run: pass one or the other")
-        policy = "restart"
-    if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
-        policy = POLICIES[policy]()
-    if not isinstance(policy, RecoveryPolicy):
-        raise RecoveryError(f"recovery policy {policy!r} lacks the hooks of `fault.recovery.RecoveryPolicy`: "
-                            "subclass RollbackPolicy and override what you need")
-    if isinstance(policy, RestartPolicy) and checkpoint is None:
-        raise RecoveryError("recovery policy 'restart' needs a checkpoint: pass checkpoint=CheckpointPolicy(...)")
-    return policy
 
 
 class ResilientTrainer:
     """Train with `PipelineTrainer` under a `FaultSession`, rolling back and re-planning after failures.
 
     - `plans`: a `PlanCache` (or any `topology -> Plan`) with a plan for every failed set to survive.
+      Plans with virtual stages (interleaved-1f1b, zb-v: `chunks` > 1) run too: the cache's
+      `chunks` and `placement` are the job's, and a function gets the topology with them (those of
+      its first plan once it returned one; until then a worker builds its chunks after joining).
     - `build_stage`, `loss_fn`, `make_optimizer`: as for `PipelineTrainer`; the optimizer's state
       must be plain data in `state_dict()` (snapshots and replica transfers never pickle).
     - `batch_for(iteration)`: the global batch of that iteration, the same on every call.
@@ -166,6 +144,10 @@ class ResilientTrainer:
         # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
         self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
         self._plan_source = plans
+        # the job's chunks per worker and their placement (a `PlanCache` knows them; see `plan_for`)
+        self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
+        refuse_chunks(self.policy, self.chunks)
+        self.options.refuse_chunks(self.chunks)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -175,6 +157,7 @@ class ResilientTrainer:
         self.better = BetterPlan(improved, self.session.store, self.session.lead) if improved is not None else None
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
+        self.held: Held = {}
         self.iteration = 0
         self.iterations = 0  # to train (set by `run`)
         self.report: Report | None = None
@@ -186,31 +169,40 @@ class ResilientTrainer:
         wait_abortable(work, self.session.signal)
 
     def plan_for(self, topology: Topology) -> Plan:
-        """The cached plan for this topology (its failed set)."""
-        return self._plans(topology)
+        """The cached plan for this topology's failed set (the session's topologies count places;
+        the plan source is asked with the job's chunks and placement)."""
+        plan = self._plans(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
+        self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
+        return plan
 
     # ---- start -----------------------------------------------------------------------------------------
 
     def start(self) -> int:
         """Join the job; returns the iteration to start at (0, or a replacement's resume point)."""
         session = self.session
-        # Build the stage before joining: a replacement's build would otherwise stall the survivors
+        # Build the chunks before joining: a replacement's build would otherwise stall the survivors
         # at its admission (they wait for it to build its groups; 0.7 s for a 384 MB stage).
-        module = build_module(self.build_stage, session.me.stage, session.env.pp)
+        job = Topology.of(session.env.pp, session.env.dp, chunks=self.chunks, placement=self.placement)
+        built = {s: build_module(self.build_stage, s, job.stages) for s in job.chunks_of(session.me.stage)}
         view = session.start() if session.view is None else session.view
         plan = self.plan_for(view.topology)
-        if plan.topology.chunks > 1:  # recovery moves one stage's state per worker (snapshot, replicas, checkpoints)
-            raise RuntimeSetupError(f"the plan holds {plan.topology.chunks} chunks per worker: resilient jobs run one "
-                                    "stage per worker, use PipelineTrainer for virtual stages")
+        refuse_chunks(self.policy, plan.topology.chunks)  # a plan source that is a function: known only now
         if plan.cut:  # its ledger and lossy recovery count whole micro-batches
             raise RuntimeSetupError("the plan re-cuts micro-batches: resilient jobs run whole ones, use "
                                     "PipelineTrainer for a re-cut plan")
-        self.trainer = PipelineTrainer(plan, lambda _stage: module, self.loss_fn, self.make_optimizer,
+        stages = plan.topology.stages
+        if stages != job.stages:  # a function's first plan has chunks: the model splits otherwise
+            built.clear()
+
+        def build(s: int) -> nn.Module:  # what was built before joining, else now
+            return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
+
+        self.trainer = PipelineTrainer(plan, build, self.loss_fn, self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
-        stage = self.trainer.stage
-        self.snapshot = StepSnapshot(stage.module, stage.optimizer)
+        self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
+        self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
         if session.env.rejoining:
             donor = session.donor_for(session.me.stage)
@@ -229,8 +221,7 @@ class ResilientTrainer:
                 raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
                                     "restart the job from a checkpoint")
             receiving = time.time()
-            got = recv_stage_state(stage.module, stage.optimizer, session.groups.world,
-                                   src=session.groups.rank_of(donor), wait=self.wait)
+            got = recv_held_state(self.held, session.groups.world, src=session.groups.rank_of(donor), wait=self.wait)
             assert session.announced_at is not None and session.admitted_at is not None
             self.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(),
                                             got.nbytes)
@@ -239,7 +230,7 @@ class ResilientTrainer:
             self.report.resumed_at = start
         else:
             self.trainer.sync_replicas()
-            resumed = self.last_resort.resume(stage.module, stage.optimizer)
+            resumed = self.last_resort.resume(self.held, stages)
             start = resumed.start
             if start > 0:
                 session.commit(start - 1)  # it holds the checkpoint's state after that step
@@ -265,7 +256,8 @@ class ResilientTrainer:
         def step(it: Iteration) -> None:
             decision = self.policy.on_step(it)
             if decision.scale != 1.0:
-                trainer.stage.scale_grads(decision.scale)
+                for stage in trainer.stages.values():
+                    stage.scale_grads(decision.scale)
             snapshot.take(i)
             if decision.apply:
                 trainer.update(i)  # the optimizer and LR schedule, through the global check if any
@@ -273,10 +265,11 @@ class ResilientTrainer:
                 if outcome is not None and self.report is not None:
                     self.report.updates[i] = (outcome.grad_norm, outcome.clipped, outcome.skipped)
             else:
-                trainer.stage.optimizer.zero_grad(set_to_none=True)
+                for stage in trainer.stages.values():
+                    stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
             if checkpoint:
-                self.last_resort.after_step(i, trainer.stage.module, trainer.stage.optimizer)
+                self.last_resort.after_step(i, self.held)
 
         return step
 
@@ -299,7 +292,9 @@ class ResilientTrainer:
         """Iteration i is done on this worker (run, or finished after a failure): report it."""
         report = self.report
         assert report is not None and it.ledger is not None
-        report.ledger[i] = it.ledger.tolist()
+        chunks = self.trainer.plan.topology.chunks if self.trainer is not None else 1
+        # each chunk a worker holds adds its W of a micro-batch: counted once per chunk, reported once
+        report.ledger[i] = (it.ledger / chunks if chunks > 1 else it.ledger).tolist()
         report.completed_at[i] = time.time()
         loss = it.loss()
         if loss is not None:
@@ -372,14 +367,15 @@ class ResilientTrainer:
         return undone
 
     def _hand_over(self, resume_at: int) -> None:
-        """After a change of generation: the donor of this stage sends its state to each replacement."""
+        """After a change of generation: the donor of this stage sends its state (every chunk it holds)
+        to each replacement."""
         session, trainer, report = self.session, self.trainer, self.report
         assert trainer is not None and report is not None
         stage = session.me.stage
         for joiner in session.joiners():
             if joiner.stage == stage and session.donor_for(stage) == session.me:
-                send_stage_state(trainer.stage.module, trainer.stage.optimizer, session.groups.world,
-                                 [session.groups.rank_of(joiner)], info={"iteration": resume_at}, wait=self.wait)
+                send_held_state(self.held, session.groups.world, [session.groups.rank_of(joiner)],
+                                info={"iteration": resume_at}, wait=self.wait)
                 report.handed_over += 1
 
     def _boundary(self, completed: int) -> None:
@@ -442,9 +438,14 @@ class ResilientTrainer:
         return self.report
 
     def state(self) -> dict[str, Tensor]:
-        """This worker's stage parameters and buffers (a state dict)."""
+        """This worker's stage parameters and buffers (a state dict; with chunks, its first chunk's: see `states`)."""
         assert self.trainer is not None
         return self.trainer.stage.module.state_dict()
+
+    def states(self) -> dict[int, dict[str, Tensor]]:
+        """The parameters and buffers of every chunk this worker holds, by virtual stage."""
+        assert self.trainer is not None
+        return {s: stage.module.state_dict() for s, stage in self.trainer.stages.items()}
 
     def close(self) -> None:
         try:

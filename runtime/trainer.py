@@ -88,9 +88,7 @@ class PipelineTrainer:
             raise RuntimeSetupError(f"seed must be a whole number or None, got {seed!r}")
         self.seed = seed
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
-        if plan.topology.chunks > 1 and self.options.checks_globally:  # refused before any process group is made
-            raise RuntimeSetupError("max_grad_norm and skip_nonfinite run one stage per worker for now: compile a "
-                                    "family without virtual stages (chunks=1) to use them")
+        self.options.refuse_chunks(plan.topology.chunks)  # before any process group is made
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):

@@ -77,6 +77,12 @@ class TrainingOptions:
         """float16 autocast: the loss is scaled, and an overflow anywhere skips the update everywhere."""
         return self.autocast == torch.float16
 
+    def refuse_chunks(self, chunks: int) -> None:
+        """The global check runs one stage per worker for now: refuse it, in one line, with `chunks` > 1."""
+        if chunks > 1 and self.checks_globally:
+            raise RuntimeSetupError("max_grad_norm, skip_nonfinite and float16 run one stage per worker for now: "
+                                    "compile a family without virtual stages (chunks=1) to use them")
+
 
 class LossScaler:
     """float16's dynamic loss scale (GradScaler's rule), the same on every worker.

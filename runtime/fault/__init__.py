@@ -14,6 +14,7 @@ training loop around it):
 - `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead; their
   construction gives up when the generation breaks (`Abort`).
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
+  `chunks`: the same for every model chunk a worker holds (virtual stages), keyed by virtual stage.
 - `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles;
   `checkpoint_check`: everything a restore checks first (manifest, layout, metadata, digests).
 - `launch_args`: the launcher's command line, checked whole before anything starts.

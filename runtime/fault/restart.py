@@ -48,11 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from torch import nn
-from torch.optim import Optimizer
-
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_writer, latest_complete, restore
+from schedcomp.runtime.fault.chunks import Held
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import Keys, get_int
 from schedcomp.topology import Topology
@@ -142,49 +140,60 @@ class Resumed:
 
 
 class LastResort:
-    """One worker's share of checkpoint-restart: resume at start, save after STEP, give up on a lost stage."""
+    """One worker's share of checkpoint-restart: resume at start, save after STEP, give up on a lost stage.
+
+    Checkpoints are per model chunk: a worker holding several (virtual stages, `fault.chunks`)
+    writes and restores each under its own virtual stage, `checkpoint_dir(directory, iteration, s)`.
+    """
 
     def __init__(self, schedule: CheckpointPolicy | None, session: FaultSession,
                  leave: Callable[[int], NoReturn] = leave) -> None:
         self.schedule, self.session, self.leave = schedule, session, leave
-        self.checkpointer = (AsyncCheckpointer(schedule.directory, session.me.stage, schedule.every)
-                             if schedule is not None else None)
+        self.checkpointers: dict[int, AsyncCheckpointer] = {}  # by virtual stage, one save in flight each
 
-    def resume(self, module: nn.Module, optimizer: Optimizer) -> Resumed:
-        """Restore the checkpoint every worker of this run agrees on (the first to look picks it)."""
+    def resume(self, held: Held, stages: int) -> Resumed:
+        """Restore the checkpoint every worker of this run agrees on (the first to look picks it) into
+        the chunks `held`; `stages`: the model's (virtual) stages, every one of which must have it."""
         store, env = self.session.store, self.session.env
         previous = (RestartRequest.from_json(store.get(Keys.previous_run()))
                     if store.check([Keys.previous_run()]) else None)
         if self.schedule is None:
             return Resumed(None, None, previous)
-        mine = latest_complete(self.schedule.directory, env.pp)
+        mine = latest_complete(self.schedule.directory, stages)
         agreed = json.loads(store.compare_set(Keys.restored(), "", json.dumps(mine)))
         if agreed is not None:
-            restore(self.schedule.directory, agreed, env.worker.stage, module, optimizer)
+            for s, (module, optimizer) in held.items():
+                restore(self.schedule.directory, agreed, s, module, optimizer)
             log.warning("worker %s: restored the checkpoint of iteration %d", env.worker, agreed)
         lost = None if previous is None else previous.reached - (agreed if agreed is not None else -1)
         return Resumed(agreed, lost, previous)
 
-    def after_step(self, iteration: int, module: nn.Module, optimizer: Optimizer) -> None:
-        """Right after STEP of `iteration` (and its commit record): save if due and this worker writes."""
-        if self.checkpointer is None:
+    def after_step(self, iteration: int, held: Held) -> None:
+        """Right after STEP of `iteration` (and its commit record): save every chunk held, if due and this
+        worker writes."""
+        if self.schedule is None:
             return
         view = self.session.view
         assert view is not None
         me = self.session.me
-        self.checkpointer.after_step(iteration, module, optimizer, checkpoint_writer(view.topology, me.stage) == me)
+        writer = checkpoint_writer(view.topology, me.stage) == me
+        for s, (module, optimizer) in held.items():
+            if s not in self.checkpointers:
+                self.checkpointers[s] = AsyncCheckpointer(self.schedule.directory, s, self.schedule.every)
+            self.checkpointers[s].after_step(iteration, module, optimizer, writer)
 
     def give_up(self, error: BaseException) -> NoReturn:
         """The job cannot go on by re-planning: ask for a restart (or, without checkpoints, just leave)."""
         me, session = self.session.me, self.session
-        if self.checkpointer is None:
+        if self.schedule is None:
             log.error("worker %s: %s (no checkpoints to restart from: pass checkpoint=CheckpointPolicy(...))",
                       me, _one_line(error))
             self.leave(1)
-        try:
-            self.checkpointer.wait()  # a save in flight may be the newest complete checkpoint
-        except Exception as e:  # a failed save only makes the restart go further back
-            log.warning("worker %s: checkpoint in flight failed (%s)", me, e)
+        for checkpointer in self.checkpointers.values():
+            try:
+                checkpointer.wait()  # a save in flight may be the newest complete checkpoint
+            except Exception as e:  # a failed save only makes the restart go further back
+                log.warning("worker %s: checkpoint in flight failed (%s)", me, e)
         view = session.view
         assert view is not None
         mine = RestartRequest(_one_line(error), highest_commit(session.store, view.topology), session.env.run)
@@ -194,9 +203,9 @@ class LastResort:
         self.leave(EXIT_RESTART)
 
     def close(self) -> None:
-        """Wait for the save in flight: the last checkpoint is complete when training returns."""
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
+        """Wait for the saves in flight: the last checkpoint is complete when training returns."""
+        for checkpointer in self.checkpointers.values():
+            checkpointer.wait()
 
 
 def _one_line(error: BaseException) -> str:

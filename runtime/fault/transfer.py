@@ -13,6 +13,7 @@ code. The state moves as one byte buffer, so it arrives bit-exact whatever the d
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -295,13 +296,23 @@ class StepSnapshot:
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
+        self._read: Callable[[], Any] = functools.partial(stage_state, module, optimizer)
+        self._load: Callable[[Any], None] = functools.partial(load_stage_state, module, optimizer)
         self.iteration: int | None = None
         self._skeleton: Any = None
         self._saved: list[Tensor] = []
 
+    @classmethod
+    def of_state(cls, read: Callable[[], Any], load: Callable[[Any], None]) -> StepSnapshot:
+        """A snapshot of any state `read()` returns and `load(state)` puts back (every chunk a worker
+        holds: `fault.chunks.held_snapshot`)."""
+        snapshot = cls.__new__(cls)
+        snapshot._read, snapshot._load = read, load
+        snapshot.iteration, snapshot._skeleton, snapshot._saved = None, None, []
+        return snapshot
+
     def take(self, iteration: int) -> None:
-        skeleton, tensors = flatten(stage_state(self.module, self.optimizer))
+        skeleton, tensors = flatten(self._read())
         same = skeleton == self._skeleton and all(
             s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
             for s, t in zip(self._saved, tensors, strict=True))
@@ -318,6 +329,6 @@ class StepSnapshot:
         if self.iteration is None:
             raise RecoveryError("no snapshot was taken before the step to undo: take one before every STEP")
         # Clones: the optimizer keeps the tensors it loads, and the snapshot's buffers are reused.
-        load_stage_state(self.module, self.optimizer, unflatten(self._skeleton, [s.clone() for s in self._saved]))
+        self._load(unflatten(self._skeleton, [s.clone() for s in self._saved]))
         undone, self.iteration = self.iteration, None
         return undone

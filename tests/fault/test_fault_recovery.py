@@ -9,35 +9,30 @@ error raised before an instruction; the session then "agrees" on the next genera
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import NoReturn
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from momentum import Momentum
+from scripted_session import ScriptedSession, mse_reference
 from torch import nn
 
-from schedcomp import CostModel, Topology, Worker
+from schedcomp import CostModel, Topology
 from schedcomp.errors import RecoveryError
 from schedcomp.lower import lower
 from schedcomp.runtime.fault.checkpoint import latest_complete
-from schedcomp.runtime.fault.groups import Generation
-from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy, RestartPolicy, RollbackPolicy, StepDecision
 from schedcomp.runtime.fault.restart import EXIT_RESTART, CheckpointPolicy, restart_requested
-from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
+from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.resilient import ResilientTrainer, recovery_policy
 from schedcomp.schedules import fault_free_order
 
 pytestmark = pytest.mark.timeout(60)
 
-ME = Worker(0, 0)
 MICROBATCHES, ROWS, WIDTH, ITERATIONS = 2, 4, 3, 4
 
 
@@ -101,51 +96,6 @@ def test_lossy_step_is_the_mean_over_the_microbatches_held(counts: list[float], 
 # ---- the trainer calls the hooks: a one-worker job in this process ------------------------------------
 
 
-@dataclass
-class ScriptedSession:
-    """A `FaultSession` for one worker: commit records in a dict, each recovery agrees at once."""
-
-    view: View = field(default_factory=lambda: View.initial(1, 1))
-    store: dist.Store = field(default_factory=dist.HashStore)
-    signal: threading.Event = field(default_factory=threading.Event)
-    commits: dict[Worker, int] = field(default_factory=lambda: {ME: -1})
-    reported: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.me = ME
-        self.env = SimpleNamespace(pp=1, dp=1, rejoining=False, run=0)
-        self.generation = Generation(self.store, self.view, ME)  # real gloo groups of one, on the HashStore
-        self.groups = SimpleNamespace(rank=0, generation=self.generation)
-
-    def commit(self, iteration: int) -> None:
-        self.commits[ME] = iteration
-
-    def report(self, error: BaseException) -> None:
-        self.reported.append(str(error))
-
-    def recover(self) -> View:
-        self.view = View(self.view.generation + 1, self.view.topology)
-        return self.view
-
-    def rollback(self) -> Rollback:
-        return rollback_decision(self.commits)
-
-    def finished(self) -> bool:
-        return False
-
-    def boundary(self, completed: int) -> None:
-        return None
-
-    def joiners(self) -> tuple[Worker, ...]:
-        return ()
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.generation.close()  # group names are global: the next test builds its own
-
-
 def model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)).double()
@@ -160,14 +110,7 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fault_free() -> dict[str, torch.Tensor]:
     """The single-process reference: full-batch mean loss (= the mean over equal micro-batches), same optimizer."""
-    m = model()
-    opt = Momentum(m.parameters())
-    for i in range(ITERATIONS):
-        x, y = batch(i)
-        opt.zero_grad()
-        F.mse_loss(m(x), y).backward()
-        opt.step()
-    return m.state_dict()
+    return mse_reference(model(), batch, ITERATIONS)
 
 
 def train(policy: str | RecoveryPolicy, fail_at: tuple[int, int] | None, checkpoint: CheckpointPolicy | None = None,

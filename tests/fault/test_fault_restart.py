@@ -157,7 +157,7 @@ def test_no_checkpoint_yet_starts_from_scratch_and_loses_every_iteration(tmp_pat
     session.store.set(Keys.previous_run(), RestartRequest("stage 1 lost", 4, 0).to_json())
     module, optimizer = demo_stage(seed=0)
     before = state_digest(module, optimizer)
-    resumed = LastResort(CheckpointPolicy(tmp_path), session).resume(module, optimizer)
+    resumed = LastResort(CheckpointPolicy(tmp_path), session).resume({0: (module, optimizer)}, stages=2)
     assert (resumed.restored_from, resumed.iterations_lost, resumed.start) == (None, 5, 0)
     assert state_digest(module, optimizer) == before
 
@@ -173,13 +173,13 @@ def test_every_worker_of_a_run_restores_the_same_checkpoint(tmp_path: Path) -> N
     first = _session(address, Worker(0, 0))
     first.store.set(Keys.previous_run(), RestartRequest("stage 1 lost", 3, 0).to_json())
     m0, o0 = demo_stage(seed=7)
-    assert LastResort(CheckpointPolicy(tmp_path), first).resume(m0, o0).restored_from == 1
+    assert LastResort(CheckpointPolicy(tmp_path), first).resume({0: (m0, o0)}, stages=2).restored_from == 1
     assert state_digest(m0, o0) == saved[0]
     # A newer checkpoint completes meanwhile (an old worker on a slow host): this run keeps iteration 1.
     for s, (m, o) in enumerate(stages):
         AsyncCheckpointer(tmp_path, s, every=1).save(2, m, o).result()
     m1, o1 = demo_stage(seed=8)
-    resumed = LastResort(CheckpointPolicy(tmp_path), _session(address, Worker(0, 1))).resume(m1, o1)
+    resumed = LastResort(CheckpointPolicy(tmp_path), _session(address, Worker(0, 1))).resume({1: (m1, o1)}, stages=2)
     assert (resumed.restored_from, resumed.iterations_lost, resumed.start) == (1, 2, 2)
 
 

@@ -1,4 +1,5 @@
-"""The pp = 4, dp = 2 resilient job the chaos and lossy tests launch: its shape, its plans, its launcher."""
+"""The pp = 4, dp = 2 resilient job the chaos and lossy tests launch: its shape, its plans, its launcher;
+and `precompile_family`, the plans of a job whose fault-free plan is a given family's (virtual stages)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from fault_procs import run_job
 from resilient_procs import HERE
 
+from schedcomp import compile
 from schedcomp.cache import PlanCache, precompile
 from schedcomp.ir import Plan
 
@@ -24,6 +26,18 @@ def seeds(default: int) -> list[int]:
 def precompile_chaos_plans(directory: Path) -> str:
     """The job's plan cache (every failure set of up to 2 workers), in `directory`."""
     precompile(PP, DP, MICROBATCHES, 2, directory=directory, time_limit=1.0)
+    return str(directory)
+
+
+def precompile_family(directory: Path, pp: int, dp: int, microbatches: int, max_failures: int, family: str) -> str:
+    """A plan cache in `directory` for every failure set of up to `max_failures` workers (re-routed, with
+    the family's chunks and placement), whose fault-free plan is `family`'s own."""
+    plan = compile(pp, dp, microbatches, schedule=family)
+    cache = precompile(pp, dp, microbatches, max_failures, chunks=plan.topology.chunks,
+                       placement=plan.topology.placement, time_limit=1.0)
+    fault_free = next(key for key in cache.plans if not key[0])
+    cache.plans[fault_free] = plan
+    cache.save(directory)
     return str(directory)
 
 

@@ -68,22 +68,29 @@ def chaos_reference(pp: int, chunks: int, iterations: int, schedule: str | None 
 
 def assert_matches_reference(results: dict[str, dict], reference: list[dict], expected: set[str], iterations: int,
                              chunks: int, tolerance: float = 1e-10) -> None:
-    """Every worker of `expected` reported; each replica's stage equals the fault-free `reference`
+    """Every worker of `expected` reported; each replica's stage (every chunk it holds, with virtual
+    stages: `reference` then has one entry per virtual stage) equals the fault-free `reference`
     (float64, `tolerance`); its ledger shows every micro-batch entered each iteration's update
     exactly once; and all of them ended in the same generation."""
     assert set(results) == expected, sorted(results)
     for r in results.values():
-        stage = int(r["worker"].split(":")[1])
         assert r["iterations"] == iterations
-        for name, value in reference[stage].items():
-            got = r["state"][name]
-            diff = max(abs(a - b) for a, b in zip(_flat(got), _flat(value), strict=True))
-            assert diff <= tolerance, (r["worker"], name, diff)
+        assert_state_matches(r, reference, tolerance)
         first = r["resumed_at"] or 0
         assert sorted(map(int, r["ledger"])) == list(range(first, iterations)), r["worker"]
         for i, counts in r["ledger"].items():
             assert counts == [1.0] * chunks, (r["worker"], i, counts)
     assert len({r["generation"] for r in results.values()}) == 1
+
+
+def assert_state_matches(result: dict, reference: list[dict], tolerance: float = 1e-10) -> None:
+    """A worker's stage (every chunk it holds, by virtual stage, with virtual stages) equals the
+    fault-free `reference` (one entry per (virtual) stage), float64, within `tolerance`."""
+    held = result.get("states") or {result["worker"].split(":")[1]: result["state"]}
+    for stage, state in held.items():
+        for name, value in reference[int(stage)].items():
+            diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
+            assert diff <= tolerance, (result["worker"], stage, name, diff)
 
 
 def _flat(x) -> list[float]:
@@ -146,7 +153,9 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     failed, wait until its replacement has announced itself (so that it is admitted in time).
     Environment: CHAOS_DETECTION, the detection time (default 15 s); CHAOS_GATES, iterations
     (comma-separated) at whose start every worker counts itself in `at_gate/G` and waits for the
-    key `gate/G` (the harness cuts or kills hosts while the job stands still there).
+    key `gate/G` (the harness cuts or kills hosts while the job stands still there); CHAOS_SETTLE=1:
+    a victim, at its point, first waits until every worker at another place of the pipelines has
+    committed that iteration (so that they stepped it when it dies: a half-applied step).
     """
     import functools
 
@@ -158,7 +167,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
     from schedcomp.runtime.fault.agreement import pending_joins
     from schedcomp.runtime.fault.inject import kill_at
     from schedcomp.runtime.fault.session import FaultSession
-    from schedcomp.runtime.fault.store import WorkerEnv
+    from schedcomp.runtime.fault.store import Keys, WorkerEnv, get_int
     from schedcomp.runtime.resilient import ResilientTrainer
 
     setup_logging()
@@ -186,6 +195,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
                            agree_timeout=90.0, backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
     kill = kill_at(at, env.worker, env.incarnation)
     gates = {int(g) for g in os.environ.get("CHAOS_GATES", "").split(",") if g}
+    settle = os.environ.get("CHAOS_SETTLE") == "1"
 
     def before(iteration: int, index: int, ins) -> None:
         if iteration in gates and index == 0:
@@ -207,6 +217,12 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
             while session.store.add("compiled", 0) < len(session.view.members) and time.monotonic() < deadline:
                 time.sleep(0.01)
         if kill is not None:
+            if settle and (iteration, index) >= at[env.worker]:
+                others = [w for w in session.view.members if w.stage != env.worker.stage]
+                deadline = time.monotonic() + 60
+                while (any(get_int(session.store, Keys.commit(w)) < iteration for w in others)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.005)
             if (iteration, index) >= at[env.worker] and not session.store.check(["killed_at"]):
                 session.store.set("killed_at", repr(time.time()))  # for the benchmark's recovery times
             kill(iteration, index, ins)
@@ -221,7 +237,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
         Momentum = ScheduledMomentum
         options = {"lr_scheduler": SCHEDULES[schedule] if schedule else None,
                    "max_grad_norm": float(max_norm) if max_norm else None}
-    trainer = ResilientTrainer(plans, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+    # with virtual stages the model has pp x chunks stages, each worker builds its chunks
+    trainer = ResilientTrainer(plans, functools.partial(chaos_stage, pp=env.pp * cache.chunks), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
                                after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"),
                                **options)
@@ -233,6 +250,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "skipped_samples": {str(i): v for i, v in report.skipped_samples.items()},
           "generation": report.generation, "failed": list(report.failed),
           "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
           "improved": report.improved, "plan_solver": trainer.trainer.plan.solver if trainer.trainer else None,
@@ -309,7 +327,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
             root.set("killed_at", repr(time.time()))
         kill(iteration, index, ins)
 
-    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp), F.mse_loss, Momentum,
+    trainer = ResilientTrainer(cache, functools.partial(chaos_stage, pp=env.pp * cache.chunks), F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, env.dp * cache.microbatches), session=session,
                                before=before, checkpoint=CheckpointPolicy(ckpt_dir, every=1, on_failure=on_failure),
                                policy=os.environ.get("CHAOS_POLICY", "rollback"))
@@ -319,6 +337,7 @@ def scenario_restart(iterations: str, cache_dir: str, ckpt_dir: str, victims: st
           "restored_from": report.restored_from, "iterations_lost": report.iterations_lost,
           "previous": previous, "generation": report.generation, "failed": list(report.failed),
           "state": {k: v.tolist() for k, v in trainer.state().items()},
+          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()},
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries],
           "skipped_samples": {str(i): n for i, n in report.skipped_samples.items()},

@@ -1,0 +1,63 @@
+"""Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
+`logging`), and which ones a job with virtual stages refuses.
+
+The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
+`fault.swift` (logging-based recovery).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
+from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy
+from schedcomp.runtime.fault.swift import SwiftPolicy
+from schedcomp.runtime.lossy import LossyPolicy
+
+POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
+                                                     "restart": RestartPolicy}
+
+
+def recovery_policy(policy: str | RecoveryPolicy, checkpoint: CheckpointPolicy | None = None,
+                    logging: LoggingPolicy | None = None) -> RecoveryPolicy:
+    """The policy object `ResilientTrainer(policy=..., checkpoint=..., logging=...)` runs: a name maps to a fresh one.
+
+    `CheckpointPolicy(on_failure="restart")` is the older spelling of `policy="restart"`; `logging`
+    makes the default policy logging-based recovery (`fault.swift.SwiftPolicy`).
+    """
+    if logging is not None:
+        if policy != "rollback" or checkpoint is None or checkpoint.on_failure == RESTART:
+            raise RecoveryError("logging-based recovery replays from checkpoints and rolls back otherwise: pass "
+                                "checkpoint=CheckpointPolicy(...) (on_failure='replan') and no other policy")
+        return SwiftPolicy(logging, checkpoint)
+    if checkpoint is not None and checkpoint.on_failure == RESTART:
+        if not isinstance(policy, (str, RestartPolicy)):
+            raise RecoveryError(f"on_failure='restart' restarts on every failure, so recovery policy {policy!r} "
+                                "would never run: pass one or the other")
+        policy = "restart"
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise RecoveryError(f"unknown recovery policy {policy!r}: use one of {', '.join(POLICIES)}")
+        policy = POLICIES[policy]()
+    if not isinstance(policy, RecoveryPolicy):
+        raise RecoveryError(f"recovery policy {policy!r} lacks the hooks of `fault.recovery.RecoveryPolicy`: "
+                            "subclass RollbackPolicy and override what you need")
+    if isinstance(policy, RestartPolicy) and checkpoint is None:
+        raise RecoveryError("recovery policy 'restart' needs a checkpoint: pass checkpoint=CheckpointPolicy(...)")
+    return policy
+
+
+def refuse_chunks(policy: RecoveryPolicy, chunks: int) -> None:
+    """Refuse, in one line, a policy that recovers one stage per worker for a job whose workers hold
+    several chunks (lossy: its residual streams and rescaling; logging: its boundary logs and replay)."""
+    if chunks <= 1:
+        return
+    if isinstance(policy, SwiftPolicy):
+        raise RuntimeSetupError(f"logging-based recovery replays one stage per worker, but this job's workers hold "
+                                f"{chunks} chunks: drop logging= (rollback, and checkpoint-restart when a place "
+                                "loses every worker)")
+    if isinstance(policy, LossyPolicy):
+        raise RuntimeSetupError(f"the lossy policy finishes an iteration one stage per worker, but this job's workers "
+                                f"hold {chunks} chunks: use policy='rollback' (the default) with virtual stages")
