@@ -94,6 +94,9 @@ class ImprovingPlans:
 
         if not isinstance(self.cache, PlanCache):
             raise SchedcompTypeError(f"ImprovingPlans needs a PlanCache, got {type(self.cache).__name__}")
+        if self.cache.chunks > 1:  # `repair` re-routes one stage per worker
+            raise ScheduleError(f"ImprovingPlans repairs plans of one stage per worker, and this cache's have "
+                                f"{self.cache.chunks} chunks: pass the PlanCache itself (precompile every failure set)")
         if self.solver not in SOLVERS:  # found now, not in a background process after a failure
             raise ScheduleError(f"unknown solver {self.solver!r}: choose one of {', '.join(SOLVERS)}")
         if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) or not (

@@ -165,3 +165,5 @@ def test_bad_input_is_one_clear_error(cache) -> None:
         ImprovingPlans(cache, solver="fast")
     with pytest.raises(ScheduleError, match="time_limit must be a positive number"):
         ImprovingPlans(cache, time_limit=float("nan"))
+    with pytest.raises(ScheduleError, match="this cache's have 2 chunks: pass the PlanCache itself"):
+        ImprovingPlans(precompile(2, 2, 4, 0, chunks=2, placement="v"))
