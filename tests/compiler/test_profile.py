@@ -16,16 +16,19 @@ from schedcomp.profile import MS, profile_costs
 from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
+STRAGGLER = Worker(1, 2)
 
-def _costs(pp: int) -> CostModel:
+
+def _costs(stages: int, slow: Worker = STRAGGLER) -> CostModel:
+    """Distinct costs per (virtual) stage, and one straggler at half speed."""
     return CostModel(
-        forward=tuple(1.0 + 0.25 * s for s in range(pp)),
-        backward_input=tuple(1.5 + 0.1 * s for s in range(pp)),
-        backward_weight=tuple(0.75 + 0.05 * s for s in range(pp)),
+        forward=tuple(1.0 + 0.25 * s for s in range(stages)),
+        backward_input=tuple(1.5 + 0.1 * s for s in range(stages)),
+        backward_weight=tuple(0.75 + 0.05 * s for s in range(stages)),
         p2p=0.3,
-        allreduce=tuple(0.4 + 0.1 * s for s in range(pp)),
-        optimizer=tuple(0.2 + 0.01 * s for s in range(pp)),
-        speed={Worker(1, 2): 0.5},
+        allreduce=tuple(0.4 + 0.1 * s for s in range(stages)),
+        optimizer=tuple(0.2 + 0.01 * s for s in range(stages)),
+        speed={slow: 0.5},
     )
 
 
@@ -84,15 +87,7 @@ def test_cli_profile_writes_a_cost_model(tmp_path: Path, capsys: pytest.CaptureF
 def test_profile_costs_each_chunk_of_virtual_stages(schedule: str, pp: int) -> None:
     """Traces of a plan with virtual stages give the model's pp x chunks entries, each chunk its own costs."""
     stages = 2 * pp
-    truth = CostModel(
-        forward=tuple(1.0 + 0.25 * s for s in range(stages)),
-        backward_input=tuple(1.5 + 0.1 * s for s in range(stages)),
-        backward_weight=tuple(0.75 + 0.05 * s for s in range(stages)),
-        p2p=0.3,
-        allreduce=tuple(0.4 + 0.1 * s for s in range(stages)),
-        optimizer=tuple(0.2 + 0.01 * s for s in range(stages)),
-        speed={Worker(1, 1): 0.5},
-    )
+    truth = _costs(stages, slow=Worker(1, 1))
     plan = compile(pp, 2, microbatches=8, schedule=schedule, chunks=2, costs=truth)
     got = profile_costs([simulate(plan, iterations=3).spans])
     assert got.pp == stages
