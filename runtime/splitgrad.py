@@ -14,6 +14,11 @@ So B + W do exactly the matmuls of one fused backward. Parameters of other layer
 embeddings, ...) get their gradients in B: they are cheap. The store belongs to one stage object;
 nothing here is global.
 
+A worker whose stream has no B (1F1B, interleaved 1F1B) never splits: the trainer sets the store's
+`needed` to False and its layers run plain `F.linear` under autograd, without the custom function,
+whose Python forward and backward per layer were the runtime's own cost at small widths
+(`bench/bench_runtime.py --paired`).
+
 Accumulation is in place, `grad.addmm_(grad_out^T, input)` (one GEMM with beta = 1, as Megatron's
 gradient-accumulation fusion does), instead of autograd's new tensor per micro-batch plus an add:
 less memory traffic, no allocation. Hence the weight gradient never goes back through autograd
@@ -45,6 +50,7 @@ class WeightGradStore:
         self._pending: dict[Key, list[tuple[nn.Linear, Tensor, Tensor]]] = {}
         self.key: Key | None = None
         self.split = False
+        self.needed = True
 
     @contextmanager
     def forward(self, key: Key) -> Iterator[None]:
@@ -126,7 +132,7 @@ class _SplitLinear(torch.autograd.Function):
 
 
 def _split_linear_forward(layer: nn.Linear, store: WeightGradStore, x: Tensor) -> Tensor:
-    if store.key is None or not torch.is_grad_enabled():
+    if store.key is None or not store.needed or not torch.is_grad_enabled():
         return F.linear(x, layer.weight, layer.bias)  # no backward to split (evaluation, shape probe)
     return _SplitLinear.apply(x, layer.weight, layer.bias, layer, store, store.key)
 

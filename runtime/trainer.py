@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import Instruction, Plan
+from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
 from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
@@ -153,6 +153,9 @@ class PipelineTrainer:
         else:
             self._history.append((self.iteration, plan))
         self._signature = None  # the shape probe's source workers may have changed
+        split = any(ins.kind is InstrKind.B for ins in self.stream)
+        for stage in self.stages.values():
+            stage.store.needed = split
         log.debug("worker %s runs %s plan from iteration %d: %d instructions", self.worker, plan.family or "a",
                   self.iteration, len(self.stream))
 

@@ -88,6 +88,29 @@ def test_split_and_fused_backward_equal_plain_autograd(split: bool) -> None:
         assert torch.allclose(got[name], want[name], rtol=0, atol=1e-12), name
 
 
+def test_a_stage_that_never_splits_runs_plain_linear_layers() -> None:
+    """`store.needed = False` (a worker whose stream has no B, e.g. 1F1B): no custom autograd function in the
+    graph (its Python backward was the runtime's own cost at small widths), and the same gradients."""
+    stage, plain = _stage(0, 1)
+    x, y = _batch()
+    stage.store.needed = False
+    stage.forward((0, 0), (x,), y, scale=0.5)
+    nodes, seen = [stage._saved[(0, 0)][1][0].grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes += [n for n, _ in node.next_functions]
+    assert seen and not any("SplitLinear" in type(n).__name__ for n in seen)
+    stage.backward((0, 0), (), split=False)
+    (lm_loss(plain(x), y) * 0.5).backward()
+    got, want = _grads(stage.module), _grads(plain)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-12), name
+
+
 def test_input_gradients_of_a_middle_stage_match_autograd() -> None:
     stage, plain = _stage(1, 3)  # a middle stage: takes an output gradient, returns the input gradient
     x = torch.randn(4, CONFIG.context, CONFIG.n_embd, dtype=torch.float64)
