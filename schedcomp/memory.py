@@ -186,6 +186,12 @@ def resolve_limit(limit: MemoryLimit, topology: Topology, microbatches: int, cos
         raise MemoryLimitError(str(exc)) from None
 
 
+def stage_peak_memory(peaks: Mapping[Worker, float], pp: int) -> tuple[float, ...]:
+    """The most any worker of each place holds, from each worker's peak (with virtual stages a worker's
+    peak spans all its chunks)."""
+    return tuple(max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(pp))
+
+
 def limit_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict[str, Any]:
     """Peak memory against the limit, for `compile --json`, `compare`, `precompile` and `PlanCache`;
     `peaks`: each worker's, when the caller has them already (a simulation's `memory`)."""
@@ -193,8 +199,7 @@ def limit_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict
 
     costs = plan.costs
     peaks = peak_memory(plan) if peaks is None else peaks
-    # Per place in the pipeline (with virtual stages a worker's peak spans all its chunks).
-    stage_peaks = [max((p for w, p in peaks.items() if w.stage == s), default=0.0) for s in range(plan.topology.pp)]
+    stage_peaks = list(stage_peak_memory(peaks, plan.topology.pp))
     limited = costs.memory_limit is not None
     facts: dict[str, Any] = {
         "memory_unit": costs.memory_unit,

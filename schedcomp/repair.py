@@ -43,7 +43,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
-from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_limit, stage_deltas
+from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_limit, stage_deltas, stage_peak_memory
 from schedcomp.optimes import OpTimes, op_times, remember, retimed
 from schedcomp.semantics import InstrKind
 from schedcomp.topology import Topology, Worker, as_workers
@@ -138,9 +138,7 @@ def _repair_costs(plan: Plan, after: Topology, memory_limit: MemoryLimit) -> Cos
         return resolve_limit(memory_limit, after, plan.microbatches, plan.costs)
     if plan.costs.memory_limit is not None or plan.topology.failed:
         return plan.costs
-    peaks = peak_memory(plan)
-    return plan.costs.with_memory_limit(tuple(max(v for w, v in peaks.items() if w.stage == s)
-                                              for s in range(plan.topology.pp)))
+    return plan.costs.with_memory_limit(stage_peak_memory(peak_memory(plan), plan.topology.pp))
 
 
 def _worker(topo: Topology, failed: object) -> Worker:

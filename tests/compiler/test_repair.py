@@ -14,6 +14,7 @@ from schedcomp.cli import main
 from schedcomp.compiler import compile
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError
 from schedcomp.ir import COMPUTE_KINDS, Plan
+from schedcomp.memory import stage_peak_memory
 from schedcomp.repair import repair
 from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
@@ -32,8 +33,7 @@ CASES = [
 
 def stage_peaks(plan: Plan) -> tuple[float, ...]:
     """The most activation memory any worker of each stage holds in `plan`."""
-    peaks = peak_memory(plan)
-    return tuple(max(v for w, v in peaks.items() if w.stage == s) for s in range(plan.topology.pp))
+    return stage_peak_memory(peak_memory(plan), plan.topology.pp)
 
 
 def slots_of(plan: Plan) -> Counter[tuple[object, int, int, int]]:
