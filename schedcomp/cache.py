@@ -30,6 +30,7 @@ from typing import Any
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
 from schedcomp.costs import CostModel
+from schedcomp.cut import Cut
 from schedcomp.errors import (
     CostModelError,
     LimitError,
@@ -146,6 +147,8 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
         solver=plan.solver,
         lower_bound=plan.lower_bound,
         meta=dict(plan.meta),
+        cut=Cut(tuple(sorted((mapping[d], b) for d, b in plan.cut.bounds))),
+        partition=plan.partition,
     )
 
 

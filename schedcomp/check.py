@@ -37,10 +37,11 @@ from schedcomp import limits
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
 from schedcomp.cut import Cut
-from schedcomp.errors import SchedcompTypeError, ValidationError
+from schedcomp.errors import PlanFormatError, SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
 from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
+from schedcomp.partition import as_partition
 from schedcomp.planindex import PlanIndex
 from schedcomp.semantics import (
     ROLE_ALLREDUCE,
@@ -220,6 +221,11 @@ class _Checker(TransferRules, OrderRules):
         cut_problem = plan.cut.problem(dp, plan.microbatches)  # its pieces cover each pipeline's share once
         if cut_problem:
             self.fail(None, None, cut_problem)
+        if plan.partition is not None:  # layers per stage: one positive count per (virtual) stage
+            try:
+                as_partition(plan.partition, ns, "plan.partition")
+            except PlanFormatError as exc:
+                self.fail(None, None, str(exc))
         for w in plan.streams:
             live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
                     and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))

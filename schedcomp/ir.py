@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError
+from schedcomp.partition import Partition
 from schedcomp.semantics import COMPUTE, RECV, SEND, InstrKind, OpKind, kind_named, kinds, opless_kind, semantics_of
 from schedcomp.topology import Topology, Worker
 
@@ -218,6 +219,8 @@ class Order:
     family: str = ""
     cut: Cut = NO_CUT
     """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
+    partition: Partition | None = None
+    """Layers per stage (`schedcomp.partition`); None leaves the cut of the model to the runtime."""
 
     def runner(self) -> dict[tuple[int, int, int], Worker]:
         """Who runs the F (and so the B and W) of each (pipeline, microbatch, stage)."""
@@ -242,6 +245,8 @@ class Plan:
     meta: Mapping[str, Any] = field(default_factory=dict)
     cut: Cut = NO_CUT
     """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
+    partition: Partition | None = None
+    """Layers per stage (`schedcomp.partition`); None leaves the cut of the model to the runtime."""
 
     @property
     def workers(self) -> tuple[Worker, ...]:

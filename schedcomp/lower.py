@@ -115,6 +115,7 @@ def _lower(
         lower_bound=lower_bound,
         meta=dict(meta or {}),
         cut=order.cut,
+        partition=order.partition,
     )
 
 

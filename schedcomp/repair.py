@@ -96,7 +96,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     computes = {g: _compute_ops(plan.streams[g]) for g in peers}
     taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
-                    None, dict(plan.meta))
+                    None, dict(plan.meta), partition=plan.partition)
     if not late:
         remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
     elif retimed(times, repaired, taken) is None:  # timing it is the deadlock check (and its timeline)

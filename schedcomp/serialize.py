@@ -20,6 +20,9 @@ Re-cut micro-batches (`schedcomp.cut`): a plan with a cut is written as version 
 key, `"cut": {"3": [0.0, 0.57, ..., 8.0]}` (per re-cut pipeline its pieces' boundaries); every other plan
 is written as version 1, as before, and both versions are read (a version-1 plan has no cut). An older
 schedcomp refuses a version-2 plan in one line rather than run it with whole micro-batches.
+A plan with a partition (`schedcomp.partition`: layers per stage) is written as version 3 with a
+`"partition": [4, 3, 5, 4]` key (and a cut if it has one); an older schedcomp refuses it in one line
+rather than run it with the model cut elsewhere.
 
 PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
 `torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
@@ -49,13 +52,16 @@ from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
+from schedcomp.partition import as_partition
 from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
 VERSION = 1
 VERSION_CUT = 2
 """The version of plans with re-cut micro-batches (a `cut` key); plans without one stay version 1."""
-VERSIONS = (VERSION, VERSION_CUT)
+VERSION_PARTITION = 3
+"""The version of plans with a partition (a `partition` key, and a `cut` key or none)."""
+VERSIONS = (VERSION, VERSION_CUT, VERSION_PARTITION)
 
 __all__ = [
     "FORMAT",
@@ -71,7 +77,7 @@ __all__ = [
 ]
 
 _HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs",
-                "cut")
+                "cut", "partition")
 
 
 # ---- header (everything but the streams) -------------------------------------------------------
@@ -81,7 +87,7 @@ def _header(plan: Plan) -> dict[str, Any]:
     topo = plan.topology
     return {
         "format": FORMAT,
-        "version": VERSION_CUT if plan.cut else VERSION,
+        "version": VERSION_PARTITION if plan.partition is not None else VERSION_CUT if plan.cut else VERSION,
         "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)],
                      # Optional: written only with virtual stages, so one-chunk plans stay as they were.
                      **({"chunks": topo.chunks, "placement": topo.placement} if topo.chunks > 1 else {})},
@@ -92,6 +98,7 @@ def _header(plan: Plan) -> dict[str, Any]:
         "meta": dict(plan.meta),
         "costs": plan.costs.to_dict(),
         **({"cut": plan.cut.to_json()} if plan.cut else {}),
+        **({"partition": list(plan.partition)} if plan.partition is not None else {}),
     }
 
 
@@ -132,7 +139,11 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
     if version not in VERSIONS or isinstance(version, bool):
         raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads versions "
                               f"{', '.join(map(str, VERSIONS))}: recompile the plan with this version")
-    if ("cut" in data) != (version == VERSION_CUT):
+    if ("partition" in data) != (version == VERSION_PARTITION):
+        raise PlanFormatError(f"{what}: a version-{VERSION_PARTITION} plan has a 'partition' (layers per stage) and "
+                              f"other versions none; this one has version {version}"
+                              f"{' and a partition' if 'partition' in data else ' and no partition'}")
+    if version != VERSION_PARTITION and ("cut" in data) != (version == VERSION_CUT):
         raise PlanFormatError(f"{what}: a version-{VERSION_CUT} plan has a 'cut' (re-cut micro-batches) and a "
                               f"version-{VERSION} plan none; this one has version {version}"
                               f"{' and a cut' if 'cut' in data else ' and no cut'}")
@@ -174,6 +185,8 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         "lower_bound": None if lower_bound is None else float(lower_bound),
         "meta": _get(data, "meta", dict, what),
         "cut": Cut.from_json(data["cut"]) if "cut" in data else NO_CUT,
+        "partition": as_partition(data["partition"], topology.stages, f"{what}: 'partition'")
+        if "partition" in data else None,
     }
 
 
