@@ -123,8 +123,6 @@ def _recut_solution(problem: Problem, solver: str, time_limit: float, synchronou
     tried first): a re-cut is kept only where it schedules faster."""
     from schedcomp.recut import PIECES, recut
 
-    if solver == "cpsat":
-        raise ScheduleError("the CP-SAT model runs whole micro-batches: use solver 'greedy' or 'auto' with recut")
     problems = []
     for piece in PIECES:
         cut, routing = recut(problem, piece)
@@ -149,8 +147,6 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
         raise ScheduleError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0 and math.isfinite(time_limit)):
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    if solver == "cpsat" and problem.cut:
-        raise ScheduleError("the CP-SAT model runs whole micro-batches: use solver 'greedy' or 'auto' with recut")
     if solver == "cpsat" and problem.topology.chunks > 1:
         raise ScheduleError(f"the CP-SAT model runs one stage per worker, not chunks={problem.topology.chunks}: "
                             "use solver 'greedy' or 'auto' with virtual stages")
@@ -180,9 +176,7 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
 def cpsat_fits(problem: Problem, time_limit: float) -> bool:
     """Whether CP-SAT can be expected to finish on `problem` within `time_limit` seconds."""
     # Its precedences carry a fixed p2p latency, which a hand-off between two chunks of one worker has not.
-    # Nor does it scale an op's time by its micro-batch's size (`schedcomp.cut`).
-    return (problem.topology.chunks == 1 and not problem.cut
-            and problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit)
+    return problem.topology.chunks == 1 and problem.model_size <= CPSAT_INTERVALS_PER_SECOND * time_limit
 
 
 def greedy(

@@ -17,7 +17,7 @@ be cut into M micro-batches of unequal sizes (`schedcomp.cut.Cut`), each routed 
    micro-batch by whole micro-batch, largest first to the peer that finishes first (LPT).
 
 The result is the cut and the routing of every re-routed piece ((pipeline, piece, stage) -> worker id), which the greedy
-scheduler keeps ("static" routing: a piece is sized for its peer). One stage per worker only.
+scheduler ("static" routing: a piece is sized for its peer) and CP-SAT keep. One stage per worker only.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@
   after every stage's step (synchronous). min P is the steady-state period, and the best bound CP-SAT
   proves is a lower bound on the period of every schedule. Objective "makespan": one iteration.
 - symmetry breaking: micro-batches of one pipeline are interchangeable, so their stage-0 forwards are
-  taken in order.
+  taken in order (not in a re-cut pipeline, whose pieces differ in size).
+- re-cut micro-batches (`schedcomp.cut`): a piece's ops take their stage's time times its size and hold
+  its activation times its size; slots past a pipeline's piece count are absent (no interval); a piece
+  pinned to a peer (`Problem.routing`, sized for it by `schedcomp.recut`) runs there.
 
 Times are scaled to integers. Where they are not exact at a small scale the durations are rounded
 down, so the proven bound stays a valid bound (the solution's order is re-timed exactly afterwards);
@@ -28,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -65,12 +69,27 @@ class CpResult:
 
 
 def _scale(values: Iterable[float]) -> tuple[int, bool]:
-    """The smallest scale making every value an integer, or (1000, False) when there is none."""
+    """The smallest scale making every value an integer, or (1000, False) when there is none.
+
+    Beyond the round scales, the least common multiple of the values' denominators as fractions (up to
+    `_MAX_SCALE`): re-cut pieces are sevenths or elevenths of a micro-batch, exact only at such scales."""
     vals = list(values)
     for sc in _SCALES:
-        if all(abs(v * sc - round(v * sc)) <= 1e-9 * max(1.0, abs(v * sc)) for v in vals):
+        if _exact(vals, sc):
             return sc, True
-    return _SCALES[-1], False
+    lcm = 1
+    for v in vals:
+        lcm = math.lcm(lcm, Fraction(v).limit_denominator(_MAX_SCALE).denominator)
+        if lcm > _MAX_SCALE:
+            return _SCALES[-1], False
+    return (lcm, True) if _exact(vals, lcm) else (_SCALES[-1], False)
+
+
+_MAX_SCALE = 10_000
+
+
+def _exact(values: list[float], scale: int) -> bool:
+    return all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale)) for v in values)
 
 
 def solve_cpsat(
@@ -94,17 +113,23 @@ def solve_cpsat(
     allreduce = problem.allreduce_times
     steps = {wid: problem.step_time(wid) for wid in live}
     durs = {wid: [problem.duration(k, problem.worker_of(wid)) for k in problem.kinds] for wid in live}
-    tscale, t_exact = _scale([costs.p2p, *allreduce, *steps.values(), *(v for row in durs.values() for v in row)])
+    sizes = problem.slot_sizes  # None: every micro-batch whole
+    present = [problem.slot_key(slot)[1] < problem.count(problem.slot_key(slot)[0]) for slot in range(problem.n_slots)]
+    distinct = sorted(set(sizes)) if sizes is not None else [1.0]
+    tscale, t_exact = _scale([costs.p2p, *allreduce, *steps.values(),
+                              *(v * x for row in durs.values() for v in row for x in distinct)])
 
     def ticks(v: float) -> int:
         return math.floor(v * tscale + 1e-9)  # rounding down keeps the proven bound valid
 
     p2p = ticks(costs.p2p)
-    idur = {wid: [ticks(v) for v in row] for wid, row in durs.items()}
+    idur_of = {x: {wid: [ticks(v * x) for v in row] for wid, row in durs.items()} for x in distinct}
     iar = [ticks(v) for v in allreduce]
     isteps = {wid: ticks(v) for wid, v in steps.items()}
-    horizon = sum(max(idur[problem.worker_id(w)][k] for w in problem.survivors[s]) for s in range(pp)
-                  for k in range(nk)) * problem.dp * problem.microbatches
+    slot_max = {(s, x): sum(max(idur_of[x][problem.worker_id(w)][k] for w in problem.survivors[s]) for k in range(nk))
+                for s in range(pp) for x in distinct}
+    horizon = sum(slot_max[problem.slot_key(slot)[2], _size(sizes, slot)]
+                  for slot in range(problem.n_slots) if present[slot])
     horizon += (2 * problem.n_slots + 1) * p2p + sum(iar) + max(isteps.values()) + 1
 
     limit = costs.memory_limit
@@ -113,9 +138,10 @@ def solve_cpsat(
     ilimits: list[int] = []
     if limit is not None:
         fracs = [[costs.memory_delta(k.value, s) for k in problem.kinds] for s in range(pp)]
-        mscale, mem_exact = _scale([*costs.stage_limits, *(abs(v) for row in fracs for v in row)])
+        mscale, mem_exact = _scale([*costs.stage_limits, *(abs(v) * x for row in fracs for v in row for x in distinct)])
         # Inexact memory is rounded against us (held amounts up), keeping solutions valid.
-        frees = [[math.ceil(-v * mscale - 1e-9) if v < 0 else 0 for v in row] for row in fracs]
+        frees_of = {x: [[math.ceil(-v * x * mscale - 1e-9) if v < 0 else 0 for v in row] for row in fracs]
+                    for x in distinct}
         ilimits = [math.floor(lim * mscale + 1e-9) for lim in costs.stage_limits]
 
     m = cp_model.CpModel()
@@ -130,11 +156,20 @@ def solve_cpsat(
     last = {wid: m.new_int_var(0, horizon, f"last{wid}") for wid in live}
     chosen: dict[tuple[int, int], cp_model.IntVar] = {}
     orphan = {slot for group in problem.orphan_slots for slot in group}
+    pinned = dict(problem.routing)
 
     busy: dict[int, list[tuple[int, object]]] = {wid: [] for wid in live}  # (duration, presence) per op
     for slot in range(problem.n_slots):
+        if not present[slot]:
+            continue
         d, _, s = problem.slot_key(slot)
-        cands = [problem.worker_id(w) for w in problem.survivors[s]] if slot in orphan else [d * pp + s]
+        x = _size(sizes, slot)
+        slot_dur = idur_of[x]
+        frees = frees_of[x] if limit is not None else []
+        if slot in pinned:
+            cands = [pinned[slot]]
+        else:
+            cands = [problem.worker_id(w) for w in problem.survivors[s]] if slot in orphan else [d * pp + s]
         lits: list[object] = []
         for wid in cands:
             lit: object = True
@@ -145,11 +180,11 @@ def solve_cpsat(
             for k in range(nk):
                 op = slot * nk + k
                 if lit is True:
-                    iv = m.new_interval_var(start[op], idur[wid][k], end[op], "")
+                    iv = m.new_interval_var(start[op], slot_dur[wid][k], end[op], "")
                 else:
-                    iv = m.new_optional_interval_var(start[op], idur[wid][k], end[op], lit, "")
+                    iv = m.new_optional_interval_var(start[op], slot_dur[wid][k], end[op], lit, "")
                 intervals[wid].append(iv)
-                busy[wid].append((idur[wid][k], lit))
+                busy[wid].append((slot_dur[wid][k], lit))
                 if limit is not None and k > 0 and frees[s][k] > 0:
                     # Memory freed by this B / W / BW is held from the slot's F start to this op's end.
                     f_op = slot * nk
@@ -184,7 +219,10 @@ def solve_cpsat(
         if limit is not None and held[wid]:
             ivs, demands = zip(*held[wid], strict=True)
             m.add_cumulative(list(ivs), list(demands), ilimits[wid % pp])
+    cut_pipelines = problem.cut.pipelines
     for d in range(problem.dp):
+        if d in cut_pipelines:
+            continue  # pieces of different sizes are not interchangeable
         for mb in range(problem.microbatches - 1):
             m.add(start[problem.slot_id(d, mb, 0) * nk] <= start[problem.slot_id(d, mb + 1, 0) * nk])
 
@@ -231,9 +269,11 @@ def solve_cpsat(
     keyed: dict[int, list[tuple[int, int, int, int]]] = {wid: [] for wid in live}
     runner = {slot: wid for (slot, wid), lit in chosen.items() if solver.boolean_value(lit)}
     for slot in range(problem.n_slots):
+        if not present[slot]:
+            continue
         d, _, s = problem.slot_key(slot)
-        wid = runner.get(slot, d * pp + s)
-        if slot in orphan and slot not in runner:
+        wid = runner.get(slot, pinned.get(slot, d * pp + s))
+        if slot in orphan and slot not in runner and slot not in pinned:
             wid = problem.worker_id(problem.survivors[s][0])  # the stage's only survivor
         for k in range(nk):
             op = slot * nk + k
@@ -242,6 +282,10 @@ def solve_cpsat(
         seqs[wid] = [op for *_, op in sorted(items)]
     value = solver.objective_value / tscale
     return CpResult(seqs, bound, value, status == cp_model.OPTIMAL and t_exact and bound_ok, name)
+
+
+def _size(sizes: Sequence[float] | None, slot: int) -> float:
+    return 1.0 if sizes is None else sizes[slot]
 
 
 def relabel_microbatches(problem: Problem, seqs: Mapping[int, Sequence[int]],
@@ -253,13 +297,15 @@ def relabel_microbatches(problem: Problem, seqs: Mapping[int, Sequence[int]],
     nk, pp, mb = len(problem.kinds), problem.pp, problem.microbatches
     rename: dict[int, int] = {}
     for d in range(problem.dp):
+        if d in problem.cut.pipelines:
+            continue  # a re-cut pipeline's pieces differ in size: kept as they are (the model does not order them)
         firsts = sorted(range(mb), key=lambda m: (starts[problem.slot_id(d, m, 0) * nk], m))
         for new_m, old_m in enumerate(firsts):
             for s in range(pp):
                 rename[problem.slot_id(d, old_m, s)] = problem.slot_id(d, new_m, s)
 
     def op_of(op: int) -> int:
-        return rename[op // nk] * nk + op % nk
+        return rename.get(op // nk, op // nk) * nk + op % nk
 
     return ({w: [op_of(op) for op in ops] for w, ops in seqs.items()},
             {op_of(op): t for op, t in starts.items()})
@@ -293,13 +339,16 @@ def _add_hint(
         worker = problem.worker_of(wid)
         ends = []
         for op in ops:
-            t = round((starts[op] - shift) * tscale)
-            e = t + round(problem.duration(problem.kinds[op % nk], worker) * tscale)
+            # Floors, as the model's durations: then every precedence, no-overlap and memory order of the
+            # timed schedule still holds in ticks (floor(a + b) >= floor(a) + floor(b)), so the hint is feasible.
+            t = math.floor((starts[op] - shift) * tscale + 1e-9)
+            size = _size(problem.slot_sizes, op // nk)
+            e = t + math.floor(problem.duration(problem.kinds[op % nk], worker) * size * tscale + 1e-9)
             m.add_hint(var["start"][op], t)
             m.add_hint(var["end"][op], e)
             ends.append(e)
-        first = round((min(starts[op] for op in ops) - shift) * tscale)
+        first = math.floor((min(starts[op] for op in ops) - shift) * tscale + 1e-9)
         m.add_hint(var["first"][wid], first)
         m.add_hint(var["last"][wid], max(ends))
         span = max(span, max(ends) - first)
-    m.add_hint(var["period"], round(timing.period * tscale))
+    m.add_hint(var["period"], math.ceil(timing.period * tscale - 1e-9))
