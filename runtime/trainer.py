@@ -104,9 +104,9 @@ class PipelineTrainer:
         stages = plan.topology.stages  # virtual stages: pp * chunks
         # an nn.Sequential is cut by the plan's partition, else as before; a switch may move layers (`moves`)
         self.model = build_stage if isinstance(build_stage, nn.Sequential) else None
-        self._base = base_partition(build_stage, layers_per_stage, stages)
-        self.partition = partition_for(plan.partition, self.model, self._base)
-        if layers_per_stage is not None and plan.partition is not None and self.partition != self._base:
+        self.base_partition = base_partition(build_stage, layers_per_stage, stages)
+        self.partition = partition_for(plan.partition, self.model, self.base_partition)
+        if layers_per_stage is not None and plan.partition is not None and self.partition != self.base_partition:
             raise RuntimeSetupError(f"layers_per_stage {list(layers_per_stage)} differs from the plan's partition "
                                     f"{list(plan.partition)}: drop layers_per_stage (the plan's cut is used)")
         self._loss_fn, self._make_optimizer = loss_fn, make_optimizer
@@ -154,7 +154,7 @@ class PipelineTrainer:
                                     "compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
-        target = partition_for(plan.partition, self.model, self._base)
+        target = partition_for(plan.partition, self.model, self.base_partition)
         self._check_same_plan(plan, joined)
         if target != self.partition and self.worker not in joined:
             self._move(plan, target, joined)
