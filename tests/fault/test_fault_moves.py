@@ -35,30 +35,57 @@ def moving_cache(directory: Path) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return moving_cache(tmp_path_factory.mktemp("plans"))
+
+
+VICTIM = Worker(0, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_survivors_move_layers_at_the_failure_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache_dir = moving_cache(tmp_path / "plans")
-    victim = Worker(0, 1)
-    stream = PlanCache.load(cache_dir).lookup([]).streams[victim]
+def test_survivors_move_layers_at_the_failure_switch(cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = PlanCache.load(cache_dir).lookup([]).streams[VICTIM]
     monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
-    results = launch(cache_dir, f"{victim}@1.{len(stream) // 2}")
-    assert set(results) == {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(victim)}
-    want = moves_reference(LAYERS, DP * MICROBATCHES, ITERATIONS)
-    holders: list[int] = []
+    results = launch(cache_dir, f"{VICTIM}@1.{len(stream) // 2}")
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}, MOVED, ITERATIONS)
     for r in results.values():
-        assert r["iterations"] == ITERATIONS and r["failed"] == [str(victim)]
+        assert r["failed"] == [str(VICTIM)]
         assert [rec["rerun"] for rec in r["recoveries"]] in ([1], [2]), r["recoveries"]
+    assert sum("2" in r["layers"] for r in results.values()) == 2  # layer 2 moved to stage 0 of both pipelines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_layers_move_back_when_a_replacement_rejoins(cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0:1 dies in iteration 1 (layer 2 moves to stage 0) and is replaced; at its admission the plan is the
+    # fault-free one again: the survivors move layer 2 back among themselves and the replacement gets
+    # its stage, in the even cut, from its donor 1:1.
+    iterations = 7
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    results = launch(cache_dir, f"{VICTIM}@1.5", iterations=iterations, respawn=1, hold=3, timeout=200.0)
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)}, (2, 2, 2, 2), iterations)
+    joined = results[str(VICTIM)]
+    assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5, 6)
+    assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(VICTIM))
+
+
+def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
+    """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
+    the fault-free model trained in one process (float64, 1e-10), and counted every micro-batch once."""
+    assert set(results) == expected, sorted(results)
+    want = moves_reference(LAYERS, DP * MICROBATCHES, iterations)
+    for r in results.values():
+        assert r["iterations"] == iterations
         stage = int(r["worker"].split(":")[1])
-        assert sorted(map(int, r["layers"])) == list(range(sum(MOVED[:stage]), sum(MOVED[: stage + 1])))
+        assert sorted(map(int, r["layers"])) == list(range(sum(cut[:stage]), sum(cut[: stage + 1])))
         for layer, state in r["layers"].items():
-            holders.append(int(layer))
             for name, value in want[int(layer)].items():
                 diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
                 assert diff <= 1e-10, (r["worker"], layer, name, diff)
         for i, counts in r["ledger"].items():
             assert counts == [1.0] * DP * MICROBATCHES, (r["worker"], i)
-    assert sorted(holders).count(2) == 2  # layer 2 moved to stage 0 of both pipelines
 
 
 def _flat(x) -> list[float]:
