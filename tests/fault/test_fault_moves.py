@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from chaos_job import DP, ITERATIONS, MICROBATCHES, PP, launch
-from resilient_procs import adam, chaos_sequential, moves_reference
+from resilient_procs import adam, chaos_sequential
 
 from schedcomp.cache import PlanCache, precompile
 from schedcomp.costs import CostModel
@@ -73,23 +73,17 @@ def test_layers_move_back_when_a_replacement_rejoins(cache_dir: str, monkeypatch
 
 def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
     """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
-    the fault-free model trained in one process (float64, 1e-10), and counted every micro-batch once."""
+    the fault-free model trained in one process on the same batches (float64, 1e-10: the worker compares,
+    `resilient_procs.held_layers`), and counted every micro-batch once."""
     assert set(results) == expected, sorted(results)
-    want = moves_reference(LAYERS, DP * MICROBATCHES, iterations)
     for r in results.values():
         assert r["iterations"] == iterations
         stage = int(r["worker"].split(":")[1])
         assert sorted(map(int, r["layers"])) == list(range(sum(cut[:stage]), sum(cut[: stage + 1])))
-        for layer, state in r["layers"].items():
-            for name, value in want[int(layer)].items():
-                diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
-                assert diff <= 1e-10, (r["worker"], layer, name, diff)
+        for layer, diff in r["layers"].items():
+            assert diff <= 1e-10, (r["worker"], layer, diff)
         for i, counts in r["ledger"].items():
             assert counts == [1.0] * DP * MICROBATCHES, (r["worker"], i)
-
-
-def _flat(x) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
 
 
 @pytest.mark.parametrize("policy", ["lossy", "logging"])

@@ -1,10 +1,10 @@
 """Layers move between workers at a plan switch that changes the partition (`runtime.moves`), exactly.
 
-8 processes (pp 4, dp 2, CPU, gloo) train an 8-layer `nn.Sequential` of Linear + Tanh blocks (float64) with Adam and an LR
-schedule: two iterations on partition (2, 2, 2, 2), then `use_plan` to (3, 1, 2, 2), then to (1, 3, 3, 1)
-(layers move both ways, some two stages), two iterations each. Every rank's layers, their Adam state
-(`step`, `exp_avg`, `exp_avg_sq`) and the learning rate equal one process's model after the same six
-steps (1e-10). Also: who sends what (`plan_moves`) and the one-line refusals.
+8 processes (pp 4, dp 2, CPU, gloo) train an 8-layer `nn.Sequential` of Linear + Tanh blocks (float64)
+with Adam and an LR schedule: two iterations on partition (2, 2, 2, 2), then `use_plan` to (3, 1, 2, 2),
+then to (1, 3, 3, 1) (layers move both ways, some two stages), two iterations each. Every rank's layers,
+their Adam state (`step`, `exp_avg`, `exp_avg_sq`) and the learning rate equal one process's model after
+the same six steps (1e-10). Also: who sends what (`plan_moves`) and the one-line refusals.
 """
 
 from __future__ import annotations

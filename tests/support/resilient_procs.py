@@ -160,11 +160,19 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
 
 
-def held_layers(trainer) -> dict[str, dict]:
-    """The layers a `PipelineTrainer` holds, by model index, each its state (lists)."""
+def held_layers(trainer, iterations: int) -> dict[str, float]:
+    """The layers a `PipelineTrainer` holds, by model index, each its largest difference from `moves_reference`
+    (computed here: a whole state per layer would make the result line too long to write at once)."""
     first = sum(trainer.partition[: trainer.worker.stage])
-    return {str(first + k): {name: v.tolist() for name, v in layer.state_dict().items()}
+    chunks = trainer.dp * trainer.plan.microbatches
+    want = moves_reference(len(trainer.model), chunks, iterations)
+    return {str(first + k): max(_largest_difference(v.tolist(), want[first + k][name])
+                                for name, v in layer.state_dict().items())
             for k, layer in enumerate(trainer.stage.module)}
+
+
+def _largest_difference(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(_flat(a), _flat(b), strict=True))
 
 
 def parse_victims(spec: str) -> tuple[dict, dict]:
@@ -292,8 +300,9 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "skipped": {str(i): v for i, v in report.skipped.items()},
           "skipped_samples": {str(i): v for i, v in report.skipped_samples.items()},
           "generation": report.generation, "failed": list(report.failed),
-          "state": {k: v.tolist() for k, v in trainer.state().items()},
-          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()},
+          "state": {k: v.tolist() for k, v in trainer.state().items()} if not layers else None,
+          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()}
+          if not layers else None,
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
           "improved": report.improved, "plan_solver": trainer.trainer.plan.solver if trainer.trainer else None,
@@ -304,7 +313,7 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "device": str(trainer.trainer.device) if trainer.trainer is not None else None,
           "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None,
           "updates": {str(i): u for i, u in report.updates.items()},
-          "layers": held_layers(trainer.trainer) if layers else None})
+          "layers": held_layers(trainer.trainer, report.iterations) if layers else None})
     trainer.close()
 
 
