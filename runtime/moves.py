@@ -216,10 +216,15 @@ def base_partition(build: object, layers_per_stage: Sequence[int] | None, stages
     return tuple(layers_per_stage) if layers_per_stage is not None else even_split(len(build), stages)
 
 
-def partition_for(partition: Partition | None, model: nn.Sequential | None, base: Partition | None) -> Partition | None:
-    """The cut a plan whose `Plan.partition` is `partition` runs on this model; one line where it cannot."""
+def partition_for(partition: Partition | None, model: nn.Sequential | None, base: Partition | None,
+                  stages: int) -> Partition | None:
+    """The cut a plan of `stages` (virtual) stages whose `Plan.partition` is `partition` runs on this model;
+    one line where it cannot."""
     if partition is None:
         return base
+    if len(partition) != stages:
+        raise RuntimeSetupError(f"the plan's partition {list(partition)} has {len(partition)} entries for its "
+                                f"{stages} stages: give one layer count per stage")
     if model is None:
         raise RuntimeSetupError(f"the plan fixes the layers of each stage (partition {list(partition)}): pass the "
                                 "model as an nn.Sequential, which the runtime cuts there (a stage builder cannot)")

@@ -105,7 +105,7 @@ class PipelineTrainer:
         # an nn.Sequential is cut by the plan's partition, else as before; a switch may move layers (`moves`)
         self.model = build_stage if isinstance(build_stage, nn.Sequential) else None
         self.base_partition = base_partition(build_stage, layers_per_stage, stages)
-        self.partition = partition_for(plan.partition, self.model, self.base_partition)
+        self.partition = partition_for(plan.partition, self.model, self.base_partition, stages)
         if layers_per_stage is not None and plan.partition is not None and self.partition != self.base_partition:
             raise RuntimeSetupError(f"layers_per_stage {list(layers_per_stage)} differs from the plan's partition "
                                     f"{list(plan.partition)}: drop layers_per_stage (the plan's cut is used)")
@@ -154,7 +154,7 @@ class PipelineTrainer:
                                     "compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
-        target = partition_for(plan.partition, self.model, self.base_partition)
+        target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
         self._check_same_plan(plan, joined)
         if target != self.partition and self.worker not in joined:
             self._move(plan, target, joined)

@@ -179,6 +179,8 @@ def test_a_partition_needs_a_sequential_of_its_length_and_no_other_cut() -> None
     plan = plan_with((3, 1, 2, 2), "1f1b")
     with pytest.raises(RuntimeSetupError, match=r"holds 8 layers but the model has 6"):
         construct(plan, model()[:6])
+    with pytest.raises(RuntimeSetupError, match=r"has 3 entries for its 4 stages"):
+        construct(dataclasses.replace(plan, partition=(4, 2, 2)), model())
     with pytest.raises(RuntimeSetupError, match=r"pass the model as an nn\.Sequential"):
         construct(plan, lambda s: model()[2 * s: 2 * s + 2])
     with pytest.raises(RuntimeSetupError, match=r"layers_per_stage \[2, 2, 2, 2\] differs from the plan's partition"):
