@@ -4,7 +4,8 @@
 with Adam and an LR schedule: two iterations on partition (2, 2, 2, 2), then `use_plan` to (3, 1, 2, 2),
 then to (1, 3, 3, 1) (layers move both ways, some two stages), two iterations each. Every rank's layers,
 their Adam state (`step`, `exp_avg`, `exp_avg_sq`) and the learning rate equal one process's model after
-the same six steps (1e-10). Also: who sends what (`plan_moves`) and the one-line refusals.
+the same six steps (1e-10). The same with virtual stages (interleaved 1F1B, pp 2, two chunks per worker:
+layers move between chunks of different places). Also: who sends what (`plan_moves`) and the one-line refusals.
 """
 
 from __future__ import annotations
@@ -42,14 +43,23 @@ def schedule(optimizer: torch.optim.Optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
 
-def batch(i: int) -> tuple[Tensor, Tensor]:
+def batch(i: int, chunks: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(40 + i)
-    return (torch.randn(DP * M * ROWS, H, generator=g, dtype=torch.float64),
-            torch.randn(DP * M * ROWS, H, generator=g, dtype=torch.float64))
+    return (torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64),
+            torch.randn(chunks * ROWS, H, generator=g, dtype=torch.float64))
 
 
-def plan_with(cut: tuple[int, ...], schedule_name: str = "zb-h1") -> Plan:
-    return dataclasses.replace(compile(PP, DP, M, schedule=schedule_name), partition=cut)
+def plan_with(cut: tuple[int, ...], schedule_name: str = "zb-h1", pp: int = PP, dp: int = DP) -> Plan:
+    return dataclasses.replace(compile(pp, dp, M, schedule=schedule_name), partition=cut)
+
+
+def held(trainer) -> dict[int, tuple[nn.Module, torch.optim.Optimizer]]:
+    """Every layer the trainer holds (all its chunks), by model index: the layer and its stage's optimizer."""
+    out = {}
+    for s, stage in trainer.stages.items():
+        first = sum(trainer.partition[:s])
+        out.update({first + k: (layer, stage.optimizer) for k, layer in enumerate(stage.module)})
+    return out
 
 
 def train(rank: int, plans: list[Plan], outdir: str) -> None:
@@ -58,45 +68,36 @@ def train(rank: int, plans: list[Plan], outdir: str) -> None:
     torch.set_num_threads(1)
     whole = model()
     trainer = PipelineTrainer(plans[0], whole, F.mse_loss, adam, lr_scheduler=schedule)
-    i = 0
-    kept = True
+    chunks = plans[0].topology.dp * plans[0].microbatches
+    i, kept = 0, True
     ever: set[int] = set()  # layers this worker held at some time
     for plan in plans:
         if plan is not plans[0]:
-            before = {id(p) for p in trainer.stage.params}
-            old = trainer.partition
+            before, old = {id(p) for stage in trainer.stages.values() for p in stage.params}, set(held(trainer))
             trainer.use_plan(plan)
-            span = range(sum(plan.partition[: trainer.worker.stage]), sum(plan.partition[: trainer.worker.stage + 1]))
-            old_span = range(sum(old[: trainer.worker.stage]), sum(old[: trainer.worker.stage + 1]))
             # the layers it keeps are the same objects: their parameters were not copied
-            kept &= all(id(p) in before for layer in set(span) & set(old_span) for p in whole[layer].parameters())
-        first = sum(trainer.partition[: trainer.worker.stage])
-        ever |= set(range(first, first + trainer.partition[trainer.worker.stage]))
+            kept &= all(id(p) in before for layer in old & set(held(trainer)) for p in whole[layer].parameters())
+        ever |= set(held(trainer))
         for _ in range(2):
-            float(trainer.step(batch(i)))
+            float(trainer.step(batch(i, chunks)))
             i += 1
-    stage = trainer.stage
-    first = sum(trainer.partition[: trainer.worker.stage])
-    adam_state = stage.optimizer.state_dict()["state"]
-    held = {first + k: {"module": layer.state_dict(), "optimizer": [adam_state[n] for n in range(len(adam_state))]}
-            for k, layer in enumerate(stage.module)}
-    position = 0
-    for k, layer in enumerate(stage.module):  # each layer's own share of the stage's Adam state
-        count = len(list(layer.parameters()))
-        held[first + k]["optimizer"] = [adam_state[n] for n in range(position, position + count)]
-        position += count
-    freed = all(t.is_meta for layer in ever - set(held) for t in whole[layer].parameters())
-    torch.save({"held": held, "lr": stage.optimizer.param_groups[0]["lr"], "kept": kept, "freed": freed,
+    layers = {}
+    for layer, (module, optimizer) in held(trainer).items():  # each layer's own share of its stage's Adam state
+        index = {id(p): n for n, p in enumerate(optimizer.param_groups[0]["params"])}
+        state = optimizer.state_dict()["state"]
+        layers[layer] = {"module": module.state_dict(), "optimizer": [state[index[id(p)]] for p in module.parameters()]}
+    freed = all(t.is_meta for layer in ever - set(layers) for t in whole[layer].parameters())
+    torch.save({"held": layers, "lr": trainer.stage.optimizer.param_groups[0]["lr"], "kept": kept, "freed": freed,
                 "partition": trainer.partition}, Path(outdir) / f"{rank}.pt")
     trainer.close()
 
 
-def reference(steps: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+def reference(steps: int, chunks: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     whole = model()
     optimizer = adam(whole.parameters())
     scheduler = schedule(optimizer)
     for i in range(steps):
-        x, y = batch(i)
+        x, y = batch(i, chunks)
         F.mse_loss(whole(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,21 +107,24 @@ def reference(steps: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_layers_move_with_their_adam_state_both_ways(tmp_path: Path) -> None:
-    plans = [plan_with(cut) for cut in CUTS]
-    spawn(train, PP * DP, (plans, str(tmp_path)), timeout=240)
-    want, optimizer = reference(2 * len(CUTS))
+@pytest.mark.parametrize(("family", "pp", "dp"), [("zb-h1", PP, DP), ("interleaved-1f1b", 2, 1)])
+def test_layers_move_with_their_adam_state_both_ways(tmp_path: Path, family: str, pp: int, dp: int) -> None:
+    # interleaved-1f1b: 2 chunks per worker, virtual stages 0, 2 on place 0 and 1, 3 on place 1
+    plans = [plan_with(cut, family, pp, dp) for cut in CUTS]
+    assert plans[0].topology.stages == len(CUTS[0])
+    spawn(train, pp * dp, (plans, str(tmp_path)), timeout=240)
+    want, optimizer = reference(2 * len(CUTS), dp * M)
     state = optimizer.state_dict()["state"]
     index = {id(p): n for n, p in enumerate(want.parameters())}
-    results = [torch.load(tmp_path / f"{r}.pt") for r in range(PP * DP)]
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(pp * dp)]
     for rank, got in enumerate(results):
         assert got["partition"] == CUTS[-1] and got["kept"] and got["freed"], rank
         assert got["lr"] == pytest.approx(optimizer.param_groups[0]["lr"], abs=1e-15)
         assert got["lr"] != 0.01  # the schedule stepped: it was carried, not rebuilt
-        for layer, held in got["held"].items():
+        for layer, mine in got["held"].items():
             for name, value in want[layer].state_dict().items():
-                assert (held["module"][name] - value).abs().max().item() <= TOL, (rank, layer, name)
-            for p, moved in zip(want[layer].parameters(), held["optimizer"], strict=True):
+                assert (mine["module"][name] - value).abs().max().item() <= TOL, (rank, layer, name)
+            for p, moved in zip(want[layer].parameters(), mine["optimizer"], strict=True):
                 expected = state[index[id(p)]]
                 assert set(moved) == set(expected) == {"step", "exp_avg", "exp_avg_sq"}
                 assert float(moved["step"]) == float(expected["step"]) == 2 * len(CUTS)
@@ -128,7 +132,7 @@ def test_layers_move_with_their_adam_state_both_ways(tmp_path: Path) -> None:
                     assert (moved[key] - expected[key]).abs().max().item() <= TOL, (rank, layer, key)
     # every layer is held by exactly the workers of its stage under the last cut
     holders = sorted(layer for got in results for layer in got["held"])
-    assert holders == sorted(list(range(LAYERS)) * DP)
+    assert holders == sorted(list(range(LAYERS)) * dp)
 
 
 # ---- who sends what -----------------------------------------------------------------------------------
