@@ -44,6 +44,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   transfer to a replacement (from a live worker at the same place, which holds the same chunks),
   and the checkpoints, one per chunk under its virtual stage. The lossy policy and logging-based
   recovery work one stage per worker and are refused with chunks (`fault.policies.refuse_chunks`).
+- Layer moves: with an `nn.Sequential` model, a plan whose `partition` cuts it elsewhere (a failure plan
+  that moves layers off a stage that lost workers, the fault-free plan at a rejoin, an improved plan)
+  moves layers and their optimizer state among the survivors at the switch, after the rollback's undo
+  (`runtime.moves`; the switches themselves are in `fault.switches`). Lossy and logging-based recovery
+  refuse such plans. Checkpoints are taken only under the base cut (the one a restart builds).
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
