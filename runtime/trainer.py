@@ -18,12 +18,13 @@ from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.partition import Partition
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
+from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.moves import base_partition, move_layers, partition_for
 from schedcomp.runtime.result import Loss
+from schedcomp.runtime.shapes import probe_boundaries
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
 from schedcomp.runtime.training import POST, GlobalCheck, SchedulerFactory, StepOutcome, TrainingOptions, prepare_stage
@@ -31,11 +32,6 @@ from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-_META_INTS = 256
-
 
 class PipelineTrainer:
     """Train one pipeline stage per process by executing a compiled plan's instruction streams.
@@ -278,30 +274,15 @@ class PipelineTrainer:
     # ---- shapes ----------------------------------------------------------------------------------
 
     def _probe_shapes(self, inputs: Tensors) -> None:
-        """Learn what crosses each stage boundary (what receivers allocate) when the input shape changes.
-
-        The first live worker of each stage runs its module once (eval mode, no grad, random state
-        kept) and broadcasts the output shapes and dtypes over the control group, stage by stage.
-        """
+        """Learn what crosses each stage boundary (what receivers allocate) when the input shape changes
+        (`runtime.shapes`; collective)."""
         chunks = self.dp * self.plan.microbatches
         first = as_tuple(micro_batch(inputs, 0, chunks))
         signature = (chunks, tuple(TensorMeta.of(t) for t in first))
         if signature == self._signature:
             return
-        boundaries, metas, topology = [], signature[1], self.plan.topology
-        for s in range(topology.stages - 1):
-            src = min(self.ranks.rank(w) for w in topology.stage_group(topology.place_of(s)))
-            buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.comm.control_device)
-            if self.rank == src:
-                x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-                buffer.copy_(_encode(self.stages[s].output_meta(tuple(t.to(self.device) for t in x))))
-            self.comm.wait(dist.broadcast(buffer, src=src, group=self.comm.control, async_op=True))
-            metas = _decode(buffer)
-            if len(metas) > MAX_PARTS:
-                raise RuntimeSetupError(f"stage {s} returns {len(metas)} tensors: pass at most {MAX_PARTS} "
-                                        "(concatenate some)")
-            boundaries.append(metas)
-        self._boundaries, self._signature = boundaries, signature
+        self._boundaries = probe_boundaries(first, self.plan.topology, self.stages, self.comm, self.device)
+        self._signature = signature
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -430,23 +411,3 @@ def _to(value: Tensors, device: torch.device) -> Tensors:
     if isinstance(value, Tensor):
         return value.to(device)
     return tuple(v.to(device) for v in as_tuple(value))
-
-
-def _encode(metas: tuple[TensorMeta, ...]) -> Tensor:
-    ints = [len(metas)]
-    for m in metas:
-        ints += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
-    if len(ints) > _META_INTS:
-        raise RuntimeSetupError(f"a stage returns too many or too large tensors to describe in {_META_INTS} integers: "
-                                "return fewer tensors")
-    return torch.tensor(ints + [0] * (_META_INTS - len(ints)), dtype=torch.int64)
-
-
-def _decode(buffer: Tensor) -> tuple[TensorMeta, ...]:
-    ints = buffer.tolist()
-    metas, pos = [], 1
-    for _ in range(ints[0]):
-        dtype, ndim = _DTYPES[ints[pos]], ints[pos + 1]
-        metas.append(TensorMeta(tuple(ints[pos + 2 : pos + 2 + ndim]), dtype))
-        pos += 2 + ndim
-    return tuple(metas)
