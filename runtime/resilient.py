@@ -82,7 +82,7 @@ from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.policies import cuts_of, recovery_policy, refuse_chunks, refuse_moves
+from schedcomp.runtime.fault.policies import cut_of, cuts_of, recovery_policy, refuse_chunks, refuse_moves
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Rejoined, Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
@@ -157,7 +157,7 @@ class ResilientTrainer:
         refuse_chunks(self.policy, self.chunks)
         self.options.refuse_chunks(self.chunks)
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
-        self._cuts: set[Partition | None] = set(cuts_of(plans)) if isinstance(self.policy, (LossyPolicy,
+        self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
                                                                                              SwiftPolicy)) else set()
         refuse_moves(self.policy, self._cuts)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
@@ -333,7 +333,7 @@ class ResilientTrainer:
 
     def refuse_cut(self, plan: Plan) -> None:
         """Refuse (one line) a plan whose cut of the model the policy cannot move to (`policies.refuse_moves`)."""
-        self._cuts.add(plan.partition)
+        self._cuts.add(cut_of(plan, self.build_stage))
         refuse_moves(self.policy, self._cuts)
 
     # ---- the loop -----------------------------------------------------------------------------------------

@@ -10,13 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from torch import nn
+
 from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.ir import Plan
 from schedcomp.partition import Partition
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.lossy import LossyPolicy
+from schedcomp.runtime.stage import even_split
 
 POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
                                                      "restart": RestartPolicy}
@@ -77,11 +81,19 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None])
                             "layers at a plan switch")
 
 
-def cuts_of(plans: Any) -> list[Partition | None]:
-    """The partitions of every plan a `PlanCache` (or `ImprovingPlans`' cache) holds (read from disk); a
-    plain function's are known only as it serves them (empty)."""
+def cut_of(plan: Plan, model: Any) -> Partition | None:
+    """The cut `plan` runs `model` at: its partition, else the runtime's even split of an `nn.Sequential`
+    (None for a stage builder)."""
+    if plan.partition is not None or not isinstance(model, nn.Sequential):
+        return plan.partition
+    return even_split(len(model), plan.topology.stages)
+
+
+def cuts_of(plans: Any, model: Any) -> list[Partition | None]:
+    """The cuts of every plan a `PlanCache` (or `ImprovingPlans`' cache) holds (read from disk); a plain
+    function's are known only as it serves them (empty)."""
     cache = getattr(plans, "cache", plans)
     if not (hasattr(cache, "preload") and hasattr(cache, "plans")):
         return []
     cache.preload()
-    return [plan.partition for plan in cache.plans.values()]
+    return [cut_of(plan, model) for plan in cache.plans.values()]
