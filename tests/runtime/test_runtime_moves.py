@@ -189,3 +189,42 @@ def test_a_partition_needs_a_sequential_of_its_length_and_no_other_cut() -> None
         construct(plan, lambda s: model()[2 * s: 2 * s + 2])
     with pytest.raises(RuntimeSetupError, match=r"layers_per_stage \[2, 2, 2, 2\] differs from the plan's partition"):
         construct(plan, model(), layers_per_stage=(2, 2, 2, 2))
+
+
+def test_optimizers_that_do_not_split_per_layer_are_refused() -> None:
+    from momentum import Momentum
+
+    from schedcomp.runtime.moves import layer_states
+    from schedcomp.runtime.stage import Stage
+
+    with pytest.raises(RuntimeSetupError, match=r"Momentum's state_dict is not torch\.optim's"):
+        layer_states(Stage(0, 1, model()[:2], None, Momentum), 0)
+
+    def two_groups(params) -> torch.optim.Optimizer:
+        params = list(params)
+        return torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.0}], lr=0.1)
+
+    with pytest.raises(RuntimeSetupError, match="has 2 param groups"):
+        layer_states(Stage(0, 1, model()[:2], None, two_groups), 0)
+
+
+def mismatched_cuts(rank: int, plan: Plan, outdir: str) -> None:
+    from momentum import Momentum
+
+    from schedcomp.runtime import PipelineTrainer
+
+    trainer = PipelineTrainer(plan, nn.Sequential(*model()[:4]), F.mse_loss, Momentum)
+    if rank == 1:
+        trainer.partition = (3, 1)  # as if a failure had interrupted a move after this worker's part
+    try:
+        trainer.use_plan(dataclasses.replace(plan, partition=(1, 3)))
+    except RecoveryError as e:
+        (Path(outdir) / f"{rank}.txt").write_text(str(e))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_workers_holding_different_cuts_refuse_to_move(tmp_path: Path) -> None:
+    spawn(mismatched_cuts, 2, (plan_with((2, 2), "1f1b", 2, 1), str(tmp_path)), timeout=90)
+    for rank in range(2):
+        assert "hold different cuts of the model" in (tmp_path / f"{rank}.txt").read_text()
