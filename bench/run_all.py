@@ -24,6 +24,7 @@ BENCHES = [
     ("bench_training.py", ["--hidden", "256", "--repeats", "1"]),
     ("bench_fault.py", ["--quick"]),
     ("bench_rejoin.py", ["--quick"]),
+    ("bench_moves.py", ["--hidden", "256", "--moved", "1", "--rounds", "2"]),
     ("bench_logging.py", ["--quick"]),
     ("bench_goodput.py", ["--quick"]),
     ("bench_checkpoint.py", ["--quick"]),

@@ -238,22 +238,23 @@ class Comm:
         token = torch.zeros(1, device=self.device)
         for src, dst in pairs:
             if self.rank == src:
-                self.wait(dist.isend(token, dst=dst, group=self._p2p_group(src, dst)))
+                self.wait(dist.isend(token, dst=dst, group=self.p2p_group(src, dst)))
             elif self.rank == dst:
-                self.wait(dist.irecv(token, src=src, group=self._p2p_group(src, dst)))
+                self.wait(dist.irecv(token, src=src, group=self.p2p_group(src, dst)))
         self._connected |= set(pairs)
 
     def stage_group(self, workers: tuple[Worker, ...]) -> dist.ProcessGroup | None:
         """The all-reduce group of these workers (None when there is only one)."""
         return self._stage_groups[tuple(sorted(self.ranks.rank(w) for w in workers))]
 
-    def _p2p_group(self, src: int, dst: int) -> dist.ProcessGroup:
+    def p2p_group(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The group carrying point-to-point messages from rank `src` to rank `dst` (one per direction)."""
         return self._up if src < dst else self._down
 
     def isend(self, tensor: torch.Tensor, peer: Worker, tag: int) -> dist.Work:
         dst = self.ranks.rank(peer)
-        return dist.isend(tensor, dst=dst, group=self._p2p_group(self.rank, dst), tag=tag)
+        return dist.isend(tensor, dst=dst, group=self.p2p_group(self.rank, dst), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: Worker, tag: int) -> dist.Work:
         src = self.ranks.rank(peer)
-        return dist.irecv(tensor, src=src, group=self._p2p_group(src, self.rank), tag=tag)
+        return dist.irecv(tensor, src=src, group=self.p2p_group(src, self.rank), tag=tag)

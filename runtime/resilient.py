@@ -44,6 +44,11 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   transfer to a replacement (from a live worker at the same place, which holds the same chunks),
   and the checkpoints, one per chunk under its virtual stage. The lossy policy and logging-based
   recovery work one stage per worker and are refused with chunks (`fault.policies.refuse_chunks`).
+- Layer moves: with an `nn.Sequential` model, a plan whose `partition` cuts it elsewhere (a failure plan
+  that moves layers off a stage that lost workers, the fault-free plan at a rejoin, an improved plan)
+  moves layers and their optimizer state among the survivors at the switch, after the rollback's undo
+  (`runtime.moves`; the switches themselves are in `fault.switches`). Lossy and logging-based recovery
+  refuse such plans. Checkpoints are taken only under the base cut (the one a restart builds).
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -67,21 +72,24 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
+from schedcomp.partition import Partition
 from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
+from schedcomp.runtime.fault import switches
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.better import BetterPlan
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
-from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state, send_held_state
+from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.policies import recovery_policy, refuse_chunks
+from schedcomp.runtime.fault.policies import cut_of, cuts_of, recovery_policy, refuse_chunks, refuse_moves
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
-from schedcomp.runtime.fault.report import Recovery, Rejoined, Report
+from schedcomp.runtime.fault.report import Rejoined, Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
+from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
@@ -148,6 +156,10 @@ class ResilientTrainer:
         self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
         refuse_chunks(self.policy, self.chunks)
         self.options.refuse_chunks(self.chunks)
+        # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
+        self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
+                                                                                             SwiftPolicy)) else set()
+        refuse_moves(self.policy, self._cuts)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -173,6 +185,7 @@ class ResilientTrainer:
         the plan source is asked with the job's chunks and placement)."""
         plan = self._plans(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
         self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
+        self.refuse_cut(plan)
         return plan
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -183,7 +196,10 @@ class ResilientTrainer:
         # Build the chunks before joining: a replacement's build would otherwise stall the survivors
         # at its admission (they wait for it to build its groups; 0.7 s for a 384 MB stage).
         job = Topology.of(session.env.pp, session.env.dp, chunks=self.chunks, placement=self.placement)
-        built = {s: build_module(self.build_stage, s, job.stages) for s in job.chunks_of(session.me.stage)}
+        # An nn.Sequential goes to the trainer as is: it cuts it by the plan's partition and moves its layers.
+        sequential = isinstance(self.build_stage, nn.Sequential)
+        built = {} if sequential else {s: build_module(self.build_stage, s, job.stages)
+                                       for s in job.chunks_of(session.me.stage)}
         view = session.start() if session.view is None else session.view
         plan = self.plan_for(view.topology)
         refuse_chunks(self.policy, plan.topology.chunks)  # a plan source that is a function: known only now
@@ -197,7 +213,8 @@ class ResilientTrainer:
         def build(s: int) -> nn.Module:  # what was built before joining, else now
             return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
 
-        self.trainer = PipelineTrainer(plan, build, self.loss_fn, self.make_optimizer,
+        self.trainer = PipelineTrainer(plan, self.build_stage if sequential else build, self.loss_fn,
+                                       self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
@@ -268,7 +285,7 @@ class ResilientTrainer:
                 for stage in trainer.stages.values():
                     stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
-            if checkpoint:
+            if checkpoint and trainer.partition == trainer.base_partition:  # restarts cut the model as at start
                 self.last_resort.after_step(i, self.held)
 
         return step
@@ -303,101 +320,21 @@ class ResilientTrainer:
 
     # ---- after a failure ----------------------------------------------------------------------------------
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
         """Forget the iteration in flight, here and in the policy's state."""
         assert self.trainer is not None
         self.trainer.abandon()
         self.policy.on_drop()
 
-    def _recover(self, error: BaseException, kept: bool) -> int:
-        """Agree on the next generation, let the policy finish the interrupted iteration or roll back,
-        switch plans; returns the iteration to run next. `kept`: the iteration in flight was kept."""
-        session, trainer, report = self.session, self.trainer, self.report
-        assert trainer is not None and self.snapshot is not None and report is not None
-        noticed = time.perf_counter()
-        log.warning("worker %s: generation %d broke (%s): recovering", session.me,
-                    session.view.generation if session.view else -1, error)
-        session.report(error)
-        if not kept:
-            self._drop()
-        while True:
-            try:
-                view = session.recover()
-                if session.finished():  # everyone had trained every iteration: a death after the final meeting
-                    return self.iterations
-                agreed = time.perf_counter() - noticed
-                decision = session.rollback()
-                if self.after_recovery is not None:
-                    self.after_recovery(decision.rerun)
-                finished = self.policy.finish(self, decision)
-                if finished is not None:
-                    report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
-                                                      decision.rerun, False, agreed, time.perf_counter() - noticed,
-                                                      self.policy.name))
-                    return finished
-                if kept:  # the policy declined to finish it: roll back instead
-                    self._drop()
-                    kept = False
-                undone = self.roll_back(decision)
-                report.recoveries.append(Recovery(view.generation, tuple(sorted(map(str, view.failed))),
-                                                  decision.rerun, undone, agreed, time.perf_counter() - noticed))
-                return decision.rerun
-            except (GenerationAborted, RuntimeError) as e:  # another failure while recovering
-                log.warning("worker %s: failure during recovery (%s): recovering again", session.me, e)
-                session.report(e)
-                self._drop()
-                kept = False
-
     def roll_back(self, decision: Rollback) -> bool:
         """Undo this worker's step of `decision.rerun` if it made one (returns whether), forget what the
         report says of the iterations to re-run, and switch to the current generation's plan."""
-        session, trainer, report = self.session, self.trainer, self.report
-        assert trainer is not None and self.snapshot is not None and report is not None and session.view is not None
-        undone = session.me in decision.undo
-        if undone:
-            self.snapshot.restore()
-            session.commit(decision.rerun - 1)  # a second recovery must not undo it again
-        for i in [i for i in report.ledger if i >= decision.rerun]:
-            for table in (report.ledger, report.losses, report.completed_at, report.skipped, report.skipped_samples,
-                          report.updates, report.log_bytes):
-                table.pop(i, None)
-        trainer.regroup(self.plan_for(session.view.topology), session.groups.rank, session.generation.new_group,
-                        self.wait)
-        self._hand_over(decision.rerun)
-        return undone
+        return switches.roll_back(self, decision)
 
-    def _hand_over(self, resume_at: int) -> None:
-        """After a change of generation: the donor of this stage sends its state (every chunk it holds)
-        to each replacement."""
-        session, trainer, report = self.session, self.trainer, self.report
-        assert trainer is not None and report is not None
-        stage = session.me.stage
-        for joiner in session.joiners():
-            if joiner.stage == stage and session.donor_for(stage) == session.me:
-                send_held_state(self.held, session.groups.world, [session.groups.rank_of(joiner)],
-                                info={"iteration": resume_at}, wait=self.wait)
-                report.handed_over += 1
-
-    def _boundary(self, completed: int) -> None:
-        """Admit replacements due at this iteration boundary."""
-        session, trainer, report = self.session, self.trainer, self.report
-        assert trainer is not None and report is not None
-        switch = session.boundary(completed)
-        if switch is None:
-            self._improve(completed)
-            return
-        view = session.admit(switch)
-        trainer.regroup(self.plan_for(view.topology), session.groups.rank, session.generation.new_group, self.wait)
-        self._hand_over(completed + 1)
-        report.admitted.append(completed + 1)
-
-    def _improve(self, completed: int) -> None:
-        """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
-        assert self.trainer is not None and self.report is not None and self.session.view is not None
-        plan = self.better.due(self.session.view, completed) if self.better is not None else None
-        if plan is not None:
-            self.trainer.use_plan(plan)
-            self.report.improved.append(completed + 1)
+    def refuse_cut(self, plan: Plan) -> None:
+        """Refuse (one line) a plan whose cut of the model the policy cannot move to (`policies.refuse_moves`)."""
+        self._cuts.add(cut_of(plan, self.build_stage))
+        refuse_moves(self.policy, self._cuts)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -412,7 +349,7 @@ class ResilientTrainer:
                     self._run(i)
                     i += 1
                     if i < iterations:
-                        self._boundary(i - 1)
+                        switches.admit(self, i - 1)
                 # Leave together: a worker that left early could not re-run a last iteration that a
                 # failure in a slower stage rolls back.
                 self.session.finish()
@@ -424,7 +361,7 @@ class ResilientTrainer:
                 if action is OnFailure.RESTART:
                     self.last_resort.give_up(e)
                 try:
-                    i = self._recover(e, kept=action is OnFailure.KEEP)
+                    i = switches.recover(self, e, kept=action is OnFailure.KEEP)
                 except Evicted:
                     raise
                 except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint

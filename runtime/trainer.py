@@ -6,33 +6,32 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from schedcomp.errors import RuntimeSetupError
+from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
+from schedcomp.partition import Partition
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import MAX_PARTS, Iteration, Timing, run_residual, run_stream
+from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
+from schedcomp.runtime.moves import base_partition, move_layers, partition_for
 from schedcomp.runtime.result import Loss
+from schedcomp.runtime.shapes import probe_boundaries
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
 from schedcomp.runtime.trace import gather_spans, write_trace
 from schedcomp.runtime.training import POST, GlobalCheck, SchedulerFactory, StepOutcome, TrainingOptions, prepare_stage
 from schedcomp.timeline import Span
+from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-_META_INTS = 256
-
 
 class PipelineTrainer:
     """Train one pipeline stage per process by executing a compiled plan's instruction streams.
@@ -99,18 +98,21 @@ class PipelineTrainer:
         self.pp, self.dp = plan.topology.pp, plan.topology.dp
         self.shape = _shape(plan)
         stages = plan.topology.stages  # virtual stages: pp * chunks
-        self.stages: dict[int, Stage] = {}
-        for s in plan.topology.chunks_of(self.worker.stage):
-            module = build_module(build_stage, s, stages, layers_per_stage).to(device)
-            self.stages[s] = Stage(s, stages, module, loss_fn if s == stages - 1 else None, make_optimizer)
-        self.stage = next(iter(self.stages.values()))
+        # an nn.Sequential is cut by the plan's partition, else as before; a switch may move layers (`moves`)
+        self.model = build_stage if isinstance(build_stage, nn.Sequential) else None
+        self.base_partition = base_partition(build_stage, layers_per_stage, stages)
+        self.partition = partition_for(plan.partition, self.model, self.base_partition, stages)
+        if layers_per_stage is not None and plan.partition is not None and self.partition != self.base_partition:
+            raise RuntimeSetupError(f"layers_per_stage {list(layers_per_stage)} differs from the plan's partition "
+                                    f"{list(plan.partition)}: drop layers_per_stage (the plan's cut is used)")
+        self._loss_fn, self._make_optimizer = loss_fn, make_optimizer
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
-        for stage in self.stages.values():
-            prepare_stage(stage, self.options)
-        self.checks = GlobalCheck(self.options, self.stage, StepSnapshot(self.stage.module, self.stage.optimizer),
-                                  lambda: self.comm, self._counts_norm) if self.options.checks_globally else None
+        self.checks: GlobalCheck | None = None
         self.profile = profile
-        self._meter = MemoryMeter(tuple(self.stages.values()), device) if profile else None
+        cut = self.partition if self.model is not None else layers_per_stage
+        self._hold({s: self._build_stage(s, build_module(build_stage, s, stages, cut).to(device))
+                    for s in plan.topology.chunks_of(self.worker.stage)})
+        self._fresh = True  # holds the layers it was built with: nothing to compare before its first plan
         self.iteration = 0
         self.step_seconds: list[float] = []
         self._history: list[tuple[int, Plan]] = []
@@ -134,18 +136,24 @@ class PipelineTrainer:
     def stream(self) -> tuple[Instruction, ...]:
         return self.plan.streams.get(self.worker, ())
 
-    def use_plan(self, plan: Plan) -> None:
+    def use_plan(self, plan: Plan, joined: Collection[Worker] = ()) -> None:
         """Run `plan` from the next iteration on (collective: every rank switches at the same step).
 
         Any plan of the same pp and dp whose workers have processes is accepted (e.g. one from a
-        plan cache, re-routed around failed workers); a process without a stream idles.
+        plan cache, re-routed around failed workers); a process without a stream idles. A plan that
+        cuts the model elsewhere moves layers, with their optimizer state, between workers first
+        (`runtime.moves`); `joined`: workers that receive their whole state from a replica after this
+        switch (a resilient job's replacements), so take no part in the move.
         """
         if _shape(plan) != self.shape:
             raise RuntimeSetupError(f"plan is for {_describe(_shape(plan))} but this job runs {_describe(self.shape)}: "
                                     "compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
-        self._check_same_plan(plan)
+        target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
+        self._check_same_plan(plan, joined)
+        if target != self.partition and self.worker not in joined:
+            self._move(plan, target, joined)
         self.comm.prepare_stage_groups([plan.topology.stage_group(s) for s in range(self.pp)])
         self.comm.connect(channels(plan))
         if self._history and self._history[-1][0] == self.iteration:
@@ -159,19 +167,57 @@ class PipelineTrainer:
         log.debug("worker %s runs %s plan from iteration %d: %d instructions", self.worker, plan.family or "a",
                   self.iteration, len(self.stream))
 
-    def _check_same_plan(self, plan: Plan) -> None:
+    def _check_same_plan(self, plan: Plan, joined: Collection[Worker] = ()) -> None:
         """Refuse to run unless every rank holds the same plan (ranks that compiled different plans
-        would exchange mismatched tensors or hang). One small all-gather of a digest, at switch time only."""
-        digest = torch.frombuffer(bytearray(hashlib.sha256(plan.to_text().encode()).digest()), dtype=torch.uint8)
+        would exchange mismatched tensors or hang) and, but for fresh and `joined` workers, the same cut
+        of the model (a failure that interrupted a layer move leaves some moved and some not). One small
+        all-gather of two digests, at switch time only."""
+        cut = bytes(32) if self._fresh else hashlib.sha256(repr(self.partition).encode()).digest()
+        self._fresh = False
+        digest = torch.frombuffer(bytearray(hashlib.sha256(plan.to_text().encode()).digest() + cut), dtype=torch.uint8)
         digest = digest.to(self.comm.control_device)
         gathered = [torch.empty_like(digest) for _ in range(len(self.ranks.workers))]
         self.comm.wait(dist.all_gather(gathered, digest, group=self.comm.control, async_op=True))
-        differ = [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
+        differ = [r for r, d in enumerate(gathered) if not torch.equal(d[:32], gathered[0][:32])]
         if differ:
             raise RuntimeSetupError(f"ranks {differ} hold a different plan from rank 0: compile once and give every "
                                     "rank the same plan file (or compile with identical arguments and costs)")
+        cuts = {bytes(d[32:].tolist()) for r, d in enumerate(gathered) if self.ranks.workers[r] not in joined}
+        cuts.discard(bytes(32))  # fresh workers
+        if len(cuts) > 1:
+            raise RecoveryError("the workers hold different cuts of the model (a failure interrupted a layer move): "
+                                "restart the job from a checkpoint")
 
-    def regroup(self, plan: Plan, rank: int, make_group: GroupFactory, wait: Waiter | None = None) -> None:
+    def _move(self, plan: Plan, partition: Partition, joined: Collection[Worker]) -> None:
+        """Take this worker's stages from the current cut to `partition` (collective over the other
+        workers, but for `joined`; see `runtime.moves`)."""
+        assert self.model is not None and self.partition is not None
+        self.settle()  # a pending step is applied before its state moves
+        workers = tuple(w for w in self.ranks.workers if w not in joined)
+        self._hold(move_layers(self.partition, partition, self.stages, self.model, me=self.worker, workers=workers,
+                               comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of))
+        self.partition = partition
+
+    def _build_stage(self, s: int, module: nn.Module) -> Stage:
+        """Virtual stage s over `module` (on this worker's device), with a fresh optimizer and the options."""
+        stages = self.pp * self.shape[2]  # virtual stages: pp * chunks
+        stage = Stage(s, stages, module, self._loss_fn if s == stages - 1 else None, self._make_optimizer)
+        prepare_stage(stage, self.options)
+        return stage
+
+    def _hold(self, stages: dict[int, Stage]) -> None:
+        """Run `stages` (by virtual stage) from now on: the global check and the memory meter follow them."""
+        self.stages = stages
+        self.stage = next(iter(stages.values()))
+        if self.options.checks_globally:
+            snapshot = StepSnapshot(self.stage.module, self.stage.optimizer)
+            if self.checks is None:
+                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counts_norm)
+            self.checks.stage, self.checks.snapshot = self.stage, snapshot
+        self._meter = MemoryMeter(tuple(stages.values()), self.device) if self.profile else None
+
+    def regroup(self, plan: Plan, rank: int, make_group: GroupFactory, wait: Waiter | None = None,
+                joined: Collection[Worker] = ()) -> None:
         """Move to a new generation of a resilient job: new ranks, fresh groups, `plan` from now on.
 
         Collective over the new generation's members (they build the same groups in the same
@@ -184,7 +230,7 @@ class PipelineTrainer:
         self.ranks, self.rank = ranks, rank
         self.comm = Comm(ranks, rank, self.device, make_group, wait or self.comm.wait)
         self._history = [(self.iteration, plan)]
-        self.use_plan(plan)
+        self.use_plan(plan, joined)
 
     def sync_replicas(self) -> None:
         """Give every replica of this stage the lowest rank's parameters and buffers."""
@@ -228,30 +274,15 @@ class PipelineTrainer:
     # ---- shapes ----------------------------------------------------------------------------------
 
     def _probe_shapes(self, inputs: Tensors) -> None:
-        """Learn what crosses each stage boundary (what receivers allocate) when the input shape changes.
-
-        The first live worker of each stage runs its module once (eval mode, no grad, random state
-        kept) and broadcasts the output shapes and dtypes over the control group, stage by stage.
-        """
+        """Learn what crosses each stage boundary (what receivers allocate) when the input shape changes
+        (`runtime.shapes`; collective)."""
         chunks = self.dp * self.plan.microbatches
         first = as_tuple(micro_batch(inputs, 0, chunks))
         signature = (chunks, tuple(TensorMeta.of(t) for t in first))
         if signature == self._signature:
             return
-        boundaries, metas, topology = [], signature[1], self.plan.topology
-        for s in range(topology.stages - 1):
-            src = min(self.ranks.rank(w) for w in topology.stage_group(topology.place_of(s)))
-            buffer = torch.zeros(_META_INTS, dtype=torch.int64, device=self.comm.control_device)
-            if self.rank == src:
-                x = first if s == 0 else tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-                buffer.copy_(_encode(self.stages[s].output_meta(tuple(t.to(self.device) for t in x))))
-            self.comm.wait(dist.broadcast(buffer, src=src, group=self.comm.control, async_op=True))
-            metas = _decode(buffer)
-            if len(metas) > MAX_PARTS:
-                raise RuntimeSetupError(f"stage {s} returns {len(metas)} tensors: pass at most {MAX_PARTS} "
-                                        "(concatenate some)")
-            boundaries.append(metas)
-        self._boundaries, self._signature = boundaries, signature
+        self._boundaries = probe_boundaries(first, self.plan.topology, self.stages, self.comm, self.device)
+        self._signature = signature
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -380,23 +411,3 @@ def _to(value: Tensors, device: torch.device) -> Tensors:
     if isinstance(value, Tensor):
         return value.to(device)
     return tuple(v.to(device) for v in as_tuple(value))
-
-
-def _encode(metas: tuple[TensorMeta, ...]) -> Tensor:
-    ints = [len(metas)]
-    for m in metas:
-        ints += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
-    if len(ints) > _META_INTS:
-        raise RuntimeSetupError(f"a stage returns too many or too large tensors to describe in {_META_INTS} integers: "
-                                "return fewer tensors")
-    return torch.tensor(ints + [0] * (_META_INTS - len(ints)), dtype=torch.int64)
-
-
-def _decode(buffer: Tensor) -> tuple[TensorMeta, ...]:
-    ints = buffer.tolist()
-    metas, pos = [], 1
-    for _ in range(ints[0]):
-        dtype, ndim = _DTYPES[ints[pos]], ints[pos + 1]
-        metas.append(TensorMeta(tuple(ints[pos + 2 : pos + 2 + ndim]), dtype))
-        pos += 2 + ndim
-    return tuple(metas)

@@ -1,5 +1,5 @@
 """Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
-`logging`), and which ones a job with virtual stages refuses.
+`logging`), and which ones a job with virtual stages, or whose plans move layers, refuses.
 
 The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
 `fault.swift` (logging-based recovery).
@@ -7,14 +7,20 @@ The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.ir import Plan
+from schedcomp.partition import Partition
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.lossy import LossyPolicy
+from schedcomp.runtime.stage import even_split
 
 POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
                                                      "restart": RestartPolicy}
@@ -61,3 +67,33 @@ def refuse_chunks(policy: RecoveryPolicy, chunks: int) -> None:
     if isinstance(policy, LossyPolicy):
         raise RuntimeSetupError(f"the lossy policy finishes an iteration one stage per worker, but this job's workers "
                                 f"hold {chunks} chunks: use policy='rollback' (the default) with virtual stages")
+
+
+def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None]) -> None:
+    """Refuse, in one line, a policy that works one fixed stage per worker when the plans cut the model in
+    more than one way (lossy: its residual streams; logging: its boundary logs and replay)."""
+    cuts = set(partitions)
+    if len(cuts) <= 1 or not isinstance(policy, (LossyPolicy, SwiftPolicy)):
+        return
+    shown = ", ".join(str(list(c)) if c is not None else "the runtime's" for c in sorted(cuts, key=str))
+    raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but the plans cut the "
+                            f"model in {len(cuts)} ways ({shown}): use policy='rollback' (the default), which moves "
+                            "layers at a plan switch")
+
+
+def cut_of(plan: Plan, model: Any) -> Partition | None:
+    """The cut `plan` runs `model` at: its partition, else the runtime's even split of an `nn.Sequential`
+    (None for a stage builder)."""
+    if plan.partition is not None or not isinstance(model, nn.Sequential):
+        return plan.partition
+    return even_split(len(model), plan.topology.stages)
+
+
+def cuts_of(plans: Any, model: Any) -> list[Partition | None]:
+    """The cuts of every plan a `PlanCache` (or `ImprovingPlans`' cache) holds (read from disk); a plain
+    function's are known only as it serves them (empty)."""
+    cache = getattr(plans, "cache", plans)
+    if not (hasattr(cache, "preload") and hasattr(cache, "plans")):
+        return []
+    cache.preload()
+    return [cut_of(plan, model) for plan in cache.plans.values()]

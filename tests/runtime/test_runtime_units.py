@@ -10,8 +10,8 @@ from schedcomp.compiler import compile
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import RankMap
 from schedcomp.runtime.data import chunk_index, micro_batch
+from schedcomp.runtime.shapes import decode, encode
 from schedcomp.runtime.stage import TensorMeta, build_module, even_split
-from schedcomp.runtime.trainer import _decode, _encode
 from schedcomp.topology import Worker
 
 
@@ -64,10 +64,10 @@ def test_ranks_are_the_live_workers_in_sorted_order() -> None:
 
 def test_shape_messages_round_trip() -> None:
     metas = (TensorMeta((4, 8, 16), torch.float32), TensorMeta((4, 8), torch.int64), TensorMeta((), torch.bfloat16))
-    assert _decode(_encode(metas)) == metas
+    assert decode(encode(metas)) == metas
     assert [m.has_grad for m in metas] == [True, False, True]
     with pytest.raises(RuntimeSetupError, match="fewer tensors"):
-        _encode(tuple(TensorMeta((1,) * 8, torch.float32) for _ in range(40)))
+        encode(tuple(TensorMeta((1,) * 8, torch.float32) for _ in range(40)))
 
 
 def test_a_plan_with_virtual_stages_splits_a_sequential_into_pp_times_v_stages() -> None:

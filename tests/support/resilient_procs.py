@@ -30,6 +30,36 @@ def chaos_stage(stage: int, pp: int):
     return nn.Sequential(*layers).double()
 
 
+def chaos_sequential(layers: int):
+    """The model of a job whose plans move layers (`runtime.moves`): `layers` Linear + Tanh blocks in one
+    `nn.Sequential`, which the trainer cuts by each plan's partition."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(77)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(layers))).double()
+
+
+def adam(params):
+    import torch
+
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def moves_reference(layers: int, chunks: int, iterations: int) -> list[dict]:
+    """`chaos_sequential` trained fault-free in one process with `adam`: each layer's state."""
+    import torch.nn.functional as F
+
+    model = chaos_sequential(layers)
+    optimizer = adam(model.parameters())
+    for i in range(iterations):
+        x, y = chaos_batch(i, chunks)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [{k: v.tolist() for k, v in layer.state_dict().items()} for layer in model]
+
+
 def chaos_batch(iteration: int, chunks: int):
     """Iteration i's global batch: the same samples whenever it is asked for again."""
     import torch
@@ -128,6 +158,21 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
             o.step()
             o.zero_grad()
     return [{k: v.tolist() for k, v in m.state_dict().items()} for m in stages]
+
+
+def held_layers(trainer, iterations: int) -> dict[str, float]:
+    """The layers a `PipelineTrainer` holds, by model index, each its largest difference from `moves_reference`
+    (computed here: a whole state per layer would make the result line too long to write at once)."""
+    first = sum(trainer.partition[: trainer.worker.stage])
+    chunks = trainer.dp * trainer.plan.microbatches
+    want = moves_reference(len(trainer.model), chunks, iterations)
+    return {str(first + k): max(_largest_difference(v.tolist(), want[first + k][name])
+                                for name, v in layer.state_dict().items())
+            for k, layer in enumerate(trainer.stage.module)}
+
+
+def _largest_difference(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(_flat(a), _flat(b), strict=True))
 
 
 def parse_victims(spec: str) -> tuple[dict, dict]:
@@ -237,8 +282,14 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
         Momentum = ScheduledMomentum
         options = {"lr_scheduler": SCHEDULES[schedule] if schedule else None,
                    "max_grad_norm": float(max_norm) if max_norm else None}
-    # with virtual stages the model has pp x chunks stages, each worker builds its chunks
-    trainer = ResilientTrainer(plans, functools.partial(chaos_stage, pp=env.pp * cache.chunks), F.mse_loss, Momentum,
+    # with virtual stages the model has pp x chunks stages, each worker builds its chunks; CHAOS_MOVES=L: an
+    # L-layer nn.Sequential trained with Adam, cut by each plan's partition (layers move at a switch)
+    layers = int(os.environ.get("CHAOS_MOVES", "0"))
+    if layers:
+        build, Momentum = chaos_sequential(layers), adam
+    else:
+        build = functools.partial(chaos_stage, pp=env.pp * cache.chunks)
+    trainer = ResilientTrainer(plans, build, F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
                                after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"),
                                **options)
@@ -249,8 +300,9 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "skipped": {str(i): v for i, v in report.skipped.items()},
           "skipped_samples": {str(i): v for i, v in report.skipped_samples.items()},
           "generation": report.generation, "failed": list(report.failed),
-          "state": {k: v.tolist() for k, v in trainer.state().items()},
-          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()},
+          "state": {k: v.tolist() for k, v in trainer.state().items()} if not layers else None,
+          "states": {str(s): {k: v.tolist() for k, v in state.items()} for s, state in trainer.states().items()}
+          if not layers else None,
           "ledger": {str(i): v for i, v in report.ledger.items()},
           "recoveries": [r.__dict__ for r in report.recoveries], "admitted": report.admitted,
           "improved": report.improved, "plan_solver": trainer.trainer.plan.solver if trainer.trainer else None,
@@ -260,7 +312,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "killed_at": float(session.store.get("killed_at")) if session.store.check(["killed_at"]) else None,
           "device": str(trainer.trainer.device) if trainer.trainer is not None else None,
           "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None,
-          "updates": {str(i): u for i, u in report.updates.items()}})
+          "updates": {str(i): u for i, u in report.updates.items()},
+          "layers": held_layers(trainer.trainer, report.iterations) if layers else None})
     trainer.close()
 
 

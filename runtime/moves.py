@@ -1,0 +1,234 @@
+"""Layers moving between workers when a plan switch changes the partition (`Plan.partition`).
+
+A plan compiled for a failure set may cut the model elsewhere than the plan in use: layers leave a
+stage that lost workers for its neighbours (the same cut in every pipeline). At an iteration boundary
+(every stage stepped) `move_layers(old, new, ...)` gives each worker the layers the new partition puts
+on it, with their parameters and optimizer state, bit for bit, and rebuilds its stages:
+
+- who sends what (`plan_moves`, pure): a worker receives each layer it newly holds from the worker of
+  its own pipeline that held it, when that one is live, else from the lowest-rank live worker that held
+  it (a replica of that stage: replicas are identical after the step). One message per (receiver,
+  source) pair, all of them in one order (receiver rank, then source rank) that every rank derives from
+  the two partitions and the live workers alone: no negotiation, and no deadlock (the first transfer
+  not yet done always has both its ends at it);
+- what a layer carries (`layer_states`): its `state_dict` and, per trainable parameter, the optimizer's
+  state (Adam's `step`, `exp_avg`, `exp_avg_sq`, ...), as plain data over `transfer.send_tree` (tensors
+  on the worker's device, so NCCL carries them; nothing pickled);
+- the rebuild: each (virtual) stage a worker holds becomes a new `Stage` over its layers in model order
+  (layers it keeps are the same module objects), its optimizer `make_optimizer(params)` loaded with the
+  layers' states and its old optimizer's param-group settings (the lr an LR schedule set), and what was
+  tied to the old optimizer (the LR schedule, float16's loss scaler) carried over. A layer a worker no
+  longer holds is freed (its tensors go to the meta device; one that comes back is materialised again).
+
+Only `torch.optim`-style optimizers split per layer: a `state_dict` of `state` (per parameter index) and
+one param group. Anything else is refused in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.partition import Partition, spans, stage_of_layer
+from schedcomp.runtime.comm import Comm
+from schedcomp.runtime.fault.transfer import flatten, recv_tree, send_tree
+from schedcomp.runtime.stage import Stage, even_split
+from schedcomp.runtime.training import attached_to
+from schedcomp.topology import Worker
+
+LayerState = dict[str, Any]  # {"module": the layer's state_dict, "optimizer": per trainable parameter, its state}
+StageFactory = Callable[[int, nn.Module], Stage]  # (virtual stage, module) -> a prepared Stage
+
+
+def _identity(stage: int) -> int:
+    return stage
+
+
+@dataclass(frozen=True)
+class Move:
+    """One message of a move: `layers` (model indices, in order) from `source` to `receiver`."""
+
+    source: Worker
+    receiver: Worker
+    layers: tuple[int, ...]
+
+
+def plan_moves(old: Partition, new: Partition, workers: Sequence[Worker],
+               place_of: Callable[[int], int] = _identity) -> tuple[Move, ...]:
+    """Every message that takes the live `workers` (in rank order) from partition `old` to `new`.
+
+    `place_of(s)`: the place (`Worker.stage`) holding virtual stage s (`Topology.place_of`; the identity
+    without virtual stages). RecoveryError when no live worker held a layer that must move.
+    """
+    if sum(old) != sum(new):
+        raise RuntimeSetupError(f"partitions {list(old)} and {list(new)} cut models of different sizes "
+                                f"({sum(old)} and {sum(new)} layers): a plan switch keeps the model")
+    rank = {w: r for r, w in enumerate(workers)}
+    old_place = [place_of(s) for s in stage_of_layer(old)]
+    messages: dict[tuple[Worker, Worker], list[int]] = {}
+    for receiver in workers:
+        for s, held in enumerate(spans(new)):
+            if place_of(s) != receiver.stage:
+                continue
+            for layer in held:
+                place = old_place[layer]
+                if place == receiver.stage:
+                    continue  # it keeps this layer
+                source = _source(Worker(receiver.pipeline, place), rank, layer)
+                messages.setdefault((receiver, source), []).append(layer)
+    order = sorted(messages, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
+    return tuple(Move(source, receiver, tuple(messages[receiver, source])) for receiver, source in order)
+
+
+def _source(own: Worker, rank: Mapping[Worker, int], layer: int) -> Worker:
+    """The same pipeline's old holder when live, else the lowest-rank live worker at its place."""
+    if own in rank:
+        return own
+    replicas = [w for w in rank if w.stage == own.stage]
+    if not replicas:
+        raise RecoveryError(f"no live worker holds layer {layer} (every worker at place {own.stage} failed): "
+                            "restart the job from a checkpoint")
+    return min(replicas, key=rank.__getitem__)
+
+
+# ---- a stage's state, per layer ------------------------------------------------------------------------
+
+
+def _trainable(layer: nn.Module) -> list[nn.Parameter]:
+    return [p for p in layer.parameters() if p.requires_grad]
+
+
+def _optimizer_dict(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state dict, refused in one line where it does not split per layer."""
+    state = optimizer.state_dict()
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+            and isinstance(state.get("param_groups"), list)):
+        raise RuntimeSetupError(f"{type(optimizer).__name__}'s state_dict is not torch.optim's (state per "
+                                "parameter index, param_groups): layers cannot move with it; use a torch.optim "
+                                "optimizer")
+    if len(state["param_groups"]) != 1:
+        raise RuntimeSetupError(f"the stage optimizer has {len(state['param_groups'])} param groups: layers move "
+                                "with one group per stage, so make_optimizer(params) should keep one")
+    return state
+
+
+def layer_states(stage: Stage, first: int) -> dict[int, LayerState]:
+    """Each layer of `stage` (an `nn.Sequential` whose layer 0 is model layer `first`): its module state and
+    its trainable parameters' optimizer state, by model layer index."""
+    module = stage.module
+    if not isinstance(module, nn.Sequential):
+        raise RuntimeSetupError("layers move only between stages cut from an nn.Sequential model")
+    per_param = _optimizer_dict(stage.optimizer)["state"]
+    index = {id(p): i for i, p in enumerate(stage.params)}
+    return {first + k: {"module": layer.state_dict(),
+                        "optimizer": [per_param.get(index[id(p)], {}) for p in _trainable(layer)]}
+            for k, layer in enumerate(module)}
+
+
+# ---- the move ------------------------------------------------------------------------------------------
+
+
+def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], model: nn.Sequential, *,
+                me: Worker, workers: Sequence[Worker], comm: Comm, build: StageFactory,
+                place_of: Callable[[int], int] = _identity) -> dict[int, Stage]:
+    """This worker's stages under `new`, with the layers it newly holds received (collective over `workers`).
+
+    `stages`: its stages under `old`, by virtual stage; `model`: the whole model, whose layer objects are
+    the ones stages hold; `workers`: the live workers taking part, in rank order (`comm`'s ranks);
+    `build(s, module)`: a new, prepared `Stage` (its optimizer fresh) for virtual stage s.
+    """
+    old_spans, new_spans = spans(old), spans(new)
+    mine: dict[int, LayerState] = {}
+    for s, stage in stages.items():
+        mine.update(layer_states(stage, old_spans[s].start))
+    for move in plan_moves(old, new, workers, place_of):
+        if move.source == me:
+            send_tree({layer: mine[layer] for layer in move.layers}, comm.p2p_group(*_ranks(comm, move)),
+                      [comm.ranks.rank(move.receiver)], comm.device, wait=comm.wait)
+        elif move.receiver == me:
+            got, _ = recv_tree(comm.p2p_group(*_ranks(comm, move)), comm.ranks.rank(move.source), comm.device,
+                               wait=comm.wait)
+            if not isinstance(got, dict) or set(got) != set(move.layers):
+                raise RecoveryError(f"worker {move.source} sent layers {sorted(got) if isinstance(got, dict) else '?'}"
+                                    f" where {list(move.layers)} were due: every rank must switch to the same plan")
+            for layer, state in got.items():
+                _materialise(model[layer], comm.device).load_state_dict(state["module"])
+                mine[layer] = state
+    held = {s: list(new_spans[s]) for s in stages}
+    for layer in set(mine) - {layer for layers in held.values() for layer in layers}:
+        model[layer].to("meta")  # freed: nothing on this worker reads it any more
+    return {s: _rebuild(s, [model[layer] for layer in held[s]], [mine[layer] for layer in held[s]], stages[s], build)
+            for s in stages}
+
+
+def _ranks(comm: Comm, move: Move) -> tuple[int, int]:
+    return comm.ranks.rank(move.source), comm.ranks.rank(move.receiver)
+
+
+def _materialise(layer: nn.Module, device: torch.device) -> nn.Module:
+    """`layer` with real tensors on `device` (a freed layer's are on the meta device; values are loaded next)."""
+    if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+        return layer.to_empty(device=device)
+    return layer.to(device)
+
+
+def _rebuild(s: int, layers: list[nn.Module], states: list[LayerState], old: Stage, build: StageFactory) -> Stage:
+    """Virtual stage s over `layers`, its optimizer holding their `states` and `old`'s group settings."""
+    stage = build(s, nn.Sequential(*layers))
+    per_param: dict[int, Any] = {}
+    params = [p for layer in layers for p in _trainable(layer)]
+    if [id(p) for p in params] != [id(p) for p in stage.params]:
+        raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
+    for i, state in enumerate(st for layer_state in states for st in layer_state["optimizer"]):
+        if state:
+            per_param[i] = state
+    group = dict(_optimizer_dict(old.optimizer)["param_groups"][0])
+    group["params"] = list(range(len(params)))
+    attached = attached_to(old.optimizer)
+    stage.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
+    for name, stateful in attached_to(stage.optimizer).items():  # the LR schedule, float16's loss scaler
+        stateful.load_state_dict(attached[name].state_dict())
+    return stage
+
+
+def moved_bytes(moves: Collection[Move], states: Mapping[int, LayerState]) -> int:
+    """The tensor bytes `moves` carry, from the layers' `states` (what `bench_moves` reports)."""
+    total = 0
+    for move in moves:
+        _, tensors = flatten({layer: states[layer] for layer in move.layers})
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+# ---- which cut a trainer runs ----------------------------------------------------------------------------
+
+
+def base_partition(build: object, layers_per_stage: Sequence[int] | None, stages: int) -> Partition | None:
+    """The cut of a plan without a partition: `layers_per_stage`, else an even split of an `nn.Sequential`
+    (None for a stage builder, whose cut the runtime does not know)."""
+    if not isinstance(build, nn.Sequential):
+        return None
+    return tuple(layers_per_stage) if layers_per_stage is not None else even_split(len(build), stages)
+
+
+def partition_for(partition: Partition | None, model: nn.Sequential | None, base: Partition | None,
+                  stages: int) -> Partition | None:
+    """The cut a plan of `stages` (virtual) stages whose `Plan.partition` is `partition` runs on this model;
+    one line where it cannot."""
+    if partition is None:
+        return base
+    if len(partition) != stages:
+        raise RuntimeSetupError(f"the plan's partition {list(partition)} has {len(partition)} entries for its "
+                                f"{stages} stages: give one layer count per stage")
+    if model is None:
+        raise RuntimeSetupError(f"the plan fixes the layers of each stage (partition {list(partition)}): pass the "
+                                "model as an nn.Sequential, which the runtime cuts there (a stage builder cannot)")
+    if sum(partition) != len(model):
+        raise RuntimeSetupError(f"the plan's partition {list(partition)} holds {sum(partition)} layers but the model "
+                                f"has {len(model)}: compile the plan for this model")
+    return tuple(partition)

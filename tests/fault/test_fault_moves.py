@@ -1,0 +1,106 @@
+"""A resilient job whose failure plan cuts the model elsewhere: the survivors move layers, exactly.
+
+The pp = 4, dp = 2 chaos job (`chaos_job`) trains an 8-layer `nn.Sequential` with Adam (CHAOS_MOVES). Its
+fault-free plan leaves the cut to the runtime (even: 2, 2, 2, 2); every failure plan of the cache moves a
+layer off stage 1 onto stage 0 in every pipeline (3, 1, 2, 2). Worker 0:1 is killed in iteration 1: the
+survivors roll back, switch, and layer 2 goes to 0:0 from 1:1 (its own pipeline's holder is dead) and to
+1:0 from 1:1. Every survivor's layers equal the fault-free model trained in one process (float64, 1e-10).
+Also: the policies that keep layers in place refuse such a cache in one line, before any group is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from chaos_job import DP, ITERATIONS, MICROBATCHES, PP, launch
+from resilient_procs import adam, chaos_sequential
+
+from schedcomp.cache import PlanCache, precompile
+from schedcomp.costs import CostModel
+from schedcomp.errors import RuntimeSetupError
+from schedcomp.topology import Worker
+
+LAYERS, MOVED = 8, (3, 1, 2, 2)
+
+
+def moving_cache(directory: Path) -> str:
+    """The chaos job's cache (one failure at most) with every failure plan cut as MOVED."""
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0)
+    for key, plan in list(cache.plans.items()):
+        if key[0]:
+            cache.plans[key] = dataclasses.replace(plan, partition=MOVED)
+    cache.save(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return moving_cache(tmp_path_factory.mktemp("plans"))
+
+
+VICTIM = Worker(0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_survivors_move_layers_at_the_failure_switch(cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = PlanCache.load(cache_dir).lookup([]).streams[VICTIM]
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    results = launch(cache_dir, f"{VICTIM}@1.{len(stream) // 2}")
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}, MOVED, ITERATIONS)
+    for r in results.values():
+        assert r["failed"] == [str(VICTIM)]
+        assert [rec["rerun"] for rec in r["recoveries"]] in ([1], [2]), r["recoveries"]
+    assert sum("2" in r["layers"] for r in results.values()) == 2  # layer 2 moved to stage 0 of both pipelines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_layers_move_back_when_a_replacement_rejoins(cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0:1 dies in iteration 1 (layer 2 moves to stage 0) and is replaced; at its admission the plan is the
+    # fault-free one again: the survivors move layer 2 back among themselves and the replacement gets
+    # its stage, in the even cut, from its donor 1:1.
+    iterations = 7
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    results = launch(cache_dir, f"{VICTIM}@1.5", iterations=iterations, respawn=1, hold=3, timeout=200.0)
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)}, (2, 2, 2, 2), iterations)
+    joined = results[str(VICTIM)]
+    assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5, 6)
+    assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(VICTIM))
+
+
+def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
+    """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
+    the fault-free model trained in one process on the same batches (float64, 1e-10: the worker compares,
+    `resilient_procs.held_layers`), and counted every micro-batch once."""
+    assert set(results) == expected, sorted(results)
+    for r in results.values():
+        assert r["iterations"] == iterations
+        stage = int(r["worker"].split(":")[1])
+        assert sorted(map(int, r["layers"])) == list(range(sum(cut[:stage]), sum(cut[: stage + 1])))
+        for layer, diff in r["layers"].items():
+            assert diff <= 1e-10, (r["worker"], layer, diff)
+        for i, counts in r["ledger"].items():
+            assert counts == [1.0] * DP * MICROBATCHES, (r["worker"], i)
+
+
+@pytest.mark.parametrize("policy", ["lossy", "logging"])
+def test_policies_that_keep_layers_in_place_refuse_plans_that_move_them(tmp_path: Path, policy: str) -> None:
+    from schedcomp.compiler import compile
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    plan = compile(PP, DP, MICROBATCHES)
+    cache = PlanCache(PP, DP, MICROBATCHES, CostModel.uniform(PP),
+                      plans={((), 0): plan, (((0, 1),), 1): dataclasses.replace(plan, partition=MOVED)})
+    options = ({"policy": "lossy"} if policy == "lossy" else
+               {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
+    even = dataclasses.replace(plan, partition=(2, 2, 2, 2))  # the runtime's own cut, written out: no move
+    same = PlanCache(PP, DP, MICROBATCHES, CostModel.uniform(PP), plans={((), 0): plan, (((1, 1),), 1): even})
+    ResilientTrainer(same, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, session=object(), **options)
+    with pytest.raises(RuntimeSetupError, match=r"keeps each stage's layers in place, but the plans cut the model in "
+                                                r"2 ways \(\[2, 2, 2, 2\], \[3, 1, 2, 2\]\)"):
+        ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
