@@ -53,6 +53,9 @@ class Outcome:
     memory_limit: float | list[float] | None = None
     within_memory_limit: bool | None = None
     """Whether every worker stays within its stage's limit (None: no limit, or the strategy stopped)."""
+    partition: tuple[int, ...] | None = None
+    """With layer costs, the layers per stage every pipeline ran (None: oobleck's and bamboo's differ per
+    pipeline, or no layer costs)."""
 
     def to_dict(self) -> dict[str, object]:
         finite = math.isfinite(self.period)
@@ -64,6 +67,7 @@ class Outcome:
             "memory_limit": self.memory_limit,
             "within_memory_limit": self.within_memory_limit,
             "note": self.note,
+            "partition": list(self.partition) if self.partition is not None else None,
         }
 
 
@@ -120,7 +124,9 @@ def compare(
         run = reference if name == "fault-free" else _RUNNERS[name](
             job, microbatches, job_costs, solver=solver, time_limit=time_limit, layers=layered)
         rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
-        out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs)))
+        kept = layered.partition if layered is not None and name not in _ONE_STAGE else None
+        out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs),
+                           partition=run.partition or kept))
     return out
 
 
@@ -180,7 +186,7 @@ def adaptive(topology: Topology, microbatches: int, costs: CostModel, *, layers:
     assert run.stage_peaks is not None
     moved = static_of(layers.costs, best.partition)  # activations held, in the job's accounting
     peaks = tuple(p + a - b for p, a, b in zip(run.stage_peaks, moved, layers.static, strict=True))
-    return dataclasses.replace(run, stage_peaks=peaks, note=f"partition {','.join(map(str, best.partition))}")
+    return dataclasses.replace(run, stage_peaks=peaks, partition=best.partition)
 
 
 def adaptive_no_split(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:

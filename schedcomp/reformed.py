@@ -54,6 +54,8 @@ class Run:
     stage_peaks: tuple[float, ...] | None = None
     """Per stage (place) of the job, the most activation memory held there, in the job's accounting (see the
     module docstring); held to that stage's limit."""
+    partition: tuple[int, ...] | None = None
+    """Layers per stage, where the run chose one (adaptive with layer costs)."""
 
 
 STOPPED = float("inf")

@@ -16,9 +16,11 @@ Candidates:
 - the `NEIGHBOURS` best of the optimum's neighbours (one boundary moved by one layer), ranked by the same
   load, to absorb the bubble's and the first and last stage's effects the load does not see.
 
-Each is scheduled by the adaptive solver under its memory limit; the best period wins (ties: the job's
-partition, then fewer layers moved, then the order above). Candidates that leave a stage no room for one
-micro-batch are skipped. Deterministic: the inputs decide everything.
+Each is scheduled by the adaptive greedy solver under its memory limit with a small local-search budget,
+and the best `FINALISTS` again with the caller's solver and time limit (CP-SAT on every candidate would
+cost seconds each); the best period wins (ties: the job's partition, then fewer layers moved, then the
+order above). Candidates that leave a stage no room for one micro-batch are skipped. Deterministic: the
+inputs decide everything (budgets are amounts of work, not time).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from schedcomp.adaptive import solve
+from schedcomp.adaptive import greedy, solve
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, ScheduleError
 from schedcomp.gcpause import paused_gc
@@ -42,6 +44,11 @@ from schedcomp.topology import Topology, Worker
 
 NEIGHBOURS = 4
 """Neighbours of the optimum scheduled besides it (the best by load)."""
+SCREEN_POLISH_SECONDS = 0.1
+"""Every candidate is first scheduled by the greedy solver with this local-search budget (nominal seconds,
+a fixed amount of work: `adaptive.greedy`) ..."""
+FINALISTS = 2
+"""... and the best `FINALISTS` of them again with the caller's solver and time limit."""
 _TOL = 1e-9
 
 
@@ -75,26 +82,36 @@ def repartition(topology: Topology, microbatches: int, layer_costs: LayerCosts, 
     if topology.chunks > 1:
         raise ScheduleError("re-partitioning runs one stage per worker: drop --chunks or the layer costs")
     candidates = candidate_partitions(topology, layer_costs, job_partition, job_costs)
-    best: tuple[tuple[float, int, int, int], Repartitioned] | None = None
-    feasible = 0
+    screened = []
     with paused_gc():
         for i, (name, partition) in enumerate(candidates):
             try:
                 costs = stage_costs(layer_costs, partition, limit_from=(job_costs, job_partition))
-                sol = solve(Problem(topology, microbatches, costs, split), solver=solver, time_limit=time_limit,
-                            synchronous=synchronous)
+                problem = Problem(topology, microbatches, costs, split)
+                problem.check_memory()
             except MemoryLimitError:
                 continue  # no room for a micro-batch somewhere under this partition
-            feasible += 1
-            key = (round(sol.period, 9), partition != job_partition, layers_moved(job_partition, partition), i)
+            quick = greedy(problem, synchronous=synchronous, time_budget=SCREEN_POLISH_SECONDS)
+            screened.append((_key(quick.period, partition, job_partition, i), name, partition, problem))
+        if not screened:  # the job's partition is always a candidate: it fails only where compile would
+            raise MemoryLimitError("no partition of the layers leaves every stage room for one micro-batch")
+        screened.sort(key=lambda c: c[0])
+        best: tuple[tuple[float, bool, int, int], Repartitioned] | None = None
+        for (_, _, _, i), name, partition, problem in screened[:FINALISTS]:
+            sol = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
+            key = _key(sol.period, partition, job_partition, i)
             if best is None or key < best[0]:
-                best = key, Repartitioned(partition, costs, sol.order(), sol.period,
+                best = key, Repartitioned(partition, problem.costs, sol.order(), sol.period,
                                           sol.bound if sol.bound > 0 else None, sol.solver, 0, 0, name)
-    if best is None:  # the job's partition is always a candidate: it fails only where compile would
-        raise MemoryLimitError("no partition of the layers leaves every stage room for one micro-batch")
+    assert best is not None
     won = best[1]
     return Repartitioned(won.partition, won.costs, won.order, won.period, won.bound, won.solver,
-                         len(candidates), feasible, won.won)
+                         len(candidates), len(screened), won.won)
+
+
+def _key(period: float, partition: Partition, job_partition: Partition, i: int) -> tuple[float, bool, int, int]:
+    """Best period first; ties: the job's partition, then fewer layers moved, then the candidates' order."""
+    return round(period, 9), partition != job_partition, layers_moved(job_partition, partition), i
 
 
 def layers_moved(before: Partition, after: Partition) -> int:
