@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         period = f"{o.period:10.4g}" if math.isfinite(o.period) else f"{'stopped':>10}"
         memory = f"{o.peak_memory:12.4g}" if math.isfinite(o.period) else f"{'-':>12}"
         notes = [o.note] if o.note else []
+        if o.strategy == "adaptive" and o.partition is not None:
+            notes.append(f"layers per stage {','.join(map(str, o.partition))}")
         if o.within_memory_limit is False:
             notes.append("over the memory limit")
         note = f"  ({'; '.join(notes)})" if notes else ""
