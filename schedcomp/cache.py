@@ -364,8 +364,8 @@ class PlanCache:
                                 f"plan cache index {index}", PlanFormatError)
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in (VERSION,
                                                                                                     VERSION_LAYERS):
-            raise PlanFormatError(f"{index} is not a version {VERSION} or {VERSION_LAYERS} schedcomp plan cache: "
-                                  "re-run precompile")
+            raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache (nor version "
+                                  f"{VERSION_LAYERS}, with layer costs): re-run precompile")
         try:
             pp, dp, mbs, k = (cachefiles.count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
             limits.check_job(pp, dp, mbs)
