@@ -277,7 +277,7 @@ def table_repartition(quick: bool, time_limit: float) -> bool:
           f"fault-free, default memory limit, M=16, time limit {time_limit:g} s (local search 1/4 of it)")
     print("   adaptive moves layer boundaries off stages that lost workers (one partition for every pipeline);")
     print("   oobleck re-forms broken pipelines cutting whole layers; mem = every strategy within the per-place limit")
-    print(f"  {'case':<34}{'adapt':>7}{'drop':>7}{'oobleck':>8}{'bamboo':>8}  {'partition':<26}{'mem':>5}  verdict")
+    print(f"  {'case':<30}{'adapt':>7}{'drop':>7}{'oobleck':>8}{'bamboo':>8}{'mem':>6}  {'partition':<16}  verdict")
     cases = [(8, 4)] if quick else [(pp, dp) for pp in (4, 8, 16) for dp in (2, 4, 8)]
     misses, total, worst = [], 0, (math.inf, "")
     for pp, dp in cases:
@@ -304,10 +304,11 @@ def table_repartition(quick: bool, time_limit: float) -> bool:
                 cells = "".join(f"{rel[s]:7.3f}" if rel[s] > 0 else f"{'stop':>7}"
                                 for s in ("adaptive", "drop-pipeline"))
                 cells += "".join(f"{rel[s]:8.3f}" if rel[s] > 0 else f"{'stop':>8}" for s in ("oobleck", "bamboo"))
-                note = ",".join(map(str, out["adaptive"].partition or ()))
-                print(f"  {case:<34}{cells}  {note[:26]:<26}{mem:>5}  {verdict}", flush=True)
-    print("  mem: adaptive, drop, oobleck, bamboo (y within the limit, n over it); adaptive is compared with them "
-          "even when they break it")
+                layers = out["adaptive"].partition or ()
+                shape = ("" if max(layers, default=0) < 10 else ",").join(map(str, layers))
+                print(f"  {case:<30}{cells}{mem:>6}  {shape:<16}  {verdict}", flush=True)
+    print("  partition: adaptive's layers per stage, a digit each; mem: adaptive, drop, oobleck, bamboo within the "
+          "per-place limit (y) or over it (n);\n  adaptive is compared with them even when they break it")
     print(f"  overall: adaptive >= every baseline within 1% on {total - len(misses)}/{total} cases; "
           f"closest margin {worst[0] - 1:+.1%} ({worst[1]})" + (f"; misses: {', '.join(misses)}" if misses else ""))
     return not misses

@@ -18,13 +18,15 @@ Candidates:
 
 Each is scheduled by the adaptive greedy solver under its memory limit with a small local-search budget,
 and the best `FINALISTS` again with the caller's solver and time limit (CP-SAT on every candidate would
-cost seconds each); the best period wins (ties: the job's partition, then fewer layers moved, then the
+cost seconds each), the job's partition always among them, so a plan is never slower than re-routing
+alone; the best period wins (ties: the job's partition, then fewer layers moved, then the
 order above). Candidates that leave a stage no room for one micro-batch are skipped. Deterministic: the
 inputs decide everything (budgets are amounts of work, not time).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +50,8 @@ SCREEN_POLISH_SECONDS = 0.1
 """Every candidate is first scheduled by the greedy solver with this local-search budget (nominal seconds,
 a fixed amount of work: `adaptive.greedy`) ..."""
 FINALISTS = 2
-"""... and the best `FINALISTS` of them again with the caller's solver and time limit."""
+"""... and the best `FINALISTS` of them (and the job's partition) again with the caller's solver and time
+limit."""
 _TOL = 1e-9
 
 
@@ -96,17 +99,17 @@ def repartition(topology: Topology, microbatches: int, layer_costs: LayerCosts, 
         if not screened:  # the job's partition is always a candidate: it fails only where compile would
             raise MemoryLimitError("no partition of the layers leaves every stage room for one micro-batch")
         screened.sort(key=lambda c: c[0])
+        # The job's partition always goes on: with layers a plan is never slower than re-routing alone.
+        finalists = screened[:FINALISTS] + [c for c in screened[FINALISTS:] if c[2] == job_partition]
         best: tuple[tuple[float, bool, int, int], Repartitioned] | None = None
-        for (_, _, _, i), name, partition, problem in screened[:FINALISTS]:
+        for (_, _, _, i), name, partition, problem in finalists:
             sol = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
             key = _key(sol.period, partition, job_partition, i)
             if best is None or key < best[0]:
                 best = key, Repartitioned(partition, problem.costs, sol.order(), sol.period,
                                           sol.bound if sol.bound > 0 else None, sol.solver, 0, 0, name)
     assert best is not None
-    won = best[1]
-    return Repartitioned(won.partition, won.costs, won.order, won.period, won.bound, won.solver,
-                         len(candidates), len(screened), won.won)
+    return dataclasses.replace(best[1], candidates=len(candidates), feasible=len(screened))
 
 
 def _key(period: float, partition: Partition, job_partition: Partition, i: int) -> tuple[float, bool, int, int]:

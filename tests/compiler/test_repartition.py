@@ -168,3 +168,13 @@ def test_a_precompiled_cache_carries_each_scenarios_partition(tmp_path) -> None:
     (tmp_path / "index.json").write_text(json.dumps(index))
     with pytest.raises(PlanFormatError, match="layer costs and partition"):
         PlanCache.load(tmp_path)
+
+
+@pytest.mark.parametrize("failed", [[(1, 1)], [(0, 0), (1, 3)]])
+def test_layers_never_make_a_plan_slower_than_re_routing_alone(failed) -> None:
+    costs = CostModel(forward=[1.0, 1.2, 0.8, 1.5], backward_input=[1.1, 1.3, 0.9, 1.6],
+                      backward_weight=[0.9, 1.0, 0.7, 1.2], p2p=0.05)
+    plain = simulate(compile(4, 2, 4, failed=failed, costs=costs, solver="greedy")).period
+    moved = compile(4, 2, 4, failed=failed, costs=costs, layers=3, solver="greedy")
+    assert simulate(moved).period <= plain + 1e-9
+    assert moved.meta["repartition"]["won"] in ("optimum", "neighbour", "job")
