@@ -178,3 +178,28 @@ def test_layers_never_make_a_plan_slower_than_re_routing_alone(failed) -> None:
     moved = compile(4, 2, 4, failed=failed, costs=costs, layers=3, solver="greedy")
     assert simulate(moved).period <= plain + 1e-9
     assert moved.meta["repartition"]["won"] in ("optimum", "neighbour", "job")
+
+
+def test_oobleck_cuts_whole_layers_with_layer_costs() -> None:
+    # pp 4, one failure: the broken pipeline re-forms into 3 stages. Fractional stages hold 4/3 of a stage
+    # each; with one layer per stage one of them holds two whole layers, so its 1F1B slot is 6, not 4.
+    def period(layers: object) -> float:
+        return compare(4, 2, 4, [(1, 3)], layers=layers, strategies=("oobleck",))[0].period
+
+    assert period(None) == 24.0 and period(1) == 27.0
+
+
+@pytest.mark.slow
+def test_within_memory_limit_counts_the_static_memory_each_device_holds() -> None:
+    def outcomes(static: float) -> dict[str, object]:
+        layers = LayerCosts(LayerCosts.even(CostModel.uniform(4), 4).costs, static=(static,) * 16)
+        return {o.strategy: o for o in compare(4, 2, 8, [(1, 3)], layers=layers,
+                                               strategies=("fault-free", "adaptive", "oobleck"))}
+
+    light, heavy = outcomes(0.0), outcomes(0.5)
+    # The same schedules, but oobleck's re-formed stages hold 5 or 6 layers' weights where 4 were.
+    assert light["oobleck"].period == heavy["oobleck"].period
+    assert light["oobleck"].within_memory_limit is True and heavy["oobleck"].within_memory_limit is False
+    assert light["adaptive"].within_memory_limit is True and heavy["adaptive"].within_memory_limit is True
+    # Weights too heavy to move: adaptive keeps the job's partition and only re-routes.
+    assert outcomes(2.0)["adaptive"].partition == (4, 4, 4, 4)
