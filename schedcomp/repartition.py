@@ -9,10 +9,13 @@ adaptive machinery runs on the derived stage model.
 Candidates:
 - the min-max contiguous partition where stage s's load is its layers' F + B + W times dp over its live
   capacity (the sum of its live workers' speed factors), found exactly by bisecting on the bottleneck load
-  with a greedy feasibility test (prefix sums and `bisect`: O(pp log L) a test), under each stage's room
-  for one micro-batch (`layers.moved_limit`); among the partitions at that load, the one nearest the
-  continuous balance, so stages that are not the bottleneck stay even (the pipeline's fill and drain);
+  over a feasibility test that keeps every layer each stage can start at (`_starts`, numpy: O(pp L log L)
+  a test), under each stage's room for one micro-batch (`layers.moved_limit`); among the partitions at
+  that load, the one nearest the continuous balance, so stages that are not the bottleneck stay even (the
+  pipeline's fill and drain);
 - the job's own partition;
+- a partition at the optimum's load nearest the job's (fewer layers to move at a plan switch; it wins
+  only on a tie or a better period, as any candidate);
 - the `NEIGHBOURS` best of the optimum's neighbours (one boundary moved by one layer), ranked by the same
   load, to absorb the bubble's and the first and last stage's effects the load does not see.
 
@@ -68,7 +71,7 @@ class Repartitioned:
     candidates: int
     feasible: int
     won: str
-    """"optimum", "neighbour" or "job"."""
+    """"optimum", "fewest-moves", "neighbour" or "job"."""
 
     def meta(self, job_partition: Partition) -> dict[str, object]:
         """What the plan's meta says of the search."""
@@ -124,7 +127,8 @@ def layers_moved(before: Partition, after: Partition) -> int:
 
 def candidate_partitions(topology: Topology, layer_costs: LayerCosts, job_partition: Partition,
                          job_costs: CostModel) -> list[tuple[str, Partition]]:
-    """(name, partition) to schedule, distinct, in tie-break order: optimum, job, best neighbours."""
+    """(name, partition) to schedule, distinct, in tie-break order: optimum, job, the optimum's load with the
+    fewest layers moved, the optimum's best neighbours."""
     stages = topology.stages
     weights = stage_weights(topology, job_costs)
     c = layer_costs.costs
@@ -136,6 +140,9 @@ def candidate_partitions(topology: Topology, layer_costs: LayerCosts, job_partit
         out.append(("job", job_partition))
     if optimum is None:
         return out
+    fewest = min_max_partition(work, weights, memory, rooms, near=job_partition)
+    if fewest is not None and fewest not in (optimum, job_partition):
+        out.append(("fewest-moves", fewest))
     seen = {p for _, p in out}
     near = []
     for s in range(stages - 1):
@@ -193,11 +200,12 @@ def fits_memory(partition: Partition, memory: Sequence[float], rooms: Sequence[f
 
 
 def min_max_partition(work: Sequence[float], weights: Sequence[float], memory: Sequence[float] | None = None,
-                      rooms: Sequence[float] | None = None) -> Partition | None:
+                      rooms: Sequence[float] | None = None, near: Partition | None = None) -> Partition | None:
     """The contiguous partition of the layers (each stage at least one) minimising the largest
     `work`-sum x `weights[s]`, each stage's `memory`-sum within `rooms[s]`; among the partitions at that
-    load, the one whose boundaries lie nearest the continuous balance. None when no partition fits the
-    memory. Exact: bisection on the load over an exact feasibility test (`_starts`)."""
+    load, the one whose boundaries lie nearest the continuous balance, or with `near` nearest that
+    partition's (fewer layers to move). None when no partition fits the memory. Exact: bisection on the
+    load over an exact feasibility test (`_starts`)."""
     layers, stages = len(work), len(weights)
     if layers < stages:
         raise ScheduleError(f"{layers} layers cannot fill {stages} stages: give at least one layer per stage")
@@ -218,15 +226,19 @@ def min_max_partition(work: Sequence[float], weights: Sequence[float], memory: S
             hi = mid
     starts = _starts(hi, cum_work, weights, cum_mem, rooms)
     assert starts is not None
-    # Back from the last layer, each stage's start nearest the continuous balance among the feasible ones.
-    shares = [1.0 / w for w in weights]
-    level = float(cum_work[-1]) / sum(shares)
-    goals = [0.0, *accumulate(share * level for share in shares)]
+    # Back from the last layer, each stage's start nearest its goal among the feasible ones: the continuous
+    # balance (in work), or `near`'s boundary (in layers).
+    if near is None:
+        shares = [1.0 / w for w in weights]
+        level = float(cum_work[-1]) / sum(shares)
+        goals, scale = [0.0, *accumulate(share * level for share in shares)], cum_work
+    else:
+        goals, scale = [0.0, *accumulate(float(n) for n in near)], np.arange(layers + 1, dtype=np.float64)
     end, bounds = layers, [layers]
     for s in range(stages - 1, 0, -1):
         reach = _reach(hi, s, cum_work, weights, cum_mem, rooms)
         ok = np.nonzero(starts[s][:end] & (reach[:end] >= end))[0]
-        end = int(ok[np.argmin(np.abs(cum_work[ok] - goals[s]))])  # (ties: the first, the earlier)
+        end = int(ok[np.argmin(np.abs(scale[ok] - goals[s]))])  # (ties: the first, the earlier)
         bounds.append(end)
     bounds.append(0)
     bounds.reverse()

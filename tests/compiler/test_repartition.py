@@ -17,7 +17,7 @@ from schedcomp.errors import PlanFormatError
 from schedcomp.ir import Plan
 from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.memory import resolve_limit
-from schedcomp.repartition import candidate_partitions, fits_memory, max_load, min_max_partition
+from schedcomp.repartition import candidate_partitions, fits_memory, layers_moved, max_load, min_max_partition
 from schedcomp.simulator import simulate
 from schedcomp.topology import Topology
 
@@ -55,13 +55,20 @@ def test_the_optimum_keeps_stages_that_are_not_the_bottleneck_even() -> None:
     assert min_max_partition([0.25] * 32, [1, 1, 1, 2, 1, 1, 1, 1]) == (4, 4, 4, 2, 5, 4, 5, 4)
 
 
+def test_at_the_optimum_load_a_partition_near_the_jobs_moves_fewer_layers() -> None:
+    work, weights = [0.25] * 32, [1, 1, 1, 2, 1, 1, 1, 1]
+    balanced, near = min_max_partition(work, weights), min_max_partition(work, weights, near=(4,) * 8)
+    assert near == (4, 4, 4, 2, 5, 5, 4, 4) and max_load(near, work, weights) == max_load(balanced, work, weights)
+    assert layers_moved((4,) * 8, near) == 3 < layers_moved((4,) * 8, balanced)
+
+
 def test_candidates_are_the_optimum_the_job_and_the_best_neighbours() -> None:
     topology = Topology.of(8, 4, CONCENTRATED["failed"])
     layers = LayerCosts.even(CostModel.uniform(8), 4)
     job = (4,) * 8
     names = candidate_partitions(topology, layers, job, CostModel.uniform(8))
     assert [n for n, _ in names[:2]] == ["optimum", "job"] and names[1][1] == job
-    assert {n for n, _ in names[2:]} == {"neighbour"} and len({p for _, p in names}) == len(names)
+    assert {n for n, _ in names[2:]} <= {"neighbour", "fewest-moves"} and len({p for _, p in names}) == len(names)
     assert all(sum(p) == 32 and p[3] < 4 for n, p in names if n != "job")
 
 
