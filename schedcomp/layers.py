@@ -60,7 +60,8 @@ class LayerCosts:
     @classmethod
     def even(cls, costs: CostModel, layers_per_stage: int) -> LayerCosts:
         """Each stage of `costs` split evenly over `layers_per_stage` layers (its times, activation,
-        all-reduce and step divided by k; b_frees kept): the unit model at k layers per stage by default."""
+        all-reduce and step divided by k; b_frees, p2p and speed factors kept; no memory limit: that is the
+        job's, per device)."""
         if isinstance(layers_per_stage, bool) or not isinstance(layers_per_stage, int) or layers_per_stage < 1:
             raise CostModelError(f"layers per stage must be a positive integer, got {layers_per_stage!r}")
         k = layers_per_stage
@@ -76,7 +77,7 @@ class LayerCosts:
             backward_weight=split(costs.backward_weight), allreduce=split(costs.allreduce),
             optimizer=split(costs.optimizer), activation=split(costs.activation),
             b_frees=tuple(f for f in frees for _ in range(k)) if isinstance(frees, tuple) else frees,
-            memory_limit=None, speed={})
+            memory_limit=None)
         return cls(per_layer)
 
     # ---- JSON -------------------------------------------------------------------------------

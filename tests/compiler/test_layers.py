@@ -9,6 +9,7 @@ import pytest
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError
 from schedcomp.layers import LayerCosts, moved_limit, stage_costs
+from schedcomp.topology import Worker
 
 
 def _layers() -> LayerCosts:
@@ -83,3 +84,9 @@ def test_a_stage_cost_model_is_not_taken_for_layer_costs(tmp_path) -> None:
     CostModel.uniform(4).save(path)
     with pytest.raises(CostModelError, match="--costs"):
         LayerCosts.load(path)
+
+
+def test_even_layers_keep_the_speed_factors() -> None:
+    slow = CostModel(**{**CostModel.uniform(2).__dict__, "speed": {Worker(1, 0): 0.5}})
+    assert LayerCosts.even(slow, 3).costs.speed == {Worker(1, 0): 0.5}
+    assert stage_costs(LayerCosts.even(slow, 3), (3, 3)).speed == {Worker(1, 0): 0.5}
