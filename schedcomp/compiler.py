@@ -102,8 +102,7 @@ def compile(
     if isinstance(layers, LayerCosts) and job_partition is not None and topology.failed:
         return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit)
     if topology.failed or schedule == ADAPTIVE:
-        plan = _adaptive(topology, microbatches, costs, solver, time_limit, recut)
-        return dataclasses.replace(plan, partition=job_partition) if job_partition is not None else plan
+        return _adaptive(topology, microbatches, costs, solver, time_limit, recut, job_partition)
 
     family = get_family(schedule)
     order = fault_free_order(family.name, topology, microbatches)
@@ -178,7 +177,7 @@ def _fit_memory(plan: Plan) -> None:
 
 
 def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float,
-              recut: bool = False) -> Plan:
+              recut: bool = False, partition: Partition | None = None) -> Plan:
     try:
         from schedcomp.adaptive import adaptive_order
     except ModuleNotFoundError as exc:
@@ -192,7 +191,7 @@ def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: s
     order, lower_bound, solver_name = adaptive_order(
         topology, microbatches, costs, solver=solver, time_limit=time_limit, **({"recut": True} if recut else {})
     )
-    plan = lower(order, costs, solver=solver_name, lower_bound=lower_bound)
+    plan = lower(dataclasses.replace(order, partition=partition), costs, solver=solver_name, lower_bound=lower_bound)
     check(plan)
     return plan
 
