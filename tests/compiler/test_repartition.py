@@ -160,10 +160,12 @@ def test_a_layer_cost_file_with_a_stage_cost_model_is_refused(capsys, tmp_path) 
 
 
 @pytest.mark.slow
-def test_a_precompiled_cache_carries_each_scenarios_partition(tmp_path) -> None:
-    from schedcomp.cache import PlanCache, precompile
+def test_a_precompiled_cache_carries_each_scenarios_partition(capsys, tmp_path) -> None:
+    from schedcomp.cache import PlanCache
 
-    precompile(4, 2, 4, 1, layers=2, directory=tmp_path, solver="greedy")
+    status, out, _ = run(capsys, "precompile", "--pp", "4", "--dp", "2", "-m", "4", "-k", "1", "--layers", "2",
+                         "-j", "1", "-q", "-o", str(tmp_path))
+    assert status == 0 and out.startswith("5 plans")
     index = json.loads((tmp_path / "index.json").read_text())
     assert index["version"] == 2 and index["partition"] == [2, 2, 2, 2] and index["layers"]["static"] == [0.0] * 8
     cache = PlanCache.load(tmp_path)
