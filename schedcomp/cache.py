@@ -22,7 +22,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,9 @@ from schedcomp.errors import (
     SchedcompTypeError,
 )
 from schedcomp.ir import Instruction, Op, Plan
+from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.memory import FAULT_FREE, MemoryLimit
+from schedcomp.partition import Partition, as_partition
 from schedcomp.topology import LOOP, Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 FORMAT = "schedcomp-plan-cache"
 VERSION = 1
+VERSION_LAYERS = 2
+"""The index of a cache compiled with per-layer costs: `"layers"` (the layer costs) and `"partition"` (the
+job's) besides the stage model; each plan carries its own partition (`schedcomp.repartition`)."""
 
 Failed = tuple[tuple[int, int], ...]
 """Canonical failed workers: sorted (pipeline, stage) pairs after renumbering the pipelines."""
@@ -219,6 +224,10 @@ class PlanCache:
     root: Path | None = None  # the directory the files must lie in (set by `load` / `save`)
     chunks: int = 1
     placement: str = LOOP
+    layers: LayerCosts | None = None
+    """Per-layer costs, when the plans may re-partition the layers (`costs` is then the job's stage model)."""
+    partition: Partition | None = None
+    """The job's partition, with `layers`."""
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -297,7 +306,7 @@ class PlanCache:
             if shape != (self.pp, self.dp, self.microbatches, self.chunks, self.placement):
                 raise PlanFormatError(f"it is for pp={topo.pp} dp={topo.dp}{_chunk_text(topo.chunks, topo.placement)} "
                                       f"M={plan.microbatches}, not the cache's {self._shape()} M={self.microbatches}")
-            if _job_costs(plan.costs, self.costs) != _job_costs(self.costs, self.costs):
+            if _job_costs(plan.costs, self.costs) != _job_costs(self._expected_costs(plan), self.costs):
                 raise PlanFormatError("its cost model differs from the index's")
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
@@ -306,6 +315,16 @@ class PlanCache:
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
         return plan
+
+    def _expected_costs(self, plan: Plan) -> CostModel:
+        """The stage model a cached plan must have: the index's, or with layer costs its partition's (whose
+        memory limit moved with the layers: `check` holds the plan to it)."""
+        if self.layers is None:
+            return self.costs
+        if plan.partition is None:
+            raise PlanFormatError("it has no partition but the cache was compiled with layer costs")
+        costs = stage_costs(self.layers, plan.partition)
+        return dataclasses.replace(costs, memory_limit=plan.costs.memory_limit)
 
     # ---- disk -------------------------------------------------------------------------------------
 
@@ -321,10 +340,13 @@ class PlanCache:
             self.files[key] = path
         self.root = root
         index = {
-            "format": FORMAT, "version": VERSION, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
+            "format": FORMAT, "version": VERSION if self.layers is None else VERSION_LAYERS,
+            "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
             "max_failures": self.max_failures, "costs": self.costs.to_dict(),
             # (written only with virtual stages: a one-chunk index reads as before)
             **({"chunks": self.chunks, "placement": self.placement} if self.chunks > 1 else {}),
+            **({"layers": self.layers.to_dict(), "partition": list(self.partition or ())}
+               if self.layers is not None else {}),
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
                            "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
         }
@@ -340,8 +362,10 @@ class PlanCache:
                                   "schedcomp precompile")
         data = fileio.load_json(fileio.read_text(index, "plan cache index", PlanFormatError),
                                 f"plan cache index {index}", PlanFormatError)
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache: re-run precompile")
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in (VERSION,
+                                                                                                    VERSION_LAYERS):
+            raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache (nor version "
+                                  f"{VERSION_LAYERS}, with layer costs): re-run precompile")
         try:
             pp, dp, mbs, k = (cachefiles.count(data, name) for name in ("pp", "dp", "microbatches", "max_failures"))
             limits.check_job(pp, dp, mbs)
@@ -352,6 +376,7 @@ class PlanCache:
             if costs.pp != job.stages:
                 raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
             costs.check_workers(job)
+            layers, partition = _index_layers(data, job, costs)
             entries = data["scenarios"]
             if not isinstance(entries, list):
                 raise PlanFormatError("'scenarios' must be a list")
@@ -369,7 +394,22 @@ class PlanCache:
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
-                   root=root, chunks=chunks, placement=placement)
+                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition)
+
+
+def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tuple[LayerCosts | None, Partition | None]:
+    """The layer costs and the job's partition of a version-2 index (none in version 1); the index's stage
+    model must be the one they make."""
+    if data["version"] == VERSION:
+        if "layers" in data or "partition" in data:
+            raise PlanFormatError(f"a version-{VERSION} index has no layer costs: version {VERSION_LAYERS} has")
+        return None, None
+    layers = LayerCosts.from_dict(data["layers"])
+    partition = as_partition(data["partition"], job.stages, "the index's partition")
+    expected = stage_costs(layers, partition)
+    if dataclasses.replace(expected, memory_limit=costs.memory_limit) != costs:
+        raise PlanFormatError("its stage cost model is not the one its layer costs and partition make")
+    return layers, partition
 
 
 def _chunk_text(chunks: int, placement: str) -> str:
@@ -399,6 +439,8 @@ def precompile(
     memory_limit: MemoryLimit = FAULT_FREE,
     chunks: int = 1,
     placement: str = LOOP,
+    layers: LayerCosts | int | None = None,
+    partition: Sequence[int] | None = None,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
@@ -406,7 +448,8 @@ def precompile(
     their plans themselves, so the parent does not parse them. `memory_limit` is `compile`'s (default:
     every plan within fault-free ZB-H1's per-stage peak). `chunks` and `placement` give each worker
     several model chunks (virtual stages, see `schedcomp.topology`); `costs` then has one entry per
-    virtual stage (default: the unit model, each chunk 1/chunks of a stage)."""
+    virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
+    `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
@@ -415,17 +458,26 @@ def precompile(
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     from schedcomp.compiler import unit_costs
 
+    given_costs = costs is not None
     costs = unit_costs(topology) if costs is None else costs
     if costs.pp != topology.stages:
         raise CostModelError(f"the cost model has {costs.pp} stages but the job has pp x chunks = {topology.stages}: "
                              "give one cost per (virtual) stage")
     costs.check_workers(topology)
+    layer_costs: LayerCosts | None = None
+    job_partition: Partition | None = None
+    if layers is not None or partition is not None:
+        from schedcomp.compiler import job_layers
+
+        layer_costs, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     todo = scenarios(pp, dp, max_failures, costs)
-    cache = PlanCache(pp, dp, microbatches, costs, max_failures, chunks=chunks, placement=placement)
+    cache = PlanCache(pp, dp, microbatches, costs, max_failures, chunks=chunks, placement=placement,
+                      layers=layer_costs, partition=job_partition)
     root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
-             str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement) for c in todo]
+             str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement,
+             _scenario_layers(layer_costs, c.perm), job_partition) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -460,10 +512,19 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     not written (or `keep`), so worker processes send back just the key."""
     from schedcomp.compiler import compile
 
-    pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement = args
-    plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", costs=costs, solver=solver,
-                   time_limit=time_limit, memory_limit=memory_limit, chunks=chunks, placement=placement)
+    pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
+        partition = args
+    layered = {"layers": layers, "partition": partition, "costs": None} if layers is not None else {"costs": costs}
+    plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", solver=solver, time_limit=time_limit,
+                   memory_limit=memory_limit, chunks=chunks, placement=placement, **layered)
     if path is None:
         return key, plan, None
     digest = cachefiles.write_plan(Path(path), plan)
     return key, plan if keep else None, digest
+
+
+def _scenario_layers(layers: LayerCosts | None, perm: tuple[int, ...]) -> LayerCosts | None:
+    """The layer costs of a canonical scenario: speed factors renamed with the pipelines."""
+    if layers is None:
+        return None
+    return dataclasses.replace(layers, costs=canonical_costs(layers.costs, perm))

@@ -7,16 +7,19 @@ plus a solver) and then takes the same `lower` -> `check` path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from schedcomp import limits
 from schedcomp.check import check, peak_memory
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Order, Plan
+from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.lower import lower
 from schedcomp.memory import FAULT_FREE, MemoryLimit, family_stage_peaks, resolve_limit, show_memory
+from schedcomp.partition import Partition, as_partition, even
 from schedcomp.schedules import FAMILIES, ONE_STAGE_FAMILIES, fault_free_order, get_family
 from schedcomp.topology import LOOP, PLACEMENTS, Topology, V, Worker
 
@@ -38,6 +41,8 @@ def compile(
     chunks: int | None = None,
     placement: str | None = None,
     recut: bool = False,
+    layers: LayerCosts | int | None = None,
+    partition: Sequence[int] | None = None,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
@@ -59,6 +64,11 @@ def compile(
     `recut` (with failures) splits the failed workers' micro-batches into pieces sized for the peers that
     take them (`schedcomp.recut`), so the busiest peer carries the work bound rather than its ceiling;
     the plan then carries the cut (`Plan.cut`, `schedcomp.cut`).
+
+    `layers` (per-layer costs, `schedcomp.layers.LayerCosts`, or K: each stage of `costs` split evenly
+    into K layers) lets the adaptive schedules move layer boundaries as well as re-route when there are
+    failures (`schedcomp.repartition`); the plan then carries its `partition`, the fault-free plan the
+    job's. `partition` is the job's (layers per stage; default: even). With layer costs `costs` is derived.
     """
     if not isinstance(recut, bool):
         raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
@@ -75,6 +85,7 @@ def compile(
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}: "
                                  "build one with CostModel.from_dict(...) or CostModel.load(path)")
     stages = topology.stages
+    given_costs = costs is not None
     if costs is None:
         costs = unit_costs(topology)
     if costs.pp != stages:
@@ -82,14 +93,20 @@ def compile(
                              else f"the cost model has {costs.pp} stages but the model has pp x chunks = {stages} "
                                   "virtual stages: give one cost per virtual stage")
     costs.check_workers(topology)
+    job_partition: Partition | None = None
+    if layers is not None or partition is not None:
+        layers, job_partition, costs = job_layers(topology, costs, layers, partition, recut=recut,
+                                                  given_costs=given_costs)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
+    if isinstance(layers, LayerCosts) and job_partition is not None and topology.failed:
+        return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit)
     if topology.failed or schedule == ADAPTIVE:
-        return _adaptive(topology, microbatches, costs, solver, time_limit, recut)
+        return _adaptive(topology, microbatches, costs, solver, time_limit, recut, job_partition)
 
     family = get_family(schedule)
     order = fault_free_order(family.name, topology, microbatches)
-    plan = lower(order, costs)
+    plan = lower(dataclasses.replace(order, partition=job_partition), costs)
     _fit_memory(plan)
     check(plan)
     log.debug("compiled %s pp=%d dp=%d M=%d", family.name, pp, dp, microbatches)
@@ -160,7 +177,7 @@ def _fit_memory(plan: Plan) -> None:
 
 
 def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float,
-              recut: bool = False) -> Plan:
+              recut: bool = False, partition: Partition | None = None) -> Plan:
     try:
         from schedcomp.adaptive import adaptive_order
     except ModuleNotFoundError as exc:
@@ -174,6 +191,46 @@ def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: s
     order, lower_bound, solver_name = adaptive_order(
         topology, microbatches, costs, solver=solver, time_limit=time_limit, **({"recut": True} if recut else {})
     )
-    plan = lower(order, costs, solver=solver_name, lower_bound=lower_bound)
+    plan = lower(dataclasses.replace(order, partition=partition), costs, solver=solver_name, lower_bound=lower_bound)
+    check(plan)
+    return plan
+
+
+def job_layers(topology: Topology, costs: CostModel, layers: LayerCosts | int | None,
+               partition: Sequence[int] | None, *, recut: bool = False,
+               given_costs: bool = False) -> tuple[LayerCosts, Partition, CostModel]:
+    """(layer costs, the job's partition, the job's stage model) for `compile(layers=, partition=)`:
+    K layers split each stage of `costs` evenly; a partition without layer costs is refused."""
+    if layers is None:
+        raise ScheduleError("a partition needs per-layer costs: pass layers=K (layers per stage) or a LayerCosts")
+    if recut:
+        raise ScheduleError("recut and layers do not compose yet: re-cut micro-batches or re-partition layers, "
+                            "not both")
+    if topology.chunks > 1:
+        raise ScheduleError(f"layers run one stage per worker, not chunks={topology.chunks}: drop chunks or layers")
+    if isinstance(layers, bool) or not isinstance(layers, (int, LayerCosts)):
+        raise SchedcompTypeError(f"layers must be layers per stage (an int) or a LayerCosts, got {layers!r}")
+    if isinstance(layers, int):
+        layers = LayerCosts.even(costs, layers)
+    elif given_costs:
+        raise CostModelError("give either a stage cost model or per-layer costs, not both: the stage model is "
+                             "derived from the layers")
+    else:
+        layers.costs.check_workers(topology)
+    if partition is None:
+        job_partition = even(layers.layers, topology.stages)
+    else:
+        job_partition = as_partition(partition, topology.stages, "partition")
+    return layers, job_partition, stage_costs(layers, job_partition)
+
+
+def _repartitioned(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
+                   job_partition: Partition, solver: str, time_limit: float) -> Plan:
+    """Re-route and re-partition (`schedcomp.repartition`): the best candidate's plan, with its partition."""
+    from schedcomp.repartition import repartition
+
+    best = repartition(topology, microbatches, layers, job_partition, costs, solver=solver, time_limit=time_limit)
+    plan = lower(dataclasses.replace(best.order, partition=best.partition), best.costs, solver=best.solver,
+                 lower_bound=best.bound, meta=best.meta(job_partition))
     check(plan)
     return plan

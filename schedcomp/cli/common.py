@@ -126,6 +126,41 @@ def load_costs(path: str | None, pp: int | None) -> CostModel | None:
     return costs
 
 
+def partition_text(text: str) -> tuple[int, ...]:
+    """--partition 4,4,3,5: layers per stage (checked against the stages by `compile`)."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers per stage such as 4,4,3,5, got {text!r}") from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text!r}")
+    return counts
+
+
+def add_layer_arguments(parser: Any) -> None:
+    """--layers K | --layer-costs FILE, and --partition: re-partition layers as well as re-route."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--layers", type=positive_int, metavar="K",
+                       help="K layers per stage, each stage's costs split evenly: with failures the adaptive "
+                       "schedule may move layer boundaries off stages that lost workers")
+    group.add_argument("--layer-costs", metavar="FILE",
+                       help="per-layer costs JSON (format schedcomp-layer-costs), instead of --costs and --layers")
+    parser.add_argument("--partition", type=partition_text, metavar="N,N,...",
+                        help="the job's layers per stage (default: even), with --layers or --layer-costs")
+
+
+def layer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`compile`'s and `compare`'s layers= and partition= from `add_layer_arguments`' flags."""
+    layers: Any = args.layers
+    if args.layer_costs is not None:
+        from schedcomp.layers import LayerCosts
+
+        layers = LayerCosts.load(args.layer_costs)
+    if layers is None and args.partition is None:
+        return {}
+    return {"layers": layers, "partition": args.partition}
+
+
 CHUNKS_HELP = ("virtual stages (model chunks) per worker, for interleaved-1f1b, zb-v and adaptive (default 2 for the "
                "families); the model then has pp x chunks stages and --costs gives one entry per virtual stage")
 PLACEMENT_HELP = ("where the adaptive schedule puts the chunks: loop (virtual stage s on worker s mod pp, as "
@@ -219,7 +254,9 @@ def save_and_report(args: argparse.Namespace, plan: Plan, done: str, seconds_key
     sim = simulate(plan) if simulated else None
     summary = {**plan_facts(plan, sim.memory if sim else None), **(sim.summary() if sim else {}),
                "lower_bound": plan.lower_bound, "solver": plan.solver, seconds_key: round(seconds, 4),
-               **({"cut": plan.cut.to_json()} if plan.cut else {})}
+               **({"cut": plan.cut.to_json()} if plan.cut else {}),
+               **({"partition": list(plan.partition)} if plan.partition is not None else {}),
+               **({"repartition": plan.meta["repartition"]} if "repartition" in plan.meta else {})}
     if args.json:
         print_json(summary)
     else:

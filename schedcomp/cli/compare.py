@@ -6,7 +6,7 @@ import argparse
 import math
 from typing import Any
 
-from schedcomp.cli.common import add_chunk_arguments, load_costs, print_json
+from schedcomp.cli.common import add_chunk_arguments, add_layer_arguments, layer_options, load_costs, print_json
 
 STRATEGIES = (
     "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
@@ -26,12 +26,13 @@ def register(subparsers: Any) -> None:
     )
     add_job_arguments(p)
     add_chunk_arguments(p)
+    add_layer_arguments(p)
     p.add_argument("--strategy", action="append", choices=STRATEGIES, metavar="NAME",
                    help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
     add_solver_arguments(p, default="greedy")
     p.add_argument("--json", action="store_true",
                    help="print a list of {strategy, period, relative_throughput, peak_memory, memory_limit, "
-                   "within_memory_limit}")
+                   "within_memory_limit} (and the adaptive partition with --layers)")
     p.set_defaults(run=run)
 
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     strategies = tuple(args.strategy) if args.strategy else STRATEGIES
     outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
                        solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
-                       chunks=chunks, placement=args.placement or "loop")
+                       chunks=chunks, placement=args.placement or "loop", **layer_options(args))
     if args.json:
         print_json([o.to_dict() for o in outcomes])
         return 0
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         period = f"{o.period:10.4g}" if math.isfinite(o.period) else f"{'stopped':>10}"
         memory = f"{o.peak_memory:12.4g}" if math.isfinite(o.period) else f"{'-':>12}"
         notes = [o.note] if o.note else []
+        if o.strategy == "adaptive" and o.partition is not None:
+            notes.append(f"layers per stage {','.join(map(str, o.partition))}")
         if o.within_memory_limit is False:
             notes.append("over the memory limit")
         note = f"  ({'; '.join(notes)})" if notes else ""

@@ -10,6 +10,8 @@ from schedcomp.cli.common import (
     MEMORY_LIMIT_HELP,
     add_chunk_arguments,
     add_failure_arguments,
+    add_layer_arguments,
+    layer_options,
     load_costs,
     memory_limit,
     positive_float,
@@ -54,6 +56,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--schedule", default="adaptive", metavar="NAME",
                    help="adaptive (default), or a fault-free family: gpipe, 1f1b, zb-h1, zb-h2, interleaved-1f1b, zb-v")
     add_chunk_arguments(p)
+    add_layer_arguments(p)
     add_solver_arguments(p)
     p.add_argument("--recut", action="store_true",
                    help="with failures, split the failed workers' micro-batches into pieces sized for the peers "
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed, schedule=args.schedule,
                    costs=costs, memory_limit=args.memory_limit or FAULT_FREE, solver=args.solver,
-                   time_limit=args.time_limit, chunks=args.chunks, placement=args.placement, recut=args.recut)
+                   time_limit=args.time_limit, chunks=args.chunks, placement=args.placement, recut=args.recut,
+                   **layer_options(args))
     seconds = time.perf_counter() - began
     save_and_report(args, plan, "compiled", "compile_seconds", seconds)
     return 0

@@ -7,7 +7,14 @@ import os
 import time
 from typing import Any
 
-from schedcomp.cli.common import ArgumentError, add_chunk_arguments, load_costs, positive_int
+from schedcomp.cli.common import (
+    ArgumentError,
+    add_chunk_arguments,
+    add_layer_arguments,
+    layer_options,
+    load_costs,
+    positive_int,
+)
 from schedcomp.cli.progress import ProgressBar
 
 
@@ -23,6 +30,7 @@ def register(subparsers: Any) -> None:
     )
     add_job_arguments(p, failures=False)
     add_chunk_arguments(p)
+    add_layer_arguments(p)
     p.add_argument("--max-failures", "-k", type=int, required=True, metavar="K", help="most failed workers at once")
     add_solver_arguments(p, default="greedy")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
@@ -48,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs,
                            solver=args.solver, time_limit=args.time_limit,
                            memory_limit=args.memory_limit or FAULT_FREE, directory=args.output, progress=bar,
-                           jobs=args.jobs, chunks=chunks, placement=placement)
+                           jobs=args.jobs, chunks=chunks, placement=placement, **layer_options(args))
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
     report = cache.memory_report()
