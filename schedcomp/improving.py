@@ -44,7 +44,9 @@ from schedcomp.cache import PlanCache
 from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Plan
+from schedcomp.layers import LayerCosts, static_of
 from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free
+from schedcomp.partition import Partition
 from schedcomp.repair import lookup_or_repair
 from schedcomp.topology import Topology, Worker
 
@@ -145,8 +147,13 @@ class ImprovingPlans:
         cache = self.cache
         # the repair's limit (`repair`: the plan's, or a fault-free plan's own peaks), so the two compare
         limit = repaired.costs.memory_limit if is_fault_free(self.memory_limit) else self.memory_limit
+        if cache.layers is not None and is_fault_free(self.memory_limit):
+            limit = _job_limit(cache.layers, cache.partition, repaired)  # per stage of the job's partition
         request = {"pp": cache.pp, "dp": cache.dp, "microbatches": cache.microbatches,
                    "failed": sorted(str(w) for w in topology.failed), "costs": cache.costs.to_dict(),
+                   # a cache of re-partitioning plans: the compile may move layers too
+                   "layers": cache.layers.to_dict() if cache.layers is not None else None,
+                   "partition": list(cache.partition) if cache.partition is not None else None,
                    "solver": self.solver, "time_limit": self.time_limit, "memory_limit": limit,
                    "chunks": cache.chunks, "placement": cache.placement,
                    "cache": str(cache.root) if cache.root is not None else None,
@@ -209,10 +216,11 @@ def _compile_request(folder: Path) -> None:
 
     r: dict[str, Any] = json.loads((folder / _REQUEST).read_text())
     failed = [Worker.parse(w) for w in r["failed"]]
+    layers = LayerCosts.from_dict(r["layers"]) if r.get("layers") is not None else None
     plan = compile(r["pp"], r["dp"], r["microbatches"], failed=failed, schedule="adaptive",
-                   costs=CostModel.from_dict(r["costs"]), solver=r["solver"], time_limit=r["time_limit"],
-                   memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
-                   placement=r["placement"])
+                   costs=None if layers is not None else CostModel.from_dict(r["costs"]), solver=r["solver"],
+                   time_limit=r["time_limit"], memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
+                   placement=r["placement"], layers=layers, partition=r.get("partition"))
     result: dict[str, Any] = {"period": simulate(plan).period, "repaired_period": None}
     if r["cache"] is not None:
         cache = PlanCache.load(r["cache"])
@@ -220,6 +228,19 @@ def _compile_request(folder: Path) -> None:
         result["repaired_period"] = simulate(repaired).period
     fileio.write_atomic(folder / _RESULT, json.dumps(result))
     fileio.write_atomic(folder / _PLAN, plan.to_json())
+
+
+def _job_limit(layers: LayerCosts, job_partition: Partition | None, repaired: Plan) -> MemoryLimit:
+    """The repaired plan's per-stage limits carried back to the job's partition (a stage's device total
+    kept: its static memory under the repaired plan's cut added back, the job cut's taken off), so the
+    compile, which may cut elsewhere, is held to what the repaired plan was."""
+    limit = repaired.costs.memory_limit
+    if limit is None or job_partition is None or repaired.partition is None or repaired.partition == job_partition:
+        return limit
+    stages = len(job_partition)
+    per_stage = limit if isinstance(limit, tuple) else (limit,) * stages
+    now, job = static_of(layers, repaired.partition), static_of(layers, job_partition)
+    return tuple(per_stage[s] + now[s] - job[s] for s in range(stages))
 
 
 def _as_limit(value: Any) -> MemoryLimit:

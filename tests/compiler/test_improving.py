@@ -57,6 +57,25 @@ def test_a_miss_is_repaired_at_once_and_compiled_in_the_background(cache) -> Non
         plans.close()
 
 
+def test_a_cache_of_re_partitioning_plans_compiles_with_layer_moves_in_the_background() -> None:
+    # Layer costs (2 per stage): the repaired plan keeps the job's cut; the compiled one also moves layers
+    # off the stage that lost a worker, under the same device totals.
+    layered = precompile(PP, DP, M, 0, time_limit=1.0, layers=2)
+    plans = ImprovingPlans(layered, time_limit=1.0)
+    try:
+        topology = Topology.of(PP, DP, [Worker(0, 2)])
+        repaired = plans.lookup(topology)
+        assert repaired.partition == layered.partition == (2, 2, 2, 2)
+        settle(plans, topology)
+        better = plans.improved(topology)
+        assert better is not None and better.partition is not None and better.partition[2] < 2
+        assert better.to_text() == compile(PP, DP, M, failed=[Worker(0, 2)], schedule="adaptive", time_limit=1.0,
+                                           layers=2, memory_limit=repaired.costs.memory_limit).to_text()
+        assert simulate(better).period < simulate(repaired).period
+    finally:
+        plans.close()
+
+
 def test_a_compile_no_better_than_the_repair_is_not_offered(cache, caplog: pytest.LogCaptureFixture) -> None:
     plans = ImprovingPlans(cache, time_limit=1.0)
     try:

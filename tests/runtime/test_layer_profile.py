@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from schedcomp.compiler import compile
 from schedcomp.errors import RuntimeSetupError
+from schedcomp.layers import LayerCosts
 from schedcomp.runtime.layer_profile import FORMAT, main, profile_layers
 
 ROWS, WIDTH, HIDDEN = 5, 4, 6
@@ -45,6 +47,11 @@ def test_the_file_is_a_layer_cost_file(tmp_path) -> None:
     layers = len(data["forward"])
     assert layers >= 3 and all(len(data[k]) == layers for k in ("backward_input", "activation", "static"))
     assert data["allreduce"] == [0.0] * layers and "layers" in lines[0]
+    # the compiler reads it as per-layer costs, and plans with it (its stage model sums the layers)
+    costs = LayerCosts.load(out)
+    assert costs.layers == layers and costs.static == tuple(data["static"])
+    plan = compile(2, 2, 4, failed=["1:1"], layers=costs, memory_limit=None)
+    assert sum(plan.partition) == layers and plan.costs.memory_unit == "bytes"
 
 
 @pytest.mark.parametrize("bad", [nn.Linear(2, 2), nn.Sequential()])
