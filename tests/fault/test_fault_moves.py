@@ -71,6 +71,24 @@ def test_layers_move_back_when_a_replacement_rejoins(cache_dir: str, monkeypatch
     assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(VICTIM))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compiled_cache_moves_layers_where_its_failure_plan_cuts(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # End to end: `precompile(layers=2)` (8 layers, 2 per stage) re-partitions each failure plan; for 0:1
+    # failed it moves layer 3 from stage 1 to stage 2 (2, 1, 3, 2). The survivors switch to it and move
+    # layer 3 to 0:2 and 1:2 from 1:1, the only live holder.
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP)
+    cut = cache.lookup([VICTIM]).partition
+    assert cut is not None and cut[1] < 2 and sum(cut) == LAYERS
+    cache.save(tmp_path)
+    stream = cache.lookup([]).streams[VICTIM]
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    results = launch(str(tmp_path), f"{VICTIM}@1.{len(stream) // 2}")
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}, cut, ITERATIONS)
+    assert all(r["failed"] == [str(VICTIM)] for r in results.values())
+
+
 def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
     """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
     the fault-free model trained in one process on the same batches (float64, 1e-10: the worker compares,
