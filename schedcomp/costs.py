@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from schedcomp import fileio
 from schedcomp.errors import CostModelError, SchedcompTypeError
@@ -20,6 +20,7 @@ from schedcomp.limits import MAX_COST, MIN_SPEED
 from schedcomp.topology import Worker
 
 FORMAT_VERSION = 1
+_Model = TypeVar("_Model")
 MEMORY_UNITS = ("units", "bytes")
 
 
@@ -282,20 +283,25 @@ class CostModel:
 
     def save(self, path: str | Path) -> None:
         """Write the model as JSON atomically: on failure the old file stays whole."""
-        fileio.write_atomic(_path(path), self.to_json(), CostModelError)
+        fileio.write_atomic(model_path(path), self.to_json(), CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        path = _path(path)
-        text = fileio.read_text(path, "cost model", CostModelError)
-        data = fileio.load_json(text, f"cost model {path}", CostModelError)
-        try:
-            return cls.from_dict(data)
-        except CostModelError as exc:
-            raise CostModelError(f"cost model {path}: {exc}") from None
+        return load_model(path, "cost model", cls.from_dict)
 
 
-def _path(path: object) -> Path:
+def load_model(path: str | Path, what: str, from_dict: Callable[[Any], _Model]) -> _Model:
+    """`from_dict` of the JSON file at `path`, every problem one `CostModelError` naming the file (`what`)."""
+    path = model_path(path, what)
+    text = fileio.read_text(path, what, CostModelError)
+    data = fileio.load_json(text, f"{what} {path}", CostModelError)
+    try:
+        return from_dict(data)
+    except CostModelError as exc:
+        raise CostModelError(f"{what} {path}: {exc}") from None
+
+
+def model_path(path: object, what: str = "cost model") -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise SchedcompTypeError(f"a cost model path must be a string or Path, got {type(path).__name__}")
+        raise SchedcompTypeError(f"a {what} path must be a string or Path, got {type(path).__name__}")
     return Path(path)

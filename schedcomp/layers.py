@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from schedcomp import fileio
-from schedcomp.costs import CostModel, _per_stage
+from schedcomp.costs import CostModel, _per_stage, load_model, model_path
 from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeError
 from schedcomp.partition import MAX_LAYERS, Partition, spans
 
@@ -105,23 +104,11 @@ class LayerCosts:
         return fileio.dumps_json(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
-        fileio.write_atomic(_path(path), self.to_json(), CostModelError)
+        fileio.write_atomic(model_path(path, "layer costs"), self.to_json(), CostModelError)
 
     @classmethod
     def load(cls, path: str | Path) -> LayerCosts:
-        path = _path(path)
-        text = fileio.read_text(path, "layer costs", CostModelError)
-        data = fileio.load_json(text, f"layer costs {path}", CostModelError)
-        try:
-            return cls.from_dict(data)
-        except CostModelError as exc:
-            raise CostModelError(f"layer costs {path}: {exc}") from None
-
-
-def _path(path: object) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise SchedcompTypeError(f"a layer-costs path must be a string or Path, got {type(path).__name__}")
-    return Path(path)
+        return load_model(path, "layer costs", cls.from_dict)
 
 
 def check_partition(layer_costs: LayerCosts, partition: Partition) -> None:
