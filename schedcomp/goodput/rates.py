@@ -1,6 +1,6 @@
 """Throughput of each strategy under a set of failed workers, relative to the fault-free job.
 
-One figure per strategy and *canonical* failure set (`schedcomp.cache.canonical`: failure sets
+One figure per strategy and *canonical* failure set (`schedcomp.scenarios.canonical`: failure sets
 equal up to relabelling the pipelines share a plan, hence a throughput), memoised, so a month of
 failures costs one evaluation per distinct scenario.
 
@@ -30,9 +30,9 @@ import logging
 from collections.abc import Callable, Iterable
 
 from schedcomp.baselines import bamboo, compare, fault_free, oobleck
-from schedcomp.cache import Key, canonical, canonical_costs
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
+from schedcomp.scenarios import Key, canonical, canonical_costs
 from schedcomp.solvers.bounds import work_bound
 from schedcomp.solvers.problem import Problem
 from schedcomp.topology import Topology, Worker
