@@ -24,11 +24,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from schedcomp.errors import RuntimeSetupError
+from schedcomp.errors import RuntimeSetupError, SchedcompError
+from schedcomp.fileio import write_atomic
 from schedcomp.ir import InstrKind
 from schedcomp.runtime.memory import MemoryMeter, storage_bytes
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, as_tuple
@@ -172,16 +174,24 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], object] = print
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    if args.rows < 1:
-        parser.error(f"--rows must be positive, got {args.rows}")
+    if args.rows < 1 or args.repeats < 1:
+        parser.error(f"--rows and --repeats must be positive, got {args.rows} and {args.repeats}")
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeSetupError(f"--device {args.device}: no CUDA device is visible here")
+    except RuntimeError as e:  # torch's own complaint about the device string
+        parser.error(f"--device {args.device!r}: {str(e).splitlines()[0]}")
     config = GPTConfig()
-    device = torch.device(args.device)
     model = gpt(config, seed=0).to(device)
     inputs, targets = synthetic_batch(config, args.rows, seed=0)
-    profile = profile_layers(model, inputs.to(device), targets.to(device), lm_loss,
-                             lambda p: torch.optim.AdamW(p, lr=3e-3), repeats=args.repeats)
-    with open(args.output, "w") as f:
-        f.write(profile.to_json())
+    try:
+        profile = profile_layers(model, inputs.to(device), targets.to(device), lm_loss,
+                                 lambda p: torch.optim.AdamW(p, lr=3e-3), repeats=args.repeats)
+        write_atomic(Path(args.output), profile.to_json(), RuntimeSetupError)
+    except SchedcompError as e:
+        print(f"layer_profile: {e}", file=sys.stderr)
+        return 2
     out(f"{len(profile.forward)} layers -> {args.output}: F " + " ".join(f"{t:.2f}" for t in profile.forward) + " ms")
     return 0
 

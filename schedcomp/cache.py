@@ -217,8 +217,8 @@ class PlanCache:
                                   "schedcomp precompile")
         data = fileio.load_json(fileio.read_text(index, "plan cache index", PlanFormatError),
                                 f"plan cache index {index}", PlanFormatError)
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in (VERSION,
-                                                                                                    VERSION_LAYERS):
+        if (not isinstance(data, dict) or data.get("format") != FORMAT or isinstance(data.get("version"), bool)
+                or data.get("version") not in (VERSION, VERSION_LAYERS)):
             raise PlanFormatError(f"{index} is not a version {VERSION} schedcomp plan cache (nor version "
                                   f"{VERSION_LAYERS}, with layer costs): re-run precompile")
         try:

@@ -91,7 +91,7 @@ class LayerCosts:
         if data.get("format") != FORMAT:
             raise CostModelError(f"layer costs need \"format\": \"{FORMAT}\" (a stage cost model goes to --costs)")
         version = data.get("version", VERSION)
-        if version != VERSION:
+        if version != VERSION or isinstance(version, bool):
             raise CostModelError(f"layer costs version {version!r} is not supported: this schedcomp reads {VERSION}")
         rest = {k: v for k, v in data.items() if k not in ("format", "version", "static")}
         costs = CostModel.from_dict(rest)

@@ -39,7 +39,7 @@ import numpy as np
 
 from schedcomp.adaptive import greedy, solve
 from schedcomp.costs import CostModel
-from schedcomp.errors import MemoryLimitError, ScheduleError
+from schedcomp.errors import MemoryLimitError, RecoveryError, ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Order
 from schedcomp.layers import LayerCosts, stage_costs, static_of
@@ -165,7 +165,8 @@ def stage_weights(topology: Topology, costs: CostModel) -> list[float]:
     for s in range(topology.stages):
         cap = sum(costs.speed.get(Worker(d, s), 1.0) for d in range(topology.dp) if Worker(d, s) not in topology.failed)
         if cap <= 0:
-            raise ScheduleError(f"stage {s} has no live worker: re-partitioning cannot recover it")
+            raise RecoveryError(f"every worker of stage {s} has failed, so its layers cannot move nor its "
+                                "micro-batches be re-routed: recovery needs a checkpoint (restart from the last one)")
         out.append(topology.dp / cap)
     return out
 

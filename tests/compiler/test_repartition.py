@@ -13,7 +13,7 @@ from schedcomp import compile
 from schedcomp.baselines import compare
 from schedcomp.cli import main
 from schedcomp.costs import CostModel
-from schedcomp.errors import PlanFormatError
+from schedcomp.errors import PlanFormatError, RecoveryError
 from schedcomp.ir import Plan
 from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.memory import resolve_limit
@@ -212,3 +212,11 @@ def test_within_memory_limit_counts_the_static_memory_each_device_holds() -> Non
     assert light["adaptive"].within_memory_limit is True and heavy["adaptive"].within_memory_limit is True
     # Weights too heavy to move: adaptive keeps the job's partition and only re-routes.
     assert outcomes(2.0)["adaptive"].partition == (4, 4, 4, 4)
+
+
+def test_a_stage_that_lost_every_worker_stops_adaptive_not_the_comparison() -> None:
+    out = {o.strategy: o for o in compare(4, 2, 4, [(0, 1), (1, 1)], layers=2)}
+    assert out["adaptive"].relative_throughput == 0.0 and "checkpoint" in out["adaptive"].note
+    assert out["oobleck"].relative_throughput > 0  # the others still compared
+    with pytest.raises(RecoveryError, match="every worker of stage 1"):
+        compile(4, 2, 4, failed=[(0, 1), (1, 1)], layers=2)

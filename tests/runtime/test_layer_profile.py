@@ -59,3 +59,13 @@ def test_a_model_that_is_not_a_sequential_is_refused(bad: nn.Module) -> None:
     with pytest.raises(RuntimeSetupError, match=r"nn\.Sequential"):
         profile_layers(bad, torch.zeros(1, 2), None, nn.functional.mse_loss,  # type: ignore[arg-type]
                        lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["-o", str(tmp_path / "x.json"), "--repeats", "0"])
+    assert exc.value.code == 2 and "--repeats must be positive" in capsys.readouterr().err
+    missing = tmp_path / "no-such-dir" / "layers.json"
+    assert main(["-o", str(missing), "--repeats", "1", "--rows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err and not missing.exists()
