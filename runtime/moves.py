@@ -11,9 +11,11 @@ on it, with their parameters and optimizer state, bit for bit, and rebuilds its 
   source) pair, all of them in one order (receiver rank, then source rank) that every rank derives from
   the two partitions and the live workers alone: no negotiation, and no deadlock (the first transfer
   not yet done always has both its ends at it);
-- what a layer carries (`layer_states`): its `state_dict` and, per trainable parameter, the optimizer's
-  state (Adam's `step`, `exp_avg`, `exp_avg_sq`, ...), as plain data over `transfer.send_tree` (tensors
-  on the worker's device, so NCCL carries them; nothing pickled);
+- what a layer carries (`layer_states`): its `state_dict`, its non-persistent buffers (a rotary
+  embedding's `inv_freq`, a causal mask: not in `state_dict`, yet a layer that was freed and comes back
+  needs them) and, per trainable parameter, the optimizer's state (Adam's `step`, `exp_avg`, `exp_avg_sq`,
+  ...), as plain data over `transfer.send_tree` (tensors on the worker's device, so NCCL carries them;
+  nothing pickled);
 - the rebuild: each (virtual) stage a worker holds becomes a new `Stage` over its layers in model order
   (layers it keeps are the same module objects), its optimizer `make_optimizer(params)` loaded with the
   layers' states and its old optimizer's param-group settings (the lr an LR schedule set), and what was
@@ -41,7 +43,9 @@ from schedcomp.runtime.stage import Stage, even_split
 from schedcomp.runtime.training import attached_to
 from schedcomp.topology import Worker
 
-LayerState = dict[str, Any]  # {"module": the layer's state_dict, "optimizer": per trainable parameter, its state}
+LayerState = dict[str, Any]
+"""{"module": the layer's state_dict, "buffers": its non-persistent buffers, "optimizer": per trainable
+parameter, its state}"""
 StageFactory = Callable[[int, nn.Module], Stage]  # (virtual stage, module) -> a prepared Stage
 
 
@@ -125,9 +129,15 @@ def layer_states(stage: Stage, first: int) -> dict[int, LayerState]:
         raise RuntimeSetupError("layers move only between stages cut from an nn.Sequential model")
     per_param = _optimizer_dict(stage.optimizer)["state"]
     index = {id(p): i for i, p in enumerate(stage.params)}
-    return {first + k: {"module": layer.state_dict(),
+    return {first + k: {"module": layer.state_dict(), "buffers": _transient_buffers(layer),
                         "optimizer": [per_param.get(index[id(p)], {}) for p in _trainable(layer)]}
             for k, layer in enumerate(module)}
+
+
+def _transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `state_dict` leaves out (registered with `persistent=False`), by name."""
+    kept = layer.state_dict(keep_vars=True)
+    return {name: buf for name, buf in layer.named_buffers() if name not in kept}
 
 
 # ---- the move ------------------------------------------------------------------------------------------
@@ -157,7 +167,11 @@ def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], mod
                 raise RecoveryError(f"worker {move.source} sent layers {sorted(got) if isinstance(got, dict) else '?'}"
                                     f" where {list(move.layers)} were due: every rank must switch to the same plan")
             for layer, state in got.items():
-                _materialise(model[layer], comm.device).load_state_dict(state["module"])
+                module = _materialise(model[layer], comm.device)
+                module.load_state_dict(state["module"])
+                with torch.no_grad():
+                    for name, value in state["buffers"].items():
+                        module.get_buffer(name).copy_(value)
                 mine[layer] = state
     held = {s: list(new_spans[s]) for s in stages}
     for layer in set(mine) - {layer for layers in held.values() for layer in layers}:

@@ -30,9 +30,22 @@ CUTS = ((2, 2, 2, 2), (3, 1, 2, 2), (1, 3, 3, 1))  # two iterations on each
 TOL = 1e-10
 
 
+class Shifted(nn.Module):
+    """Adds a per-layer constant held in a non-persistent buffer (as a rotary embedding's `inv_freq` or a
+    causal mask is): not in `state_dict`, so a layer that leaves a worker and comes back must get it too."""
+
+    def __init__(self, shift: float) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.full((H,), shift, dtype=torch.float64), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.shift
+
+
 def model() -> nn.Sequential:
     torch.manual_seed(7)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(LAYERS))).double()
+    return nn.Sequential(*(nn.Sequential(nn.Linear(H, H), Shifted(0.1 * (k + 1)), nn.Tanh())
+                           for k in range(LAYERS))).double()
 
 
 def adam(params) -> torch.optim.Optimizer:
