@@ -140,6 +140,20 @@ def _transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in layer.named_buffers() if name not in kept}
 
 
+def check_movable(stage: Stage) -> None:
+    """Refuse, in one line, a stage whose layers could not move with their state: called before training
+    where plans may cut the model elsewhere, so the refusal never comes in the middle of a recovery."""
+    _optimizer_dict(stage.optimizer)
+    if [id(p) for p in stage.optimizer.param_groups[0]["params"]] != [id(p) for p in stage.params]:
+        raise RuntimeSetupError("the stage optimizer does not hold exactly the stage's trainable parameters, in "
+                                "order: layers cannot move with its state; let make_optimizer(params) optimise the "
+                                "params it is given")
+    if isinstance(stage.module, nn.Sequential):
+        per_layer = [id(p) for layer in stage.module for p in _trainable(layer)]
+        if len(per_layer) != len(set(per_layer)):
+            raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
+
+
 # ---- the move ------------------------------------------------------------------------------------------
 
 

@@ -82,7 +82,14 @@ from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.policies import cut_of, cuts_of, recovery_policy, refuse_chunks, refuse_moves
+from schedcomp.runtime.fault.policies import (
+    cut_of,
+    cuts_of,
+    may_cut_elsewhere,
+    recovery_policy,
+    refuse_chunks,
+    refuse_moves,
+)
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Rejoined, Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
@@ -92,6 +99,7 @@ from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
+from schedcomp.runtime.moves import check_movable
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
@@ -160,6 +168,11 @@ class ResilientTrainer:
         self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
                                                                                              SwiftPolicy)) else set()
         refuse_moves(self.policy, self._cuts)
+        self.moves_layers = may_cut_elsewhere(plans, build_stage)  # then every stage is checked movable at start
+        if self.moves_layers and isinstance(self.policy, (LossyPolicy, SwiftPolicy)):
+            raise RuntimeSetupError(f"the {self.policy.name} policy keeps each stage's layers in place, but this plan "
+                                    "source may switch to plans that move them (a cache with layer costs, compiled "
+                                    "further in the background): use policy='rollback' (the default)")
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -218,6 +231,9 @@ class ResilientTrainer:
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
+        if self.moves_layers:  # refused now, not in the middle of the first recovery that moves a layer
+            for stage in self.trainer.stages.values():
+                check_movable(stage)
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))

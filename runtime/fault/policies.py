@@ -89,6 +89,17 @@ def cut_of(plan: Plan, model: Any) -> Partition | None:
     return even_split(len(model), plan.topology.stages)
 
 
+def may_cut_elsewhere(plans: Any, model: Any) -> bool:
+    """Whether a plan source may switch to plans that cut the model elsewhere (so layers move): a cache whose
+    plans cut it in more than one way, or one with layer costs whose background compiles may re-partition
+    (`ImprovingPlans`). A plain function is not known in advance: False."""
+    if not isinstance(model, nn.Sequential):
+        return False
+    cache = getattr(plans, "cache", plans)
+    compiles = getattr(cache, "layers", None) is not None and hasattr(plans, "improved")
+    return compiles or len(set(cuts_of(plans, model))) > 1
+
+
 def cuts_of(plans: Any, model: Any) -> list[Partition | None]:
     """The cuts of every plan a `PlanCache` (or `ImprovingPlans`' cache) holds (read from disk); a plain
     function's are known only as it serves them (empty)."""

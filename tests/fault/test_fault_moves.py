@@ -122,3 +122,14 @@ def test_policies_that_keep_layers_in_place_refuse_plans_that_move_them(tmp_path
     with pytest.raises(RuntimeSetupError, match=r"keeps each stage's layers in place, but the plans cut the model in "
                                                 r"2 ways \(\[2, 2, 2, 2\], \[3, 1, 2, 2\]\)"):
         ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
+    # a cache with layer costs whose background compiles may re-partition: known before any plan moves a layer
+    from schedcomp.improving import ImprovingPlans
+
+    layered = ImprovingPlans(precompile(PP, DP, MICROBATCHES, 0, time_limit=1.0, layers=LAYERS // PP))
+    with pytest.raises(RuntimeSetupError, match="may switch to plans that move them"):
+        ResilientTrainer(layered, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
+    from schedcomp.runtime.fault.policies import may_cut_elsewhere
+
+    # (then every stage's optimizer is checked movable at start: `moves.check_movable`)
+    assert may_cut_elsewhere(layered, chaos_sequential(LAYERS)) and may_cut_elsewhere(cache, chaos_sequential(LAYERS))
+    assert not may_cut_elsewhere(same, chaos_sequential(LAYERS)) and not may_cut_elsewhere(layered, lambda s: None)

@@ -207,7 +207,7 @@ def test_a_partition_needs_a_sequential_of_its_length_and_no_other_cut() -> None
 def test_optimizers_that_do_not_split_per_layer_are_refused() -> None:
     from momentum import Momentum
 
-    from schedcomp.runtime.moves import layer_states
+    from schedcomp.runtime.moves import check_movable, layer_states
     from schedcomp.runtime.stage import Stage
 
     with pytest.raises(RuntimeSetupError, match=r"Momentum's state_dict is not torch\.optim's"):
@@ -219,6 +219,17 @@ def test_optimizers_that_do_not_split_per_layer_are_refused() -> None:
 
     with pytest.raises(RuntimeSetupError, match="has 2 param groups"):
         layer_states(Stage(0, 1, model()[:2], None, two_groups), 0)
+    # ... and the same checks run before training wherever plans may move layers (`ResilientTrainer`), so the
+    # refusal never comes in the middle of a recovery
+    with pytest.raises(RuntimeSetupError, match="has 2 param groups"):
+        check_movable(Stage(0, 1, model()[:2], None, two_groups))
+    with pytest.raises(RuntimeSetupError, match="exactly the stage's trainable parameters"):
+        check_movable(Stage(0, 1, model()[:2], None, lambda params: adam(list(params)[:2])))
+    shared = model()[:2]
+    shared[1][0].weight = shared[0][0].weight
+    with pytest.raises(RuntimeSetupError, match="share parameters"):
+        check_movable(Stage(0, 1, shared, None, adam))
+    check_movable(Stage(0, 1, model()[:2], None, adam))
 
 
 def mismatched_cuts(rank: int, plan: Plan, outdir: str) -> None:
