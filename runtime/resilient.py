@@ -62,6 +62,7 @@ holds, for its stage, how many times each micro-batch's gradient entered the upd
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -226,12 +227,21 @@ class ResilientTrainer:
         def build(s: int) -> nn.Module:  # what was built before joining, else now
             return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
 
-        self.trainer = PipelineTrainer(plan, self.build_stage if sequential else build, self.loss_fn,
+        # The base cut is the healthy plan's: checkpoints are written under it only, so a restart restores
+        # them there. A run whose first plan cuts elsewhere (a restart short of workers) builds the base cut,
+        # restores it, and then moves its layers to the plan's cut (below).
+        base = cut_of(self._plans(Topology.of(job.pp, job.dp, (), self.chunks, self.placement)), self.build_stage) \
+            if sequential else None
+        restore_then_move = sequential and not session.env.rejoining and cut_of(plan, self.build_stage) != base
+        first = dataclasses.replace(plan, partition=base) if restore_then_move else plan
+        self.trainer = PipelineTrainer(first, self.build_stage if sequential else build, self.loss_fn,
                                        self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
                                        make_group=session.generation.new_group, wait=self.wait,
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
-        if self.moves_layers:  # refused now, not in the middle of the first recovery that moves a layer
+        if base is not None:
+            self.trainer.base_partition = base
+        if self.moves_layers or restore_then_move:  # refused now, not in the middle of a recovery that moves one
             for stage in self.trainer.stages.values():
                 check_movable(stage)
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
@@ -264,6 +274,10 @@ class ResilientTrainer:
         else:
             self.trainer.sync_replicas()
             resumed = self.last_resort.resume(self.held, stages)
+            if restore_then_move:  # the checkpoint holds the base cut: now cut as the plan says
+                self.trainer.use_plan(plan)
+                self.held = held_of(self.trainer.stages)
+                self.snapshot = held_snapshot(self.held)
             start = resumed.start
             if start > 0:
                 session.commit(start - 1)  # it holds the checkpoint's state after that step

@@ -89,6 +89,29 @@ def test_a_compiled_cache_moves_layers_where_its_failure_plan_cuts(tmp_path: Pat
     assert all(r["failed"] == [str(VICTIM)] for r in results.values())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_whose_own_cut_is_not_even_checkpoints_under_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job's partition is (3, 1, 2, 2), the healthy plan's: checkpoints are written under that cut (the
+    # one a restart builds), not only under the runtime's even split. 1:0 (no checkpoint writer: pipeline 0
+    # writes) dies in iteration 1; the failure plan cuts elsewhere, so iteration 0's checkpoint is the last
+    # one, complete for every stage.
+    from schedcomp.runtime.fault.checkpoint import latest_complete
+
+    victim = Worker(1, 0)
+
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP, partition=MOVED)
+    assert cache.lookup([]).partition == MOVED and cache.lookup([victim]).partition != MOVED
+    cache.save(tmp_path / "plans")
+    stream = cache.lookup([]).streams[victim]
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    monkeypatch.setenv("CHAOS_CHECKPOINT", str(tmp_path / "ckpt"))
+    results = launch(str(tmp_path / "plans"), f"{victim}@1.{len(stream) // 2}")
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(victim)},
+          cache.lookup([victim]).partition, ITERATIONS)
+    assert latest_complete(tmp_path / "ckpt", PP) == 0
+
+
 def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
     """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
     the fault-free model trained in one process on the same batches (float64, 1e-10: the worker compares,

@@ -289,6 +289,10 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
         build, Momentum = chaos_sequential(layers), adam
     else:
         build = functools.partial(chaos_stage, pp=env.pp * cache.chunks)
+    if os.environ.get("CHAOS_CHECKPOINT"):  # a directory: checkpoint every iteration there
+        from schedcomp.runtime.fault.restart import CheckpointPolicy
+
+        options["checkpoint"] = CheckpointPolicy(os.environ["CHAOS_CHECKPOINT"], every=1)
     trainer = ResilientTrainer(plans, build, F.mse_loss, Momentum,
                                lambda i: chaos_batch(i, chunks), session=session, before=before,
                                after_recovery=die_while_recovering, policy=os.environ.get("CHAOS_POLICY", "rollback"),
