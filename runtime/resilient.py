@@ -80,7 +80,7 @@ from schedcomp.runtime.fault import switches
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.better import BetterPlan
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
-from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot, recv_held_state
+from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
 from schedcomp.runtime.fault.policies import (
@@ -92,7 +92,7 @@ from schedcomp.runtime.fault.policies import (
     refuse_moves,
 )
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
-from schedcomp.runtime.fault.report import Rejoined, Report
+from schedcomp.runtime.fault.report import Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
@@ -248,42 +248,9 @@ class ResilientTrainer:
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
         if session.env.rejoining:
-            donor = session.donor_for(session.me.stage)
-            rebuild = getattr(self.policy, "rebuild", None)  # logging-based recovery replays the stage
-            if donor is None and rebuild is not None:
-                try:
-                    start = rebuild(self)
-                except RecoveryError as e:  # a parallel replay lost a worker: restart from the checkpoints
-                    self.last_resort.give_up(e)
-                self.report.resumed_at = start
-                session.commit(start - 1)
-                self.trainer.iteration = self.iteration = start
-                self.policy.on_start(self, start)
-                return start
-            if donor is None:
-                raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
-                                    "restart the job from a checkpoint")
-            receiving = time.time()
-            got = recv_held_state(self.held, session.groups.world, src=session.groups.rank_of(donor), wait=self.wait)
-            assert session.announced_at is not None and session.admitted_at is not None
-            self.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(),
-                                            got.nbytes)
-            start = int(got.info["iteration"])
-            session.commit(start - 1)  # it holds the donor's state after that step
-            self.report.resumed_at = start
+            start = switches.join_as_replacement(self)
         else:
-            self.trainer.sync_replicas()
-            resumed = self.last_resort.resume(self.held, stages)
-            if restore_then_move:  # the checkpoint holds the base cut: now cut as the plan says
-                self.trainer.use_plan(plan)
-                self.held = held_of(self.trainer.stages)
-                self.snapshot = held_snapshot(self.held)
-            start = resumed.start
-            if start > 0:
-                session.commit(start - 1)  # it holds the checkpoint's state after that step
-            self.report.run, self.report.restored_from = session.env.run, resumed.restored_from
-            self.report.iterations_lost = resumed.iterations_lost
-            self.report.restart_reason = resumed.previous.reason if resumed.previous is not None else None
+            start = switches.resume(self, stages, plan if restore_then_move else None)
         self.trainer.iteration = self.iteration = start
         self.policy.on_start(self, start)
         return start

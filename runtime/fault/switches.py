@@ -6,7 +6,9 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
   iteration or roll back (`roll_back`: undo this worker's step if it made one, switch to the plan of the new
   failed set), hand the state to replacements; returns the iteration to run next;
 - `admit(rt, completed)`: at an iteration boundary, admit the replacements due there, regroup, hand over;
-- `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on.
+- `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on;
+- at start, `join_as_replacement(rt)` (a replacement's state from a donor, or the logging policy's replay)
+  or `resume(rt, stages, then)` (the agreed checkpoint restored, then the layers moved to the plan's cut).
 
 A plan that cuts the model elsewhere (`Plan.partition`) moves layers at the switch (`runtime.moves`), once
 the policy has restored a consistent state (after the rollback's undo), among the survivors only:
@@ -21,13 +23,60 @@ import logging
 import time
 from typing import Any
 
+from schedcomp.errors import RecoveryError
 from schedcomp.ir import Plan
-from schedcomp.runtime.fault.chunks import held_of, held_snapshot, send_held_state
+from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state, send_held_state
 from schedcomp.runtime.fault.membership import GenerationAborted
-from schedcomp.runtime.fault.report import Recovery
+from schedcomp.runtime.fault.report import Recovery, Rejoined
 from schedcomp.runtime.fault.rollback import Rollback
 
 log = logging.getLogger(__name__)
+
+
+def join_as_replacement(rt: Any) -> int:
+    """A replacement's start: its stage's state from a live replica (the donor), or rebuilt by the logging
+    policy's replay when none is left; returns the iteration to run next."""
+    session = rt.session
+    donor = session.donor_for(session.me.stage)
+    rebuild = getattr(rt.policy, "rebuild", None)  # logging-based recovery replays the stage
+    if donor is None and rebuild is not None:
+        try:
+            start = rebuild(rt)
+        except RecoveryError as e:  # a parallel replay lost a worker: restart from the checkpoints
+            rt.last_resort.give_up(e)
+        rt.report.resumed_at = start
+        session.commit(start - 1)
+        return start
+    if donor is None:
+        raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
+                            "restart the job from a checkpoint")
+    receiving = time.time()
+    got = recv_held_state(rt.held, session.groups.world, src=session.groups.rank_of(donor), wait=rt.wait)
+    assert session.announced_at is not None and session.admitted_at is not None
+    rt.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(), got.nbytes)
+    start = int(got.info["iteration"])
+    session.commit(start - 1)  # it holds the donor's state after that step
+    rt.report.resumed_at = start
+    return start
+
+
+def resume(rt: Any, stages: int, then: Plan | None) -> int:
+    """A run's start: the replicas synchronised and the checkpoint every worker agrees on restored (`fault.
+    restart`); then, if the run's plan cuts the model elsewhere than the checkpoint (`then`), its layers
+    moved there. Returns the iteration to run next."""
+    session = rt.session
+    rt.trainer.sync_replicas()
+    resumed = rt.last_resort.resume(rt.held, stages)
+    if then is not None:  # the checkpoint holds the base cut: now cut as the plan says
+        rt.trainer.use_plan(then)
+        follow(rt)
+    start = resumed.start
+    if start > 0:
+        session.commit(start - 1)  # it holds the checkpoint's state after that step
+    rt.report.run, rt.report.restored_from = session.env.run, resumed.restored_from
+    rt.report.iterations_lost = resumed.iterations_lost
+    rt.report.restart_reason = resumed.previous.reason if resumed.previous is not None else None
+    return start
 
 
 def follow(rt: Any) -> None:

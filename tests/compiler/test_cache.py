@@ -6,6 +6,7 @@ import io
 import itertools
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -15,6 +16,7 @@ from schedcomp.cache import PlanCache, canonical, legacy_key_name, precompile, r
 from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.cli.progress import ProgressBar
+from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError
 from schedcomp.simulator import simulate
@@ -175,3 +177,12 @@ def test_caches_written_with_the_old_file_names_still_load(tmp_path):
     assert all(re.fullmatch(r"f\d\.\d.json", e["file"]) for e in index["scenarios"] if e["failed"])
     (out / "index.json").write_text(json.dumps(index))
     check(PlanCache.load(out).lookup([(1, 1)]))
+
+
+def test_relabel_renames_a_cut_and_keeps_the_partition() -> None:
+    plan = compile(4, 8, 8, failed=["3:1"], recut=True, memory_limit=None)
+    assert plan.cut.pipelines.keys() == {3}
+    moved = relabel(replace(plan, partition=(1, 1, 1, 1)), {d: (d + 1) % 8 for d in range(8)})
+    assert moved.cut.pipelines == {4: plan.cut.pipelines[3]} and moved.partition == (1, 1, 1, 1)
+    assert moved.topology.failed == frozenset({Worker(4, 1)})
+    check(moved)
