@@ -308,8 +308,8 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
                 cells = "".join(f"{rel[s]:7.3f}" if rel[s] > 0 else f"{'stop':>7}"
                                 for s in ("adaptive", "drop-pipeline"))
                 cells += "".join(f"{rel[s]:8.3f}" if rel[s] > 0 else f"{'stop':>8}" for s in ("oobleck", "bamboo"))
-                layers = out["adaptive"].partition or ()
-                shape = ("" if max(layers, default=0) < 10 else ",").join(map(str, layers))
+                cut = out["adaptive"].partition or ()
+                shape = ("" if max(cut, default=0) < 10 else ",").join(map(str, cut))
                 print(f"  {case:<30}{cells}{mem:>6}  {shape:<16}  {verdict}", flush=True)
     print("  partition: adaptive's layers per stage, a digit each; mem: adaptive, drop, oobleck, bamboo within the "
           "per-place limit (y) or over it (n);\n  adaptive is compared with them even when they break it")
