@@ -112,6 +112,34 @@ def test_a_job_whose_own_cut_is_not_even_checkpoints_under_it(tmp_path: Path, mo
     assert latest_complete(tmp_path / "ckpt", PP) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_that_starts_short_of_a_worker_builds_its_base_cut_then_moves(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A first job trains 2 iterations and checkpoints them under the healthy plan's cut. A second one resumes
+    # from them, but 1:0 dies before joining, so its first plan is the one for {1:0}, which cuts the model
+    # elsewhere. Each worker builds the base cut, restores the checkpoint there, then moves its layers to the
+    # plan's cut (`switches.resume`) and trains on to the fault-free model. (Restoring the checkpoint into the
+    # plan's cut, as before, loaded other layers' weights, or refused.)
+    from schedcomp.runtime.fault.checkpoint import latest_complete
+
+    absent = Worker(1, 0)
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP)
+    cut = cache.lookup([absent]).partition
+    assert cut is not None and cut != cache.lookup([]).partition
+    cache.save(tmp_path / "plans")
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    monkeypatch.setenv("CHAOS_CHECKPOINT", str(tmp_path / "ckpt"))
+    launch(str(tmp_path / "plans"), "", iterations=2)
+    assert latest_complete(tmp_path / "ckpt", PP) == 1
+    monkeypatch.setenv("CHAOS_ABSENT", str(absent))
+    results = launch(str(tmp_path / "plans"), "")
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(absent)}, cut, ITERATIONS)
+    for r in results.values():
+        assert r["failed"] == [str(absent)] and not r["recoveries"]
+        assert sorted(map(int, r["ledger"])) == list(range(2, ITERATIONS))  # resumed after the checkpoint
+
+
 def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:
     """Every worker of `expected` trained `iterations`, holds the layers `cut` gives its stage, each equal to
     the fault-free model trained in one process on the same batches (float64, 1e-10: the worker compares,
