@@ -7,7 +7,7 @@ The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -90,14 +90,24 @@ def cut_of(plan: Plan, model: Any) -> Partition | None:
 
 
 def may_cut_elsewhere(plans: Any, model: Any) -> bool:
-    """Whether a plan source may switch to plans that cut the model elsewhere (so layers move): a cache whose
-    plans cut it in more than one way, or one with layer costs whose background compiles may re-partition
-    (`ImprovingPlans`). A plain function is not known in advance: False."""
+    """Whether a plan source may switch to plans that cut the model elsewhere (so layers move): a cache with
+    layer costs whose plans cut it in more than one way, or whose background compiles may re-partition
+    (`ImprovingPlans`), or a cache holding such plans in memory. A plain function is not known in advance,
+    nor a cache without layer costs whose plans on disk were edited to cut elsewhere: False (a refusal then
+    comes at the switch)."""
     if not isinstance(model, nn.Sequential):
         return False
     cache = getattr(plans, "cache", plans)
-    compiles = getattr(cache, "layers", None) is not None and hasattr(plans, "improved")
-    return compiles or len(set(cuts_of(plans, model))) > 1
+    layered = getattr(cache, "layers", None) is not None
+    if layered and hasattr(plans, "improved"):
+        return True
+    if layered:  # its plans re-partition: read them all now (a lookup at failure time then reads none)
+        return len(set(cuts_of(plans, model))) > 1
+    # Without layer costs a precompiled cache's plans leave the cut to the runtime: only the plans already in
+    # memory are looked at. Reading every plan from disk at start costs seconds per plan at scale, which a
+    # job that never moves a layer should not pay.
+    held = getattr(cache, "plans", None)
+    return isinstance(held, Mapping) and len({cut_of(plan, model) for plan in held.values()}) > 1
 
 
 def cuts_of(plans: Any, model: Any) -> list[Partition | None]:
