@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from schedcomp.errors import RuntimeSetupError
+from schedcomp.errors import PlanFormatError, RuntimeSetupError
+from schedcomp.partition import even
 from schedcomp.runtime.data import Tensors, as_tuple
 from schedcomp.runtime.rng import drawing
 from schedcomp.runtime.splitgrad import WeightGradStore, enable_split_backward
@@ -47,10 +48,12 @@ class TensorMeta:
 
 
 def even_split(layers: int, stages: int) -> tuple[int, ...]:
-    """Layer counts per stage, as even as possible (earlier stages take the remainder)."""
-    if layers < stages:
-        raise RuntimeSetupError(f"cannot split {layers} layers into {stages} stages: give at least one layer per stage")
-    return tuple(layers // stages + (1 if s < layers % stages else 0) for s in range(stages))
+    """Layer counts per stage, as even as possible (`partition.even`, the compiler's split), refused with the
+    runtime's error."""
+    try:
+        return even(layers, stages)
+    except PlanFormatError as e:
+        raise RuntimeSetupError(str(e)) from None
 
 
 def split_sequential(

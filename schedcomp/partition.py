@@ -60,5 +60,5 @@ def even(layers: int, stages: int) -> Partition:
     """`layers` split as evenly as possible over `stages` (earlier stages take the remainder), as the
     runtime splits an `nn.Sequential` by default."""
     if layers < stages:
-        raise PlanFormatError(f"cannot split {layers} layers into {stages} stages: give at least one per stage")
+        raise PlanFormatError(f"cannot split {layers} layers into {stages} stages: give at least one layer per stage")
     return tuple(layers // stages + (1 if s < layers % stages else 0) for s in range(stages))
