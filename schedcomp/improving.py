@@ -42,9 +42,9 @@ from typing import Any
 from schedcomp import fileio
 from schedcomp.cache import PlanCache
 from schedcomp.costs import CostModel
-from schedcomp.errors import RecoveryError, SchedcompError, SchedcompTypeError, ScheduleError
+from schedcomp.errors import MemoryLimitError, RecoveryError, SchedcompError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Plan
-from schedcomp.layers import LayerCosts, static_of
+from schedcomp.layers import LayerCosts, moved_limit
 from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free
 from schedcomp.partition import Partition
 from schedcomp.repair import lookup_or_repair
@@ -148,7 +148,12 @@ class ImprovingPlans:
         # the repair's limit (`repair`: the plan's, or a fault-free plan's own peaks), so the two compare
         limit = repaired.costs.memory_limit if is_fault_free(self.memory_limit) else self.memory_limit
         if cache.layers is not None and is_fault_free(self.memory_limit):
-            limit = _job_limit(cache.layers, cache.partition, repaired)  # per stage of the job's partition
+            try:
+                limit = _job_limit(cache.layers, cache.partition, repaired)  # per stage of the job's partition
+            except MemoryLimitError as e:  # an optional speed-up must never break recovery
+                log.warning("no background compile for failed %s (%s): keeping the repaired plan",
+                            sorted(map(str, topology.failed)), e)
+                return
         request = {"pp": cache.pp, "dp": cache.dp, "microbatches": cache.microbatches,
                    "failed": sorted(str(w) for w in topology.failed), "costs": cache.costs.to_dict(),
                    # a cache of re-partitioning plans: the compile may move layers too
@@ -237,10 +242,8 @@ def _job_limit(layers: LayerCosts, job_partition: Partition | None, repaired: Pl
     limit = repaired.costs.memory_limit
     if limit is None or job_partition is None or repaired.partition is None or repaired.partition == job_partition:
         return limit
-    stages = len(job_partition)
-    per_stage = limit if isinstance(limit, tuple) else (limit,) * stages
-    now, job = static_of(layers, repaired.partition), static_of(layers, job_partition)
-    return tuple(per_stage[s] + now[s] - job[s] for s in range(stages))
+    # the layers' rule of a re-partition (`layers.moved_limit`), from the repaired plan's cut to the job's
+    return moved_limit(layers, job_partition, repaired.costs, repaired.partition)
 
 
 def _as_limit(value: Any) -> MemoryLimit:
