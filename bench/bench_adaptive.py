@@ -223,8 +223,11 @@ RECUT_CASES = [  # (pp, dp, M, failed): issue 14's case first
 
 def table_recut() -> None:
     print("\n## 5. Re-cut micro-batches (`compile(..., recut=True)`): period, whole micro-batches against re-cut,")
-    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work bound")
-    print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9}")
+    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work")
+    print(f"   bound; +layers = re-cut with {LAYERS_PER_STAGE} layers per stage (layer boundaries may move too), "
+          "and its partition")
+    print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9} "
+          f"{'+layers':>8}  partition")
     from schedcomp.compiler import compile
     from schedcomp.simulator import simulate
 
@@ -235,9 +238,11 @@ def table_recut() -> None:
             plan = compile(pp, dp, m, failed=failed, memory_limit=limit, recut=True)
             seconds = time.perf_counter() - began
             pieces = sum(len(b) - 1 for _, b in plan.cut.bounds)
+            both = compile(pp, dp, m, failed=failed, memory_limit=limit, recut=True, layers=LAYERS_PER_STAGE)
             case = f"pp={pp} dp={dp} M={m} fail {','.join(failed)}"
             print(f"  {case:<30} {limit or 'none':<10} {whole:8.2f} {simulate(plan).period:8.2f} "
-                  f"{plan.lower_bound or 0:8.2f} {pieces:7d} {seconds:9.2f}")
+                  f"{plan.lower_bound or 0:8.2f} {pieces:7d} {seconds:9.2f} {simulate(both).period:8.2f}  "
+                  f"{','.join(map(str, both.partition or ()))}", flush=True)
 
 
 LAYERS_PER_STAGE = 4
