@@ -36,13 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_dir, restore
-from schedcomp.runtime.fault.checkpoint_check import (
-    check_against_stage,
-    check_digests,
-    check_metadata_matches,
-    read_manifest,
-    stored_digests,
-)
+from schedcomp.runtime.fault.checkpoint_check import check_against_stage, read_manifest
+from schedcomp.runtime.fault.checkpoint_storage import check_digests, check_metadata_matches, stored_digests
 from schedcomp.runtime.fault.dcp_io import SafeReader
 from schedcomp.runtime.fault.transfer import flatten, load_stage_state, stage_state, unflatten
 
@@ -77,7 +72,7 @@ def plain_load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) 
 def only_checks(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     manifest = read_manifest(path, 0, 0)
     check_against_stage(manifest, module, optimizer)
-    check_metadata_matches(SafeReader(path).read_metadata(), manifest, str(path))
+    check_metadata_matches(SafeReader(path).read_metadata(), manifest.stored, str(path))
 
 
 def one_run(module: nn.Module, optimizer: torch.optim.Optimizer, fresh: nn.Module,
@@ -91,8 +86,8 @@ def one_run(module: nn.Module, optimizer: torch.optim.Optimizer, fresh: nn.Modul
             "plain s": timed(plain_load, path, fresh, fresh_opt),
             "restore s": timed(restore, folder, 0, 0, fresh, fresh_opt),
             "checks s": timed(only_checks, path, fresh, fresh_opt),
-            "digests s": timed(lambda: check_digests(SafeReader(path).read_metadata(), read_manifest(path, 0, 0),
-                                                     path)),
+            "digests s": timed(lambda: check_digests(SafeReader(path).read_metadata(),
+                                                     read_manifest(path, 0, 0).stored, path)),
         }
 
 
