@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from schedcomp.errors import RecoveryError
+from schedcomp.partition import Partition
 from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_writer, latest_complete, restore
 from schedcomp.runtime.fault.chunks import Held
 from schedcomp.runtime.fault.session import FaultSession
@@ -143,7 +144,9 @@ class LastResort:
     """One worker's share of checkpoint-restart: resume at start, save after STEP, give up on a lost stage.
 
     Checkpoints are per model chunk: a worker holding several (virtual stages, `fault.chunks`)
-    writes and restores each under its own virtual stage, `checkpoint_dir(directory, iteration, s)`.
+    writes and restores each under its own virtual stage, `checkpoint_dir(directory, iteration, s)`;
+    an `nn.Sequential` model's hold each layer's state (`checkpoint_layers`), so they are written
+    under whatever cut the job runs and restore into any other.
     """
 
     def __init__(self, schedule: CheckpointPolicy | None, session: FaultSession,
@@ -151,26 +154,28 @@ class LastResort:
         self.schedule, self.session, self.leave = schedule, session, leave
         self.checkpointers: dict[int, AsyncCheckpointer] = {}  # by virtual stage, one save in flight each
 
-    def resume(self, held: Held, stages: int) -> Resumed:
+    def resume(self, held: Held, stages: int, cut: Partition | None = None) -> Resumed:
         """Restore the checkpoint every worker of this run agrees on (the first to look picks it) into
-        the chunks `held`; `stages`: the model's (virtual) stages, every one of which must have it."""
+        the chunks `held`; `stages`: the model's (virtual) stages, every one of which must have it. With
+        `cut` (an `nn.Sequential` model's partition) the checkpoints are per layer: any iteration whose
+        stage checkpoints hold every layer, written under any cut, restores into this one."""
         store, env = self.session.store, self.session.env
         previous = (RestartRequest.from_json(store.get(Keys.previous_run()))
                     if store.check([Keys.previous_run()]) else None)
         if self.schedule is None:
             return Resumed(None, None, previous)
-        mine = latest_complete(self.schedule.directory, stages)
+        mine = latest_complete(self.schedule.directory, stages, sum(cut) if cut is not None else None)
         agreed = json.loads(store.compare_set(Keys.restored(), "", json.dumps(mine)))
         if agreed is not None:
             for s, (module, optimizer) in held.items():
-                restore(self.schedule.directory, agreed, s, module, optimizer)
+                restore(self.schedule.directory, agreed, s, module, optimizer, cut)
             log.warning("worker %s: restored the checkpoint of iteration %d", env.worker, agreed)
         lost = None if previous is None else previous.reached - (agreed if agreed is not None else -1)
         return Resumed(agreed, lost, previous)
 
-    def after_step(self, iteration: int, held: Held) -> None:
+    def after_step(self, iteration: int, held: Held, cut: Partition | None = None) -> None:
         """Right after STEP of `iteration` (and its commit record): save every chunk held, if due and this
-        worker writes."""
+        worker writes (`cut`: the model's current partition, under which each layer is saved)."""
         if self.schedule is None:
             return
         view = self.session.view
@@ -180,7 +185,7 @@ class LastResort:
         for s, (module, optimizer) in held.items():
             if s not in self.checkpointers:
                 self.checkpointers[s] = AsyncCheckpointer(self.schedule.directory, s, self.schedule.every)
-            self.checkpointers[s].after_step(iteration, module, optimizer, writer)
+            self.checkpointers[s].after_step(iteration, module, optimizer, writer, cut)
 
     def give_up(self, error: BaseException) -> NoReturn:
         """The job cannot go on by re-planning: ask for a restart (or, without checkpoints, just leave)."""
