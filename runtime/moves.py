@@ -139,6 +139,15 @@ def transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in layer.named_buffers() if name not in kept}
 
 
+def splits_per_layer(stage: Stage) -> bool:
+    """Whether the stage's layers can move, or be checkpointed one by one, with their state (`check_movable`)."""
+    try:
+        check_movable(stage)
+    except RuntimeSetupError:
+        return False
+    return isinstance(stage.module, nn.Sequential)
+
+
 def check_movable(stage: Stage) -> None:
     """Refuse, in one line, a stage whose layers could not move with their state: called before training
     where plans may cut the model elsewhere, so the refusal never comes in the middle of a recovery."""

@@ -101,7 +101,7 @@ from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
-from schedcomp.runtime.moves import check_movable
+from schedcomp.runtime.moves import check_movable, splits_per_layer
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
@@ -185,6 +185,7 @@ class ResilientTrainer:
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
         self.held: Held = {}
+        self.per_layer = False  # checkpoints per layer (an nn.Sequential whose optimizer splits per layer)
         self.iteration = 0
         self.iterations = 0  # to train (set by `run`)
         self.report: Report | None = None
@@ -241,10 +242,13 @@ class ResilientTrainer:
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
         if base is not None:
             self.trainer.base_partition = base
-        # refused now, not in the middle of a recovery that moves a layer or of a save per layer
-        if self.moves_layers or (sequential and self.last_resort.schedule is not None):
+        # refused now, not in the middle of a recovery that moves one; a first plan off the base cut restores
+        # per-layer checkpoints (per-stage ones would load other layers' weights)
+        if self.moves_layers or (sequential and self.trainer.partition != base):
             for stage in self.trainer.stages.values():
                 check_movable(stage)
+        # checkpoints hold each layer where layers can move (else each stage, restored into the base cut)
+        self.per_layer = sequential and all(splits_per_layer(stage) for stage in self.trainer.stages.values())
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -280,8 +284,8 @@ class ResilientTrainer:
                 for stage in trainer.stages.values():
                     stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
-            if checkpoint:  # per layer under an nn.Sequential's current cut: a restart may cut it otherwise
-                self.last_resort.after_step(i, self.held, trainer.partition)
+            if checkpoint:  # per layer under the current cut: a restart may cut the model otherwise
+                self.last_resort.after_step(i, self.held, trainer.partition if self.per_layer else None)
 
         return step
 

@@ -4,7 +4,10 @@ Layout: `DIR/iter{N:08d}/stage{S}/` holds one stage's state after the optimizer 
 N, written by `torch.distributed.checkpoint.async_save` (the call copies the state and returns;
 the files are written in the background while training goes on), plus `manifest.json`, written
 last and atomically once the files are complete: a stage's checkpoint exists iff its manifest
-does. Iteration N is restorable when every stage has it (`latest_complete`).
+does. Iteration N is restorable when every stage has it (`latest_complete`). A stage cut from an
+`nn.Sequential` model saves each layer's state under its model index instead (`checkpoint_layers`):
+then iteration N is restorable when its stages together hold every layer, under whatever cuts they
+were written, and a stage of any cut restores exactly its own layers from them.
 
 One replica per stage writes (`policy`-free rule: the lowest live pipeline of the stage, see
 `checkpoint_writer`); stages never wait for each other, as with the staggered optimizer.

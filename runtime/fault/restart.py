@@ -19,9 +19,11 @@ launched with `python -m schedcomp.runtime.fault.launch --max-restarts 3 ...`. W
 - The launcher sees the request, stops every worker and starts the job again as run k + 1 in a
   fresh key namespace of the same store (`store.run_store`), with the request copied to
   `restart/previous`. On start, every worker of the new run takes the newest iteration all stages
-  have a complete checkpoint of (`checkpoint.latest_complete`; the first worker to look fixes it
-  for everyone in `restart/restored`), restores its own stage from it and starts at the next
-  iteration. `Report.restored_from` and `Report.iterations_lost` say where it resumed and how many
+  have a complete checkpoint of (`checkpoint.latest_complete`; with an `nn.Sequential` model, whose
+  checkpoints hold each layer, the newest whose stages hold every layer, written under any cut; the
+  first worker to look fixes it for everyone in `restart/restored`), restores its own stage from it
+  (per layer: the layers its first plan's cut gives it) and starts at the next iteration.
+  `Report.restored_from` and `Report.iterations_lost` say where it resumed and how many
   iterations the restart threw away (the previous run's highest commit minus the checkpoint;
   without a checkpoint the job starts again at iteration 0 and loses them all).
 - Without a `CheckpointPolicy` a lost stage ends the worker with a one-line error (status 1).
