@@ -229,12 +229,15 @@ class ResilientTrainer:
         def build(s: int) -> nn.Module:  # what was built before joining, else now
             return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
 
-        # The base cut is the healthy plan's: a plan without a partition runs it, the first one too.
+        # The base cut is the healthy plan's: a plan without a partition runs it, the first one too (a
+        # replacement builds the plan the survivors switch to, whose digest they compare: as it is).
         # Checkpoints hold each layer (`checkpoint_layers`), so a run whose first plan cuts elsewhere (a
         # restart short of workers) builds that cut and restores into it directly.
         base = cut_of(self._plans(Topology.of(job.pp, job.dp, (), self.chunks, self.placement)), self.build_stage) \
             if sequential else None
-        first = dataclasses.replace(plan, partition=base) if sequential and plan.partition is None else plan
+        own_base = sequential and not session.env.rejoining and plan.partition is None \
+            and cut_of(plan, self.build_stage) != base
+        first = dataclasses.replace(plan, partition=base) if own_base else plan
         self.trainer = PipelineTrainer(first, self.build_stage if sequential else build, self.loss_fn,
                                        self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
