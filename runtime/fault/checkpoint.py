@@ -100,14 +100,13 @@ class AsyncCheckpointer:
             done.set_result(iteration)
             return done
         if cut is not None:
-            named, manifest, digests = layered_save(module, optimizer, cut, self.stage)
+            named, manifest, digests = layered_save(module, optimizer, cut, iteration, self.stage)
         else:
             skeleton, tensors = flatten(stage_state(module, optimizer))
             named = {f"t{i}": t for i, t in enumerate(tensors)}
-            manifest = {"format": CHECKPOINT_FORMAT, "stage": self.stage, "skeleton": skeleton,
-                        "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
+            manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage,
+                        "skeleton": skeleton, "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
             digests = list(zip(named, manifest["tensors"], strict=True))
-        manifest["iteration"] = iteration
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:

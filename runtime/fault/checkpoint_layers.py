@@ -41,10 +41,10 @@ from schedcomp.runtime.training import attached_to
 _STAGE_RE = re.compile(r"stage(\d+)")
 
 
-def layered_save(module: nn.Module, optimizer: Any, cut: Partition, stage: int
+def layered_save(module: nn.Module, optimizer: Any, cut: Partition, iteration: int, stage: int
                  ) -> tuple[dict[str, Tensor], dict[str, Any], list[tuple[str, dict[str, Any]]]]:
-    """What (virtual) stage `stage` of `cut` saves: its tensors by DCP name, its manifest (digests still
-    missing) and, by DCP name, the manifest entry each tensor's digest goes into."""
+    """What (virtual) stage `stage` of `cut` saves after `iteration`: its tensors by DCP name, its manifest
+    (digests still missing) and, by DCP name, the manifest entry each tensor's digest goes into."""
     held = spans(cut)[stage]
     states = layer_states(module, optimizer, held.start)
     group = {k: v for k, v in optimizer_dict(optimizer)["param_groups"][0].items() if k != "params"}
@@ -63,8 +63,8 @@ def layered_save(module: nn.Module, optimizer: Any, cut: Partition, stage: int
             named[tensor_name(index, k)] = tensor
             digests.append((tensor_name(index, k), spec))
         entries.append({"index": index, "skeleton": skeleton, "tensors": specs})
-    manifest = {"format": LAYERED_FORMAT, "stage": stage, "model_layers": sum(cut), "layers": entries,
-                "settings": settings}
+    manifest = {"format": LAYERED_FORMAT, "iteration": iteration, "stage": stage, "model_layers": sum(cut),
+                "layers": entries, "settings": settings}
     return named, manifest, digests
 
 
