@@ -100,18 +100,24 @@ def measure(mb: float, repeats: int) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stage_sizes(description: str) -> tuple[list[float], int]:
+    """The command line of a checkpoint benchmark (also `bench_checkpoint_layers.py`): stage sizes in MB of
+    parameters (`--sizes`, `--quick`) and `--repeats`; one CPU thread, as the workers run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--sizes", type=float, nargs="+", default=[16, 128], help="stage sizes, MB of parameters")
     parser.add_argument("--quick", action="store_true", help="stages of 4 and 16 MB")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = [4, 16] if args.quick else args.sizes
+    return [4, 16] if args.quick else args.sizes, args.repeats
+
+
+def main() -> int:
+    sizes, repeats = stage_sizes(__doc__.split("\n\n")[0])
     columns = ["state MB", "save s", "digest s", "plain s", "restore s", "checks s", "digests s"]
     print(f"{'MB':>6} " + " ".join(f"{c:>10}" for c in columns) + f" {'restore/plain':>14}")
     for mb in sizes:
-        r = measure(mb, args.repeats)
+        r = measure(mb, repeats)
         print(f"{mb:>6g} " + " ".join(f"{r[c]:>10.3f}" for c in columns) + f" {r['restore s'] / r['plain s']:>14.2f}",
               flush=True)
     return 0

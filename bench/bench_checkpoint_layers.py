@@ -19,7 +19,6 @@ Columns (medians over the repeats, seconds):
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_checkpoint_checks import stage_sizes  # run from bench/: its sibling
 from torch import nn
 
 from schedcomp.partition import spans
@@ -80,18 +80,13 @@ def one_run(written: list, fresh: list, crossed: list) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[16, 128], help="stage sizes, MB of parameters")
-    parser.add_argument("--quick", action="store_true", help="stages of 4 and 16 MB")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    sizes, repeats = stage_sizes(__doc__.split("\n\n")[0])
     columns = ["stage save", "layer save", "stage restore", "layer restore", "cross restore"]
     print(f"{'MB':>6} " + " ".join(f"{c:>14}" for c in columns))
-    for mb in [4, 16] if args.quick else args.sizes:
+    for mb in sizes:
         written = stages(model(mb, 0), WRITTEN, step=True)
         fresh, crossed = stages(model(mb, 1), WRITTEN, step=True), stages(model(mb, 2), CROSS, step=True)
-        runs = [one_run(written, fresh, crossed) for _ in range(args.repeats)]
+        runs = [one_run(written, fresh, crossed) for _ in range(repeats)]
         print(f"{mb:>6g} " + " ".join(f"{statistics.median(r[c] for r in runs):>14.3f}" for c in columns),
               flush=True)
     return 0
