@@ -28,7 +28,7 @@ from full_disk import FullDisk
 from schedcomp import fileio
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, latest_complete, restore
-from schedcomp.runtime.fault.checkpoint_check import stored_digests
+from schedcomp.runtime.fault.checkpoint_storage import stored_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
 
@@ -197,7 +197,8 @@ def _two_tensors(skeleton: object) -> str:
     ("[" * 5000 + "]" * 5000, "nests more than 64 levels deep"),
     (b"\xff\xfe", "is not UTF-8"),
     ('{"format": 2, "iteration": 3, "stage": 0, "tensors": []}', "has no skeleton"),
-    ('{"format": 3, "iteration": 3, "stage": 0}', "has format 3, expected 2"),
+    ('{"format": 4, "iteration": 3, "stage": 0}', "has format 4, expected 2"),
+    ('{"format": 3, "iteration": 3, "stage": 0}', "holds each layer's state"),
     ('{"format": 2, "iteration": 4, "stage": 0}', "has iteration 4, expected 3"),
     ('{"format": 2, "iteration": 3, "stage": true}', "has stage True, expected 0"),
     (_one_tensor("Size", [1], "cpu"),
