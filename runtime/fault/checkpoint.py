@@ -44,6 +44,7 @@ from schedcomp.runtime.fault.checkpoint_check import (
 )
 from schedcomp.runtime.fault.checkpoint_layers import covers, layered_save, restore_layers
 from schedcomp.runtime.fault.checkpoint_storage import check_digests, check_metadata_matches, stored_digests
+from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
 
@@ -220,14 +221,9 @@ def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module
 
 def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest,
                      tensors: list[torch.Tensor]) -> None:
-    from schedcomp.runtime.fault.dcp_io import first_line
 
     state = unflatten(manifest.skeleton, tensors)  # the skeleton was checked with the specs already
-    try:
-        load_stage_state(module, optimizer, state)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
-        raise RecoveryError(f"checkpoint manifest {manifest.path}: its state does not load into this stage "
-                            f"({first_line(e)})") from None
+    load_all_or_nothing(module, optimizer, lambda: load_stage_state(module, optimizer, state), manifest.path)
 
 
 def iterations_lost(checkpointed: int | None, reached: int) -> int:

@@ -34,6 +34,7 @@ from schedcomp.runtime.fault.checkpoint_layers_check import (
     tensor_name,
 )
 from schedcomp.runtime.fault.checkpoint_storage import FIX, check_digests, check_metadata_matches
+from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, unflatten
 from schedcomp.runtime.moves import layer_states, load_layer_optimizer, load_layer_state, optimizer_dict
 from schedcomp.runtime.training import attached_to
@@ -140,12 +141,9 @@ def _placed(tensor: Tensor, spec: TensorSpec) -> Tensor:
 
 def _load(module: nn.Sequential, optimizer: Any, states: list[Any], group: dict[str, Any],
           attached: dict[str, Any], path: Path) -> None:
-    from schedcomp.runtime.fault.dcp_io import first_line
-
-    try:
+    def load() -> None:
         for layer, state in zip(module, states, strict=True):
             load_layer_state(layer, state)
         load_layer_optimizer(optimizer, list(module), states, group, attached)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
-        raise RecoveryError(f"checkpoint manifest {path}: its layers do not load into this stage "
-                            f"({first_line(e)})") from None
+
+    load_all_or_nothing(module, optimizer, load, path)
