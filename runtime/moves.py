@@ -139,25 +139,46 @@ def transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf for name, buf in layer.named_buffers() if name not in kept}
 
 
-def splits_per_layer(stage: Stage) -> bool:
-    """Whether the stage's layers can move, or be checkpointed one by one, with their state (`check_movable`)."""
+def job_splits_per_layer(model: nn.Sequential, partition: Partition, make_optimizer: Any) -> bool:
+    """Whether every stage of `partition` splits per layer: the same answer on every worker (each judges
+    every stage, from the whole model and a throwaway optimizer over its layers, not only those it holds),
+    so one job never writes checkpoints of both formats. Also False where the optimizer's settings hold
+    tensors (a tensor `lr`): per-layer manifests keep settings as plain numbers."""
+    for held in spans(partition):
+        module = nn.Sequential(*(model[i] for i in held))
+        params = [p for p in module.parameters() if p.requires_grad]
+        try:
+            optimizer = make_optimizer(params)
+        except Exception:  # an optimizer that cannot be built here is judged as not splitting
+            return False
+        if not _splits(module, params, optimizer) or any(
+                torch.is_tensor(v) for group in optimizer.param_groups for k, v in group.items() if k != "params"):
+            return False
+    return True
+
+
+def _splits(module: nn.Module, params: Sequence[nn.Parameter], optimizer: Any) -> bool:
     try:
-        check_movable(stage)
+        _check_movable(module, params, optimizer)
     except RuntimeSetupError:
         return False
-    return isinstance(stage.module, nn.Sequential)
+    return True
 
 
 def check_movable(stage: Stage) -> None:
     """Refuse, in one line, a stage whose layers could not move with their state: called before training
     where plans may cut the model elsewhere, so the refusal never comes in the middle of a recovery."""
-    optimizer_dict(stage.optimizer)
-    if [id(p) for p in stage.optimizer.param_groups[0]["params"]] != [id(p) for p in stage.params]:
+    _check_movable(stage.module, stage.params, stage.optimizer)
+
+
+def _check_movable(module: nn.Module, params: Sequence[nn.Parameter], optimizer: Any) -> None:
+    optimizer_dict(optimizer)
+    if [id(p) for p in optimizer.param_groups[0]["params"]] != [id(p) for p in params]:
         raise RuntimeSetupError("the stage optimizer does not hold exactly the stage's trainable parameters, in "
                                 "order: layers cannot move with its state; let make_optimizer(params) optimise the "
                                 "params it is given")
-    if isinstance(stage.module, nn.Sequential):
-        per_layer = [id(p) for layer in stage.module for p in trainable(layer)]
+    if isinstance(module, nn.Sequential):
+        per_layer = [id(p) for layer in module for p in trainable(layer)]
         if len(per_layer) != len(set(per_layer)):
             raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
 

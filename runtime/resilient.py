@@ -101,7 +101,7 @@ from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
-from schedcomp.runtime.moves import check_movable, splits_per_layer
+from schedcomp.runtime.moves import check_movable, job_splits_per_layer
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
@@ -250,8 +250,9 @@ class ResilientTrainer:
         if self.moves_layers or (sequential and self.trainer.partition != base):
             for stage in self.trainer.stages.values():
                 check_movable(stage)
-        # checkpoints hold each layer where layers can move (else each stage, restored into the base cut)
-        self.per_layer = sequential and all(splits_per_layer(stage) for stage in self.trainer.stages.values())
+        # checkpoints hold each layer where every stage's layers can move (else each stage, restored into the
+        # base cut), judged alike by every worker: one job never writes both formats
+        self.per_layer = sequential and job_splits_per_layer(self.build_stage, base, self.make_optimizer)
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))

@@ -166,3 +166,23 @@ def test_damaged_or_crafted_per_layer_checkpoints_are_one_line(written, tmp_path
     # and the other way round
     with pytest.raises(RecoveryError, match="holds each layer's state"):
         restore(root, ITERATION, 0, module, optimizer)
+
+
+def test_a_crafted_schedule_state_is_refused_and_the_stage_keeps_its_own(written) -> None:
+    # A field the schedule does not have passes the checks (names and digests of tensors, top-level
+    # names of the settings) and StepLR's load_state_dict takes it into its __dict__: the next step fails.
+    root, _, _ = written
+    path = checkpoint_dir(root, ITERATION, 0) / MANIFEST
+    manifest = json.loads(path.read_text())
+    attached = dict(manifest["settings"]["d"])["attached"]
+    schedule = dict(attached["d"])["lr_scheduler"]
+    schedule["d"].append(["optimizer", {"v": 0}])
+    path.write_text(json.dumps(manifest))
+    net = model(1)
+    module, optimizer = stages(net, WRITTEN)[0]
+    before = per_layer(net, [(module, optimizer)])
+    with pytest.raises(RecoveryError, match=r"stage0/manifest.json: the optimizer's state tied lr_scheduler holds "
+                                            r"\['optimizer'\] unlike this stage's"):
+        restore(root, ITERATION, 0, module, optimizer, WRITTEN)
+    assert same(per_layer(net, [(module, optimizer)]), before)
+    lr_scheduler_of(optimizer).step()  # the stage's own schedule still steps

@@ -254,3 +254,26 @@ def test_workers_holding_different_cuts_refuse_to_move(tmp_path: Path) -> None:
     spawn(mismatched_cuts, 2, (plan_with((2, 2), "1f1b", 2, 1), str(tmp_path)), timeout=90)
     for rank in range(2):
         assert "hold different cuts of the model" in (tmp_path / f"{rank}.txt").read_text()
+
+
+def test_every_worker_judges_per_layer_checkpoints_alike_from_the_whole_model() -> None:
+    # `job_splits_per_layer` decides the checkpoint format of the whole job: a stage whose optimizer does not
+    # split per layer, or a tensor setting, makes every worker write per-stage checkpoints, whichever it holds
+    from schedcomp.runtime.moves import job_splits_per_layer
+
+    net = model()
+    assert job_splits_per_layer(net, CUTS[0], adam)
+
+    def two_groups_on_stage_0(params):  # a separate group for the first stage's biases only
+        params = list(params)
+        if params[0] is net[0][0].weight:
+            biases = [p for p in params if p.ndim == 1]
+            rest = [p for p in params if p.ndim != 1]
+            return torch.optim.Adam([{"params": rest}, {"params": biases, "weight_decay": 0.0}], lr=0.01)
+        return adam(params)
+
+    assert not job_splits_per_layer(net, CUTS[0], two_groups_on_stage_0)
+    assert not job_splits_per_layer(net, CUTS[0], lambda params: torch.optim.Adam(params, lr=torch.tensor(0.01)))
+    tied = model()
+    tied[1][0].weight = tied[0][0].weight  # two layers of stage 0 share a weight
+    assert not job_splits_per_layer(tied, CUTS[0], adam)
