@@ -42,7 +42,7 @@ from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, OpKind, Plan
 from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
 from schedcomp.partition import as_partition
-from schedcomp.planindex import PlanIndex
+from schedcomp.planindex import PlanIndex, TensorTable
 from schedcomp.semantics import (
     ROLE_ALLREDUCE,
     ROLE_COMPUTE,
@@ -148,9 +148,8 @@ class _Checker(TransferRules, OrderRules):
         self.loads: dict[int, int] = {}  # slot -> its LOAD, packed
         self.tail: list[tuple[list[int], list[int]]] = []  # per rank: indexes of ALLREDUCE and of STEP
         self.over: dict[Worker, tuple[int, float]] = {}  # first index above the memory limit
-        self.sent: dict[int, int] = {}  # tensor -> its send
-        self.received: dict[int, int] = {}  # tensor -> its receive
-        self.consumer: dict[int, int] = {}  # tensor -> the index of the op that consumes it, on the receiver
+        # Set by `transfers`: tensor -> its send, its receive, and the index of the op that consumes it on the receiver.
+        self.sent = self.received = self.consumer = TensorTable(np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
         # Set by `transfers`, as columns: per send and per receive its channel (sender rank * workers +
         # receiver rank, ranks as in `Topology.rank`) and tensor; per transfer (rank, index, 0 needs / 1
         # sends, tensor), what the deadlock pass walks.

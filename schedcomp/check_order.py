@@ -13,7 +13,7 @@ and `where`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -42,9 +42,9 @@ class OrderRules:
     nw: int
     channels: tuple[Any, ...]
     transfer_events: tuple[Any, ...]
-    sent: dict[int, int]
-    received: dict[int, int]
-    consumer: Any
+    sent: Mapping[int, int]
+    received: Mapping[int, int]
+    consumer: Mapping[int, int]
     order_ranks: Any
     order_stops: Any
     stream_of: list[tuple[Instruction, ...]]  # the streams by rank
