@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from schedcomp.errors import SchedcompError
 
@@ -44,7 +44,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     On any failure the old file (if any) is left as it was and no temporary file remains.
     """
     path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
+    payload = data
     try:
         st = os.stat(path)  # follows links: what would be written
     except FileNotFoundError:
@@ -65,7 +65,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
         raise error(f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            _write_all(f, payload)
             f.flush()
             os.fsync(f.fileno())
         if path.exists():  # keep the old file's permissions: mkstemp makes it 0600
@@ -79,7 +79,20 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     _fsync_dir(path.parent)
 
 
-def _write_stream(path: Path, payload: bytes, error: type[SchedcompError]) -> None:
+_CHUNK = 1 << 24  # characters encoded at a time
+
+
+def _write_all(f: BinaryIO, data: str | bytes) -> None:
+    """Write `data` to binary file `f`, a string UTF-8 encoded a slice at a time: encoding a 70 MB plan whole
+    would hold a second copy of it in memory."""
+    if isinstance(data, bytes):
+        f.write(data)
+        return
+    for at in range(0, len(data), _CHUNK):
+        f.write(data[at : at + _CHUNK].encode())
+
+
+def _write_stream(path: Path, payload: str | bytes, error: type[SchedcompError]) -> None:
     """Write to a character device or a FIFO in place. O_NONBLOCK on open: a FIFO nobody reads is
     refused at once (ENXIO) instead of hanging; the writes themselves then block as usual."""
     try:
@@ -90,7 +103,7 @@ def _write_stream(path: Path, payload: bytes, error: type[SchedcompError]) -> No
     try:
         os.set_blocking(fd, True)
         with os.fdopen(fd, "wb", closefd=True) as f:
-            f.write(payload)
+            _write_all(f, payload)
     except OSError as e:
         raise error(f"cannot write {path}: {e.strerror or e}") from None
 

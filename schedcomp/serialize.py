@@ -230,10 +230,11 @@ def plan_to_json(plan: Plan, indent: bool = True) -> str:
     if not indent:
         head = _dumps(data, separators=(",", ":"))
         return f'{head[:-1]},"streams":{{{",".join(streams)}}}}}'
-    # One line per key and per stream keeps files diff-able without a line per instruction.
+    # One line per key and per stream keeps files diff-able without a line per instruction. Joined once (a
+    # 70 MB plan at pp = 32, dp = 256: each intermediate copy would add that much to the peak).
     lines = [f" {json.dumps(k)}: {_dumps(v)}," for k, v in data.items()]
-    body = ",\n".join(f"  {s}" for s in streams)
-    return "{\n" + "\n".join(lines) + f"\n \"streams\": {{\n{body}\n }}\n}}\n"
+    head = "{\n" + "\n".join(lines) + '\n "streams": {\n  '
+    return "".join((head, ",\n  ".join(streams), "\n }\n}\n"))
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:<>\[\]-]*")  # texts that are valid inside JSON quotes as they are
