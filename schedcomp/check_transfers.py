@@ -17,6 +17,7 @@ plan's peers are those very keys) and by equality where identity does not settle
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}  # an op id is `slot * 4 + _KIND_ID[kind]`
 _LOW = (1 << 32) - 1
-_FIELDS = 6  # items per transfer in the scan's flat lists (see `check._Checker.sends`)
+_FIELDS = 3  # ints (objects) per transfer in the scan's flat arrays (lists): see `check._Checker.sends`
 
 
 class _Codes(dict):  # type: ignore[type-arg]
@@ -44,18 +45,19 @@ class _Codes(dict):  # type: ignore[type-arg]
 class _Columns:
     """One side's transfers (all sends, or all receives) as columns, in stream order."""
 
-    def __init__(self, flat: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
+    def __init__(self, ints: Any, objects: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
                  by_rank: list[Worker | None]) -> None:
         self.plan, self.by_rank = plan, by_rank  # for messages only
-        n = self.n = len(flat) // _FIELDS
-        self.here = np.fromiter(flat[0::_FIELDS], np.int64, n)  # packed places
-        self.slot = np.fromiter(flat[1::_FIELDS], np.int64, n)
+        n = self.n = len(objects) // _FIELDS
+        flat = np.frombuffer(ints, dtype=np.int64) if n else np.zeros(0, np.int64)
+        self.here = flat[0::_FIELDS].copy()  # packed places (copies: the scan's array can then go)
+        self.slot = flat[1::_FIELDS].copy()
+        stage = flat[2::_FIELDS]
         rows = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
         code = {k: c for c, k in enumerate(rows)}  # the scan gave transfer kinds only
-        kcode = np.fromiter(map(code.__getitem__, flat[2::_FIELDS]), np.int64, n)
-        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, flat[3::_FIELDS]), np.int64, n)
-        stage = np.fromiter(flat[4::_FIELDS], np.int64, n)  # ints: the scan checked them
-        self.peers = flat[5::_FIELDS]
+        kcode = np.fromiter(map(code.__getitem__, objects[0::_FIELDS]), np.int64, n)
+        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, objects[1::_FIELDS]), np.int64, n)
+        self.peers = objects[2::_FIELDS]
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
         self.channel = np.array([SEMANTICS[r].channel for r in rows], dtype=np.int64)[kcode]
@@ -93,8 +95,10 @@ class TransferRules:
     nw: int
     comp: Any  # op id -> packed place, -1 for none (an int64 array: see `check._Checker`)
     by_rank: list[Worker | None]
-    sends: list[Any]
-    recvs: list[Any]
+    sends: Any  # array("q"), see `check._Checker`
+    send_kinds: list[Any]
+    recvs: Any
+    recv_kinds: list[Any]
     sent: TensorTable
     received: TensorTable
     consumer: TensorTable
@@ -161,8 +165,8 @@ class TransferRules:
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
-        sends = _Columns(self.sends, ns, comp, self.plan, by_rank)
-        self.sends = []  # (read into columns: the flat list of Python ints was 100 MB at pp = 32, dp = 256)
+        sends = _Columns(self.sends, self.send_kinds, ns, comp, self.plan, by_rank)
+        self.sends, self.send_kinds = array("q"), []  # (read into columns)
         slot, rank, ins = sends.slot, sends.rank, sends.instruction
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
         to = np.where(target >= 0, target >> 32, -1)  # the consumer's rank
@@ -197,8 +201,8 @@ class TransferRules:
         ])
         self.sent = self._table(tensor, sends.here)  # the pairing `PlanIndex` keeps
 
-        recvs = _Columns(self.recvs, ns, comp, self.plan, by_rank)
-        self.recvs = []
+        recvs = _Columns(self.recvs, self.recv_kinds, ns, comp, self.plan, by_rank)
+        self.recvs, self.recv_kinds = array("q"), []
         rslot, rrank, rins = recvs.slot, recvs.rank, recvs.instruction
         consumer = recvs.place(rslot * 4 + recvs.opk)
         source = recvs.place((rslot + recvs.step) * 4)
