@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -108,24 +109,12 @@ class Solution:
         return order_from_sequences(problem, ops, family)
 
 
-def adaptive_order(
-    topology: Topology,
-    microbatches: int,
-    costs: CostModel,
-    *,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    split: bool = True,
-    synchronous: bool = False,
-    recut: bool = False,
-) -> tuple[Order, float | None, str]:
-    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used).
-
-    `recut` sizes the failed workers' micro-batches for the peers that take them (`schedcomp.recut`);
-    the order then carries the cut."""
+def adaptive_order(topology: Topology, microbatches: int, costs: CostModel,
+                   **options: Any) -> tuple[Order, float | None, str]:
+    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used);
+    `options` (solver, time_limit, split, synchronous, recut) as `adaptive_solution`'s."""
     with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
-        sol = adaptive_solution(topology, microbatches, costs, solver=solver, time_limit=time_limit, split=split,
-                                synchronous=synchronous, recut=recut)
+        sol = adaptive_solution(topology, microbatches, costs, **options)
         return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
 
 
@@ -140,8 +129,10 @@ def adaptive_solution(
     synchronous: bool = False,
     recut: bool = False,
 ) -> Solution:
-    """`adaptive_order`'s solution itself (its sequences and their timing, for `schedcomp.compiler`)."""
-    with paused_gc():
+    """`adaptive_order`'s solution itself: its sequences, and their timing that the lowered plan's simulation
+    reuses (`schedcomp.compiler`). `recut` sizes the failed workers' micro-batches for the peers that take
+    them (`schedcomp.recut`); the order then carries the cut."""
+    with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
         problem = Problem(topology, microbatches, costs, split)
         if recut and topology.failed:
             return _recut_solution(problem, solver, time_limit, synchronous)
