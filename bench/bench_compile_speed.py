@@ -142,8 +142,16 @@ def repair_child() -> None:
 
 
 def phases_child() -> None:
-    """The scale case's phases as `compile` and the CLI run them, in one process: prints one JSON line with
-    each phase's CPU seconds and the process's resident memory (current and peak MB) after it."""
+    """The scale case's phases as `compile` and the CLI run them (the collector paused throughout, as there), in
+    one process: prints one JSON line with each phase's CPU seconds and the resident memory (now and peak, MB)
+    after it."""
+    from schedcomp.gcpause import paused_gc
+
+    with paused_gc():
+        _phases()
+
+
+def _phases() -> None:
     import resource
 
     from schedcomp.adaptive import ITERATIONS, adaptive_solution
@@ -174,7 +182,7 @@ def phases_child() -> None:
     timed = solver_timing(sol.problem, sol.seqs, sol.timing, ITERATIONS, sol.synchronous) if sol.timing else None
     del sol
     done("order")
-    plan = lower(order, costs, solver="greedy")
+    plan = lower(order, costs, solver="greedy")  # (as `compiler._adaptive`)
     del order
     done("lower")
     check(plan)
