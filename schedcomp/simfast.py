@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedcomp.costs import CostModel
 from schedcomp.ir import Plan
 from schedcomp.semantics import InstrKind
 from schedcomp.solvers.problem import FUSED_KINDS, SPLIT_KINDS, Problem
 from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
 from schedcomp.timeline import period_from_ends
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
 _TAIL = (InstrKind.ALLREDUCE, InstrKind.STEP)
 _PLAIN = frozenset({InstrKind.LOAD, InstrKind.SEND_ACT, InstrKind.SEND_GRAD, InstrKind.RECV_ACT,
@@ -44,9 +45,12 @@ class FastTiming:
 
 @dataclass(frozen=True)
 class SolverTiming:
-    """A solver's timing of a plan's compute order, with the problem it was timed in (see `remember`)."""
+    """A solver's timing of a plan's compute order, with what its problem was timed for (see `remember`; not
+    the problem itself, whose cached tables would stay alive with the plan)."""
 
-    problem: Problem
+    topology: Topology
+    microbatches: int
+    costs: CostModel
     iterations: int
     synchronous: bool
     timing: FastTiming
@@ -61,7 +65,8 @@ def solver_timing(problem: Problem, seqs: Mapping[int, Sequence[int]], timing: T
     `iterations` (optimizer as `synchronous`); None where the fast path would not time that plan."""
     if problem.cut or not timing.ok:
         return None
-    return SolverTiming(problem, iterations, synchronous, _fast_timing(problem, seqs, timing))
+    return SolverTiming(problem.topology, problem.microbatches, problem.costs, iterations, synchronous,
+                        _fast_timing(problem, seqs, timing))
 
 
 def remember(plan: Plan, timed: SolverTiming | None) -> None:
@@ -69,11 +74,8 @@ def remember(plan: Plan, timed: SolverTiming | None) -> None:
     the plan again (at pp = 32, dp = 256 that is 1.5 million ops read off the streams and re-timed).
     Only for the very plan lowered from the timed sequences (plans are immutable by contract; a copy made with
     `dataclasses.replace` does not carry it) and only where `compute_sequences` would build the same problem."""
-    if timed is None:
-        return
-    problem = timed.problem
-    if plan.cut or problem.topology != plan.topology or problem.costs is not plan.costs \
-            or problem.microbatches != plan.microbatches:
+    if timed is None or plan.cut or timed.topology != plan.topology or timed.costs is not plan.costs \
+            or timed.microbatches != plan.microbatches:
         return
     object.__setattr__(plan, _TIMED, timed)
 
