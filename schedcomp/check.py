@@ -177,9 +177,7 @@ class _Checker(TransferRules, OrderRules):
 
     def index(self) -> PlanIndex:
         """What this run learnt, for the plan's other consumers (after `run` passed)."""
-        stops, event_index = self.order_stops, self.event_index
-        for n, r in enumerate(self.order_ranks):  # events passed -> the instruction the worker stopped at
-            stops[n] = event_index(r, stops[n])
+        stops = self.event_indexes(self.order_ranks, self.order_stops)  # events passed -> where it stopped
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
                          self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut)

@@ -158,6 +158,22 @@ class OrderRules:
             return index[at]
         return self.tail[r][0][0] if at == bounds[r + 1] else self.tail[r][1][0] + 1
 
+    def event_indexes(self, ranks: Any, passed: Any) -> Any:
+        """`event_index` of each (rank, events passed) pair of two int64 arrays, as one array (a walk of
+        half a million steps at pp = 32, dp = 256: one numpy expression, not a call each)."""
+        if not len(ranks):
+            return array("q")
+        index, bounds = self.event_places
+        r, e = np.frombuffer(ranks, dtype=np.int64), np.frombuffer(passed, dtype=np.int64)
+        starts = np.asarray(bounds, dtype=np.int64)
+        at, end = starts[r] + e, starts[r + 1]
+        events = np.frombuffer(index, dtype=np.int64) if len(index) else np.zeros(1, np.int64)
+        reduce_at = np.array([t[0][0] if t[0] else -1 for t in self.tail], dtype=np.int64)
+        after_step = np.array([t[1][0] + 1 if t[1] else -1 for t in self.tail], dtype=np.int64)
+        found = np.where(at < end, events[np.minimum(at, len(events) - 1)],
+                         np.where(at == end, reduce_at[r], after_step[r]))
+        return array("q", found.astype(np.int64).tobytes())
+
     def deadlock(self) -> None:
         """Kahn's pass over the wait-for graph, walked stream by stream.
 
