@@ -25,9 +25,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The in-process tests on every core first; then the `slow` ones (worker processes whose heartbeats
+# and timeouts are part of what they test) one at a time, so no job competes with another for the CPU.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow" -n auto
+	$(PY) -m pytest -q -m slow --durations=15
 
 # Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s), on every core (pytest-xdist).
 test-fast: $(STAMP)

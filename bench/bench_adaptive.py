@@ -223,8 +223,11 @@ RECUT_CASES = [  # (pp, dp, M, failed): issue 14's case first
 
 def table_recut() -> None:
     print("\n## 5. Re-cut micro-batches (`compile(..., recut=True)`): period, whole micro-batches against re-cut,")
-    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work bound")
-    print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9}")
+    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work")
+    print(f"   bound; +layers = re-cut with {LAYERS_PER_STAGE} layers per stage (layer boundaries may move too), "
+          "and its partition")
+    print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9} "
+          f"{'+layers':>8}  partition")
     from schedcomp.compiler import compile
     from schedcomp.simulator import simulate
 
@@ -235,9 +238,11 @@ def table_recut() -> None:
             plan = compile(pp, dp, m, failed=failed, memory_limit=limit, recut=True)
             seconds = time.perf_counter() - began
             pieces = sum(len(b) - 1 for _, b in plan.cut.bounds)
+            both = compile(pp, dp, m, failed=failed, memory_limit=limit, recut=True, layers=LAYERS_PER_STAGE)
             case = f"pp={pp} dp={dp} M={m} fail {','.join(failed)}"
             print(f"  {case:<30} {limit or 'none':<10} {whole:8.2f} {simulate(plan).period:8.2f} "
-                  f"{plan.lower_bound or 0:8.2f} {pieces:7d} {seconds:9.2f}")
+                  f"{plan.lower_bound or 0:8.2f} {pieces:7d} {seconds:9.2f} {simulate(both).period:8.2f}  "
+                  f"{','.join(map(str, both.partition or ()))}", flush=True)
 
 
 LAYERS_PER_STAGE = 4
@@ -258,7 +263,7 @@ def repart_failure_sets(pp: int, dp: int) -> list[tuple[str, list[tuple[int, int
 
 
 def why_missed(pp: int, dp: int, m: int, failed: list[tuple[int, int]], costs: CostModel, rival: object,
-               time_limit: float, layers: int = LAYERS_PER_STAGE) -> str:
+               time_limit: float, layers: int = LAYERS_PER_STAGE, recut: bool = False) -> str:
     """Why adaptive fell behind `rival` (an Outcome): the rival broke the memory limit adaptive is held to,
     or the proven bound of adaptive's partition is already at or above the rival's period."""
     if getattr(rival, "within_memory_limit", None) is False:
@@ -266,14 +271,15 @@ def why_missed(pp: int, dp: int, m: int, failed: list[tuple[int, int]], costs: C
     from schedcomp.compiler import compile
 
     plan = compile(pp, dp, m, failed=failed, costs=costs, layers=layers, solver="greedy",
-                   time_limit=time_limit)
+                   time_limit=time_limit, recut=recut)
     bound, period = plan.lower_bound or 0.0, getattr(rival, "period", math.inf)
     return f"bound of its partition {bound:.2f} vs rival's period {period:.2f}"
 
 
-def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_STAGE) -> bool:
+def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_STAGE, recut: bool = False) -> bool:
     """Table 6; returns whether adaptive met every baseline within 1% on every case."""
-    print(f"\n## 6. Re-partition + re-route (`compare(..., layers={layers})`): throughput relative to "
+    print(f"\n## 6. Re-partition + re-route (`compare(..., layers={layers}{', recut=True' if recut else ''})`): "
+          "throughput relative to "
           f"fault-free, default memory limit, M=16, time limit {time_limit:g} s (local search 1/4 of it)")
     print("   adaptive moves layer boundaries off stages that lost workers (one partition for every pipeline);")
     print("   oobleck re-forms broken pipelines cutting whole layers; mem = every strategy within the per-place limit")
@@ -286,7 +292,7 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
             for name, failed in repart_failure_sets(pp, dp):
                 out = {o.strategy: o for o in compare(pp, dp, m, failed, costs, layers=layers,
                                                         strategies=("fault-free", "adaptive", *REPART_RIVALS),
-                                                        time_limit=time_limit)}
+                                                        time_limit=time_limit, recut=recut)}
                 rel = {s: o.relative_throughput for s, o in out.items()}
                 best_rival = max(REPART_RIVALS, key=lambda s: rel[s])
                 margin = rel["adaptive"] / rel[best_rival] if rel[best_rival] > 0 else math.inf
@@ -304,7 +310,8 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
                 mem = "".join("y" if out[s].within_memory_limit else "n" if out[s].within_memory_limit is False
                               else "-" for s in ("adaptive", *REPART_RIVALS))
                 verdict = "ok" if ok else (f"MISSES: {best_rival} {margin - 1:+.1%}, "
-                                           + why_missed(pp, dp, m, failed, costs, out[best_rival], time_limit, layers))
+                                           + why_missed(pp, dp, m, failed, costs, out[best_rival], time_limit, layers,
+                                                        recut))
                 cells = "".join(f"{rel[s]:7.3f}" if rel[s] > 0 else f"{'stop':>7}"
                                 for s in ("adaptive", "drop-pipeline"))
                 cells += "".join(f"{rel[s]:8.3f}" if rel[s] > 0 else f"{'stop':>8}" for s in ("oobleck", "bamboo"))
@@ -331,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"table 6: layers each stage of the job splits into (default {LAYERS_PER_STAGE})")
     parser.add_argument("--repart-time-limit", type=float, default=1.0,
                         help="compare's time limit in table 6 (the greedy local search gets a quarter of it)")
+    parser.add_argument("--recut", action="store_true",
+                        help="table 6: adaptive may also re-cut the failed workers' micro-batches (compare --recut)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="precompile processes")
     parser.add_argument("--only", choices=("1", "2", "3", "4", "5", "6"), action="append", help="run only these tables")
     args = parser.parse_args(argv)
@@ -349,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if "5" in only:
         table_recut()
     if "6" in only:
-        table_repartition(args.quick, args.repart_time_limit, args.layers_per_stage)
+        table_repartition(args.quick, args.repart_time_limit, args.layers_per_stage, args.recut)
     print(f"\n(bench took {time.perf_counter() - began:.0f} s)")
     return 0
 

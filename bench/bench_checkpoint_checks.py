@@ -36,13 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_dir, restore
-from schedcomp.runtime.fault.checkpoint_check import (
-    check_against_stage,
-    check_digests,
-    check_metadata_matches,
-    read_manifest,
-    stored_digests,
-)
+from schedcomp.runtime.fault.checkpoint_check import check_against_stage, read_manifest
+from schedcomp.runtime.fault.checkpoint_storage import check_digests, check_metadata_matches, stored_digests
 from schedcomp.runtime.fault.dcp_io import SafeReader
 from schedcomp.runtime.fault.transfer import flatten, load_stage_state, stage_state, unflatten
 
@@ -77,7 +72,7 @@ def plain_load(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) 
 def only_checks(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     manifest = read_manifest(path, 0, 0)
     check_against_stage(manifest, module, optimizer)
-    check_metadata_matches(SafeReader(path).read_metadata(), manifest, str(path))
+    check_metadata_matches(SafeReader(path).read_metadata(), manifest.stored, str(path))
 
 
 def one_run(module: nn.Module, optimizer: torch.optim.Optimizer, fresh: nn.Module,
@@ -91,8 +86,8 @@ def one_run(module: nn.Module, optimizer: torch.optim.Optimizer, fresh: nn.Modul
             "plain s": timed(plain_load, path, fresh, fresh_opt),
             "restore s": timed(restore, folder, 0, 0, fresh, fresh_opt),
             "checks s": timed(only_checks, path, fresh, fresh_opt),
-            "digests s": timed(lambda: check_digests(SafeReader(path).read_metadata(), read_manifest(path, 0, 0),
-                                                     path)),
+            "digests s": timed(lambda: check_digests(SafeReader(path).read_metadata(),
+                                                     read_manifest(path, 0, 0).stored, path)),
         }
 
 
@@ -105,18 +100,24 @@ def measure(mb: float, repeats: int) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stage_sizes(description: str) -> tuple[list[float], int]:
+    """The command line of a checkpoint benchmark (also `bench_checkpoint_layers.py`): stage sizes in MB of
+    parameters (`--sizes`, `--quick`) and `--repeats`; one CPU thread, as the workers run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--sizes", type=float, nargs="+", default=[16, 128], help="stage sizes, MB of parameters")
     parser.add_argument("--quick", action="store_true", help="stages of 4 and 16 MB")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = [4, 16] if args.quick else args.sizes
+    return [4, 16] if args.quick else args.sizes, args.repeats
+
+
+def main() -> int:
+    sizes, repeats = stage_sizes(__doc__.split("\n\n")[0])
     columns = ["state MB", "save s", "digest s", "plain s", "restore s", "checks s", "digests s"]
     print(f"{'MB':>6} " + " ".join(f"{c:>10}" for c in columns) + f" {'restore/plain':>14}")
     for mb in sizes:
-        r = measure(mb, args.repeats)
+        r = measure(mb, repeats)
         print(f"{mb:>6g} " + " ".join(f"{r[c]:>10.3f}" for c in columns) + f" {r['restore s'] / r['plain s']:>14.2f}",
               flush=True)
     return 0

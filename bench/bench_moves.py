@@ -67,7 +67,8 @@ def _run(rank: int, hidden: int, moved: list[int], microbatches: int, rounds: in
     still = [switch((half, half)) for _ in range(rounds)]
     for k in moved:
         cut = (half + k, half - k)
-        states = layer_states(trainer.stage, sum(trainer.partition[: trainer.worker.stage]))
+        stage = trainer.stage
+        states = layer_states(stage.module, stage.optimizer, sum(trainer.partition[: trainer.worker.stage]))
         sent = moved_bytes([m for m in plan_moves((half, half), cut, plan.workers) if m.source == trainer.worker],
                            states)
         times = []

@@ -29,6 +29,7 @@ BENCHES = [
     ("bench_goodput.py", ["--quick"]),
     ("bench_checkpoint.py", ["--quick"]),
     ("bench_checkpoint_checks.py", ["--quick"]),
+    ("bench_checkpoint_layers.py", ["--quick"]),
     ("bench_protocol_model.py", ["--members", "3", "4", "5"]),
     ("bench_timecore.py", ["--repeat", "1"]),
 ]

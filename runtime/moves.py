@@ -103,11 +103,11 @@ def _source(own: Worker, rank: Mapping[Worker, int], layer: int) -> Worker:
 # ---- a stage's state, per layer ------------------------------------------------------------------------
 
 
-def _trainable(layer: nn.Module) -> list[nn.Parameter]:
+def trainable(layer: nn.Module) -> list[nn.Parameter]:
     return [p for p in layer.parameters() if p.requires_grad]
 
 
-def _optimizer_dict(optimizer: Any) -> dict[str, Any]:
+def optimizer_dict(optimizer: Any) -> dict[str, Any]:
     """The optimizer's state dict, refused in one line where it does not split per layer."""
     state = optimizer.state_dict()
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
@@ -121,35 +121,43 @@ def _optimizer_dict(optimizer: Any) -> dict[str, Any]:
     return state
 
 
-def layer_states(stage: Stage, first: int) -> dict[int, LayerState]:
-    """Each layer of `stage` (an `nn.Sequential` whose layer 0 is model layer `first`): its module state and
-    its trainable parameters' optimizer state, by model layer index."""
-    module = stage.module
+def layer_states(module: nn.Module, optimizer: Any, first: int) -> dict[int, LayerState]:
+    """Each layer of `module` (an `nn.Sequential` whose layer 0 is model layer `first`, optimised by `optimizer`):
+    its module state and its trainable parameters' optimizer state, by model layer index."""
     if not isinstance(module, nn.Sequential):
         raise RuntimeSetupError("layers move only between stages cut from an nn.Sequential model")
-    per_param = _optimizer_dict(stage.optimizer)["state"]
-    index = {id(p): i for i, p in enumerate(stage.params)}
-    return {first + k: {"module": layer.state_dict(), "buffers": _transient_buffers(layer),
-                        "optimizer": [per_param.get(index[id(p)], {}) for p in _trainable(layer)]}
+    per_param = optimizer_dict(optimizer)["state"]
+    index = {id(p): i for i, p in enumerate(optimizer.param_groups[0]["params"])}  # `state_dict()`'s numbering
+    return {first + k: {"module": layer.state_dict(), "buffers": transient_buffers(layer),
+                        "optimizer": [per_param.get(index[id(p)], {}) for p in trainable(layer)]}
             for k, layer in enumerate(module)}
 
 
-def _transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+def transient_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers `state_dict` leaves out (registered with `persistent=False`), by name."""
     kept = layer.state_dict(keep_vars=True)
     return {name: buf for name, buf in layer.named_buffers() if name not in kept}
 
 
+def splits_per_layer(stage: Stage) -> bool:
+    """Whether the stage's layers can move, or be checkpointed one by one, with their state (`check_movable`)."""
+    try:
+        check_movable(stage)
+    except RuntimeSetupError:
+        return False
+    return isinstance(stage.module, nn.Sequential)
+
+
 def check_movable(stage: Stage) -> None:
     """Refuse, in one line, a stage whose layers could not move with their state: called before training
     where plans may cut the model elsewhere, so the refusal never comes in the middle of a recovery."""
-    _optimizer_dict(stage.optimizer)
+    optimizer_dict(stage.optimizer)
     if [id(p) for p in stage.optimizer.param_groups[0]["params"]] != [id(p) for p in stage.params]:
         raise RuntimeSetupError("the stage optimizer does not hold exactly the stage's trainable parameters, in "
                                 "order: layers cannot move with its state; let make_optimizer(params) optimise the "
                                 "params it is given")
     if isinstance(stage.module, nn.Sequential):
-        per_layer = [id(p) for layer in stage.module for p in _trainable(layer)]
+        per_layer = [id(p) for layer in stage.module for p in trainable(layer)]
         if len(per_layer) != len(set(per_layer)):
             raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
 
@@ -169,7 +177,7 @@ def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], mod
     old_spans, new_spans = spans(old), spans(new)
     mine: dict[int, LayerState] = {}
     for s, stage in stages.items():
-        mine.update(layer_states(stage, old_spans[s].start))
+        mine.update(layer_states(stage.module, stage.optimizer, old_spans[s].start))
     for move in plan_moves(old, new, workers, place_of):
         if move.source == me:
             send_tree({layer: mine[layer] for layer in move.layers}, comm.p2p_group(*_ranks(comm, move)),
@@ -181,11 +189,7 @@ def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], mod
                 raise RecoveryError(f"worker {move.source} sent layers {sorted(got) if isinstance(got, dict) else '?'}"
                                     f" where {list(move.layers)} were due: every rank must switch to the same plan")
             for layer, state in got.items():
-                module = _materialise(model[layer], comm.device)
-                module.load_state_dict(state["module"])
-                with torch.no_grad():
-                    for name, value in state["buffers"].items():
-                        module.get_buffer(name).copy_(value)
+                load_layer_state(_materialise(model[layer], comm.device), state)
                 mine[layer] = state
     held = {s: list(new_spans[s]) for s in stages}
     for layer in set(mine) - {layer for layers in held.values() for layer in layers}:
@@ -208,20 +212,33 @@ def _materialise(layer: nn.Module, device: torch.device) -> nn.Module:
 def _rebuild(s: int, layers: list[nn.Module], states: list[LayerState], old: Stage, build: StageFactory) -> Stage:
     """Virtual stage s over `layers`, its optimizer holding their `states` and `old`'s group settings."""
     stage = build(s, nn.Sequential(*layers))
-    per_param: dict[int, Any] = {}
-    params = [p for layer in layers for p in _trainable(layer)]
-    if [id(p) for p in params] != [id(p) for p in stage.params]:
-        raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
-    for i, state in enumerate(st for layer_state in states for st in layer_state["optimizer"]):
-        if state:
-            per_param[i] = state
-    group = dict(_optimizer_dict(old.optimizer)["param_groups"][0])
-    group["params"] = list(range(len(params)))
-    attached = attached_to(old.optimizer)
-    stage.optimizer.load_state_dict({"state": per_param, "param_groups": [group]})
-    for name, stateful in attached_to(stage.optimizer).items():  # the LR schedule, float16's loss scaler
-        stateful.load_state_dict(attached[name].state_dict())
+    group = {k: v for k, v in optimizer_dict(old.optimizer)["param_groups"][0].items() if k != "params"}
+    load_layer_optimizer(stage.optimizer, layers, states, group,
+                         {name: stateful.state_dict() for name, stateful in attached_to(old.optimizer).items()})
     return stage
+
+
+def load_layer_state(layer: nn.Module, state: LayerState) -> None:
+    """Copy a layer's module state and non-persistent buffers (from `layer_states`) into `layer`."""
+    layer.load_state_dict(state["module"])
+    with torch.no_grad():
+        for name, value in state["buffers"].items():
+            layer.get_buffer(name).copy_(value)
+
+
+def load_layer_optimizer(optimizer: Any, layers: Sequence[nn.Module], states: Sequence[LayerState],
+                         group: Mapping[str, Any], attached: Mapping[str, Any]) -> None:
+    """Load `optimizer` (over the trainable parameters of `layers`, in order) with the layers' per-parameter
+    `states`, the param-group settings `group` (its lr, betas, ...) and the state of what is tied to it
+    (`attached`: the LR schedule's, float16's loss scaler's, by name)."""
+    params = [p for layer in layers for p in trainable(layer)]
+    if [id(p) for p in params] != [id(p) for p in optimizer.param_groups[0]["params"]]:
+        raise RuntimeSetupError("a stage's layers share parameters: layers move only where each holds its own")
+    per_param = {i: state for i, state in enumerate(st for layer_state in states for st in layer_state["optimizer"])
+                 if state}
+    optimizer.load_state_dict({"state": per_param, "param_groups": [{**group, "params": list(range(len(params)))}]})
+    for name, stateful in attached_to(optimizer).items():  # the LR schedule, float16's loss scaler
+        stateful.load_state_dict(attached[name])
 
 
 def moved_bytes(moves: Collection[Move], states: Mapping[int, LayerState]) -> int:

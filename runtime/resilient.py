@@ -48,7 +48,8 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   that moves layers off a stage that lost workers, the fault-free plan at a rejoin, an improved plan)
   moves layers and their optimizer state among the survivors at the switch, after the rollback's undo
   (`runtime.moves`; the switches themselves are in `fault.switches`). Lossy and logging-based recovery
-  refuse such plans. Checkpoints are taken only under the base cut (the one a restart builds).
+  refuse such plans. Checkpoints hold each layer's state (`fault.checkpoint_layers`): they are taken
+  under any cut, and a restart restores them into the cut of its first plan.
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
@@ -100,7 +101,7 @@ from schedcomp.runtime.fault.store import WorkerEnv
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.lossy import LossyPolicy
-from schedcomp.runtime.moves import check_movable
+from schedcomp.runtime.moves import check_movable, splits_per_layer
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
@@ -184,6 +185,7 @@ class ResilientTrainer:
         self.trainer: PipelineTrainer | None = None
         self.snapshot: StepSnapshot | None = None
         self.held: Held = {}
+        self.per_layer = False  # checkpoints per layer (an nn.Sequential whose optimizer splits per layer)
         self.iteration = 0
         self.iterations = 0  # to train (set by `run`)
         self.report: Report | None = None
@@ -227,13 +229,15 @@ class ResilientTrainer:
         def build(s: int) -> nn.Module:  # what was built before joining, else now
             return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
 
-        # The base cut is the healthy plan's: checkpoints are written under it only, so a restart restores
-        # them there. A run whose first plan cuts elsewhere (a restart short of workers) builds the base cut,
-        # restores it, and then moves its layers to the plan's cut (below).
+        # The base cut is the healthy plan's: a plan without a partition runs it, the first one too (a
+        # replacement builds the plan the survivors switch to, whose digest they compare: as it is).
+        # Checkpoints hold each layer (`checkpoint_layers`), so a run whose first plan cuts elsewhere (a
+        # restart short of workers) builds that cut and restores into it directly.
         base = cut_of(self._plans(Topology.of(job.pp, job.dp, (), self.chunks, self.placement)), self.build_stage) \
             if sequential else None
-        restore_then_move = sequential and not session.env.rejoining and cut_of(plan, self.build_stage) != base
-        first = dataclasses.replace(plan, partition=base) if restore_then_move else plan
+        own_base = sequential and not session.env.rejoining and plan.partition is None \
+            and cut_of(plan, self.build_stage) != base
+        first = dataclasses.replace(plan, partition=base) if own_base else plan
         self.trainer = PipelineTrainer(first, self.build_stage if sequential else build, self.loss_fn,
                                        self.make_optimizer,
                                        process=(session.groups.rank, len(view.members), session.generation.device),
@@ -241,16 +245,17 @@ class ResilientTrainer:
                                        setup_collectives=False, seed=self.seed, **self.options.__dict__)
         if base is not None:
             self.trainer.base_partition = base
-        if self.moves_layers or restore_then_move:  # refused now, not in the middle of a recovery that moves one
+        # refused now, not in the middle of a recovery that moves one; a first plan off the base cut restores
+        # per-layer checkpoints (per-stage ones would load other layers' weights)
+        if self.moves_layers or (sequential and self.trainer.partition != base):
             for stage in self.trainer.stages.values():
                 check_movable(stage)
+        # checkpoints hold each layer where layers can move (else each stage, restored into the base cut)
+        self.per_layer = sequential and all(splits_per_layer(stage) for stage in self.trainer.stages.values())
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
-        if session.env.rejoining:
-            start = switches.join_as_replacement(self)
-        else:
-            start = switches.resume(self, stages, plan if restore_then_move else None)
+        start = switches.join_as_replacement(self) if session.env.rejoining else switches.resume(self, stages)
         self.trainer.iteration = self.iteration = start
         self.policy.on_start(self, start)
         return start
@@ -282,8 +287,8 @@ class ResilientTrainer:
                 for stage in trainer.stages.values():
                     stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
-            if checkpoint and trainer.partition == trainer.base_partition:  # restarts cut the model as at start
-                self.last_resort.after_step(i, self.held)
+            if checkpoint:  # per layer under the current cut: a restart may cut the model otherwise
+                self.last_resort.after_step(i, self.held, trainer.partition if self.per_layer else None)
 
         return step
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import Comm
-from schedcomp.runtime.executor import MAX_PARTS
+from schedcomp.runtime.iteration import MAX_PARTS
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.topology import Topology
 

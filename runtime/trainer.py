@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.partition import Partition
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
@@ -23,6 +22,7 @@ from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.moves import base_partition, move_layers, partition_for
+from schedcomp.runtime.plan_agreement import check_same_plan, describe_shape, job_shape
 from schedcomp.runtime.result import Loss
 from schedcomp.runtime.shapes import probe_boundaries
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
@@ -96,7 +96,7 @@ class PipelineTrainer:
         self.rank, self.device = rank, device
         self.worker = self.ranks.worker(rank)
         self.pp, self.dp = plan.topology.pp, plan.topology.dp
-        self.shape = _shape(plan)
+        self.shape = job_shape(plan)
         stages = plan.topology.stages  # virtual stages: pp * chunks
         # an nn.Sequential is cut by the plan's partition, else as before; a switch may move layers (`moves`)
         self.model = build_stage if isinstance(build_stage, nn.Sequential) else None
@@ -145,9 +145,9 @@ class PipelineTrainer:
         (`runtime.moves`); `joined`: workers that receive their whole state from a replica after this
         switch (a resilient job's replacements), so take no part in the move.
         """
-        if _shape(plan) != self.shape:
-            raise RuntimeSetupError(f"plan is for {_describe(_shape(plan))} but this job runs {_describe(self.shape)}: "
-                                    "compile the plan for this job's shape")
+        if job_shape(plan) != self.shape:
+            raise RuntimeSetupError(f"plan is for {describe_shape(job_shape(plan))} but this job runs "
+                                    f"{describe_shape(self.shape)}: compile the plan for this job's shape")
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
@@ -168,25 +168,10 @@ class PipelineTrainer:
                   self.iteration, len(self.stream))
 
     def _check_same_plan(self, plan: Plan, joined: Collection[Worker] = ()) -> None:
-        """Refuse to run unless every rank holds the same plan (ranks that compiled different plans
-        would exchange mismatched tensors or hang) and, but for fresh and `joined` workers, the same cut
-        of the model (a failure that interrupted a layer move leaves some moved and some not). One small
-        all-gather of two digests, at switch time only."""
-        cut = bytes(32) if self._fresh else hashlib.sha256(repr(self.partition).encode()).digest()
+        """Refuse to run unless every rank holds the same plan and, but for fresh and `joined` workers,
+        the same cut of the model (`runtime.plan_agreement`)."""
+        check_same_plan(plan, None if self._fresh else self.partition, self.comm, self.ranks.workers, joined)
         self._fresh = False
-        digest = torch.frombuffer(bytearray(hashlib.sha256(plan.to_text().encode()).digest() + cut), dtype=torch.uint8)
-        digest = digest.to(self.comm.control_device)
-        gathered = [torch.empty_like(digest) for _ in range(len(self.ranks.workers))]
-        self.comm.wait(dist.all_gather(gathered, digest, group=self.comm.control, async_op=True))
-        differ = [r for r, d in enumerate(gathered) if not torch.equal(d[:32], gathered[0][:32])]
-        if differ:
-            raise RuntimeSetupError(f"ranks {differ} hold a different plan from rank 0: compile once and give every "
-                                    "rank the same plan file (or compile with identical arguments and costs)")
-        cuts = {bytes(d[32:].tolist()) for r, d in enumerate(gathered) if self.ranks.workers[r] not in joined}
-        cuts.discard(bytes(32))  # fresh workers
-        if len(cuts) > 1:
-            raise RecoveryError("the workers hold different cuts of the model (a failure interrupted a layer move): "
-                                "restart the job from a checkpoint")
 
     def _move(self, plan: Plan, partition: Partition, joined: Collection[Worker]) -> None:
         """Take this worker's stages from the current cut to `partition` (collective over the other
@@ -394,17 +379,6 @@ class PipelineTrainer:
         self.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _shape(plan: Plan) -> tuple[int, int, int, str]:
-    """What a job's processes are built for: pp, dp, and the chunks each holds (count and placement)."""
-    topology = plan.topology
-    return (topology.pp, topology.dp, topology.chunks, topology.placement if topology.chunks > 1 else "")
-
-
-def _describe(shape: tuple[int, int, int, str]) -> str:
-    pp, dp, chunks, placement = shape
-    return f"pp={pp}, dp={dp}" + (f", {chunks} chunks per worker ({placement})" if chunks > 1 else "")
 
 
 def _to(value: Tensors, device: torch.device) -> Tensors:

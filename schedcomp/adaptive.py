@@ -135,11 +135,11 @@ def adaptive_solution(
     with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
         problem = Problem(topology, microbatches, costs, split)
         if recut and topology.failed:
-            return _recut_solution(problem, solver, time_limit, synchronous)
+            return recut_solution(problem, solver, time_limit, synchronous)
         return solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
 
 
-def _recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
+def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
     """The best schedule over whole micro-batches and the cuts of `recut.PIECES` (ties to the fewer pieces,
     tried first): a re-cut is kept only where it schedules faster."""
     from schedcomp.recut import PIECES, recut

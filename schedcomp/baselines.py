@@ -21,7 +21,7 @@ from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
 from schedcomp.compiler import job_layers, unit_costs
 from schedcomp.costs import CostModel
-from schedcomp.errors import CostModelError, RecoveryError, ScheduleError
+from schedcomp.errors import CostModelError, RecoveryError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Op, Order
 from schedcomp.layers import LayerCosts, static_of
 from schedcomp.lower import lower
@@ -86,6 +86,7 @@ def compare(
     placement: str = LOOP,
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
+    recut: bool = False,
 ) -> list[Outcome]:
     """Simulate each strategy on the same topology, failures and costs (see the module docstring).
 
@@ -102,7 +103,10 @@ def compare(
     `layers` (a `LayerCosts`, or K even layers per stage of `costs`) and the job's `partition` (default
     even) as `compile`'s: adaptive then re-partitions as well as re-routes (`schedcomp.repartition`),
     oobleck's re-formed pipelines cut whole layers, and every strategy's memory counts the static memory
-    of the layers each device holds (`schedcomp.reformed`)."""
+    of the layers each device holds (`schedcomp.reformed`). `recut`: adaptive may also re-cut the failed
+    workers' micro-batches, as `compile(recut=True)` (the ablations keep whole micro-batches)."""
+    if not isinstance(recut, bool):
+        raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ScheduleError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
@@ -121,8 +125,9 @@ def compare(
     out = []
     for name in strategies:
         job, job_costs = (topology, costs) if name not in _ONE_STAGE else one_stage_view(topology, costs)
+        extra = {"recut": True} if recut and name == "adaptive" else {}
         run = reference if name == "fault-free" else _RUNNERS[name](
-            job, microbatches, job_costs, solver=solver, time_limit=time_limit, layers=layered)
+            job, microbatches, job_costs, solver=solver, time_limit=time_limit, layers=layered, **extra)
         rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
         kept = layered.partition if layered is not None and name not in _ONE_STAGE else None
         out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs),
@@ -154,10 +159,11 @@ def fault_free(topology: Topology, microbatches: int, costs: CostModel, *, solve
 
 
 def _adaptive_run(topology: Topology, microbatches: int, costs: CostModel, *, split: bool = True,
-                  synchronous: bool = False, solver: str = "greedy", time_limit: float = 10.0) -> _Run:
+                  synchronous: bool = False, solver: str = "greedy", time_limit: float = 10.0,
+                  recut: bool = False) -> _Run:
     try:
         order, bound, used = adaptive_order(topology, microbatches, costs, solver=solver, time_limit=time_limit,
-                                            split=split, synchronous=synchronous)
+                                            split=split, synchronous=synchronous, recut=recut)
     except RecoveryError as exc:
         return _Run(_STOPPED, 0.0, str(exc))
     plan = lower(order, costs, solver=used, lower_bound=bound)
@@ -176,7 +182,8 @@ def adaptive(topology: Topology, microbatches: int, costs: CostModel, *, layers:
 
     try:
         best = repartition(topology, microbatches, layers.costs, layers.partition, costs,
-                           solver=str(kw.get("solver", "greedy")), time_limit=float(kw.get("time_limit", 10.0)))
+                           solver=str(kw.get("solver", "greedy")), time_limit=float(kw.get("time_limit", 10.0)),
+                           recut=bool(kw.get("recut", False)))
     except RecoveryError as exc:
         return _Run(_STOPPED, 0.0, str(exc))
     plan = lower(dataclasses.replace(best.order, partition=best.partition), best.costs, solver=best.solver,

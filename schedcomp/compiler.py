@@ -70,6 +70,7 @@ def compile(
     into K layers) lets the adaptive schedules move layer boundaries as well as re-route when there are
     failures (`schedcomp.repartition`); the plan then carries its `partition`, the fault-free plan the
     job's. `partition` is the job's (layers per stage; default: even). With layer costs `costs` is derived.
+    With both `layers` and `recut`, each partition the search schedules in full may also re-cut.
     """
     if not isinstance(recut, bool):
         raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
@@ -96,12 +97,11 @@ def compile(
     costs.check_workers(topology)
     job_partition: Partition | None = None
     if layers is not None or partition is not None:
-        layers, job_partition, costs = job_layers(topology, costs, layers, partition, recut=recut,
-                                                  given_costs=given_costs)
+        layers, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
     if isinstance(layers, LayerCosts) and job_partition is not None and topology.failed:
-        return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit)
+        return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit, recut)
     if topology.failed or schedule == ADAPTIVE:
         return _adaptive(topology, microbatches, costs, solver, time_limit, recut, job_partition)
 
@@ -206,16 +206,12 @@ def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: s
     return plan
 
 
-def job_layers(topology: Topology, costs: CostModel, layers: LayerCosts | int | None,
-               partition: Sequence[int] | None, *, recut: bool = False,
-               given_costs: bool = False) -> tuple[LayerCosts, Partition, CostModel]:
+def job_layers(topology: Topology, costs: CostModel, layers: LayerCosts | int | None, partition: Sequence[int] | None,
+               *, given_costs: bool = False) -> tuple[LayerCosts, Partition, CostModel]:
     """(layer costs, the job's partition, the job's stage model) for `compile(layers=, partition=)`:
     K layers split each stage of `costs` evenly; a partition without layer costs is refused."""
     if layers is None:
         raise ScheduleError("a partition needs per-layer costs: pass layers=K (layers per stage) or a LayerCosts")
-    if recut:
-        raise ScheduleError("recut and layers do not compose yet: re-cut micro-batches or re-partition layers, "
-                            "not both")
     if topology.chunks > 1:
         raise ScheduleError(f"layers run one stage per worker, not chunks={topology.chunks}: drop chunks or layers")
     if isinstance(layers, bool) or not isinstance(layers, (int, LayerCosts)):
@@ -235,11 +231,13 @@ def job_layers(topology: Topology, costs: CostModel, layers: LayerCosts | int | 
 
 
 def _repartitioned(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
-                   job_partition: Partition, solver: str, time_limit: float) -> Plan:
-    """Re-route and re-partition (`schedcomp.repartition`): the best candidate's plan, with its partition."""
+                   job_partition: Partition, solver: str, time_limit: float, recut: bool) -> Plan:
+    """Re-route and re-partition (`schedcomp.repartition`): the best candidate's plan, with its partition
+    (and, with `recut`, its cut)."""
     from schedcomp.repartition import repartition
 
-    best = repartition(topology, microbatches, layers, job_partition, costs, solver=solver, time_limit=time_limit)
+    best = repartition(topology, microbatches, layers, job_partition, costs, solver=solver, time_limit=time_limit,
+                       recut=recut)
     plan = lower(dataclasses.replace(best.order, partition=best.partition), best.costs, solver=best.solver,
                  lower_bound=best.bound, meta=best.meta(job_partition))
     check(plan)

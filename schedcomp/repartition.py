@@ -37,7 +37,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from schedcomp.adaptive import greedy, solve
+from schedcomp.adaptive import greedy, recut_solution, solve
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, RecoveryError, ScheduleError
 from schedcomp.gcpause import paused_gc
@@ -82,9 +82,11 @@ class Repartitioned:
 
 def repartition(topology: Topology, microbatches: int, layer_costs: LayerCosts, job_partition: Partition,
                 job_costs: CostModel, *, solver: str = "auto", time_limit: float = 10.0, split: bool = True,
-                synchronous: bool = False) -> Repartitioned:
+                synchronous: bool = False, recut: bool = False) -> Repartitioned:
     """The best of the candidate partitions for `topology`'s failures (see the module docstring).
-    `job_costs` is the job's stage model with its resolved memory limit."""
+    `job_costs` is the job's stage model with its resolved memory limit. `recut`: each finalist may also
+    re-cut the failed workers' micro-batches (`adaptive.recut_solution`: kept only where faster), so the
+    plan may both move layers and run pieces."""
     if topology.chunks > 1:
         raise ScheduleError("re-partitioning runs one stage per worker: drop --chunks or the layer costs")
     candidates = candidate_partitions(topology, layer_costs, job_partition, job_costs)
@@ -106,7 +108,8 @@ def repartition(topology: Topology, microbatches: int, layer_costs: LayerCosts, 
         finalists = screened[:FINALISTS] + [c for c in screened[FINALISTS:] if c[2] == job_partition]
         best: tuple[tuple[float, bool, int, int], Repartitioned] | None = None
         for (_, _, _, i), name, partition, problem in finalists:
-            sol = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
+            sol = (recut_solution(problem, solver, time_limit, synchronous) if recut else
+                   solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous))
             key = _key(sol.period, partition, job_partition, i)
             if best is None or key < best[0]:
                 best = key, Repartitioned(partition, problem.costs, sol.order(), sol.period,

@@ -16,7 +16,9 @@ training loop around it):
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
   `chunks`: the same for every model chunk a worker holds (virtual stages), keyed by virtual stage.
 - `checkpoint`: asynchronous per-stage DCP checkpoints, restored without trusting pickles;
-  `checkpoint_check`: everything a restore checks first (manifest, layout, metadata, digests).
+  `checkpoint_check`: everything a restore checks first (manifest, layout), `checkpoint_storage`:
+  DCP's metadata and the stored bytes' digests; `checkpoint_layers` (`checkpoint_layers_check`): the
+  same per layer for an `nn.Sequential` model, written under any cut and restored into any other.
 - `launch_args`: the launcher's command line, checked whole before anything starts.
 - `restart`: checkpoints while training and a restart of the whole job when a stage is lost
   (`CheckpointPolicy`, passed to `ResilientTrainer(checkpoint=...)`).

@@ -4,7 +4,10 @@ Layout: `DIR/iter{N:08d}/stage{S}/` holds one stage's state after the optimizer 
 N, written by `torch.distributed.checkpoint.async_save` (the call copies the state and returns;
 the files are written in the background while training goes on), plus `manifest.json`, written
 last and atomically once the files are complete: a stage's checkpoint exists iff its manifest
-does. Iteration N is restorable when every stage has it (`latest_complete`).
+does. Iteration N is restorable when every stage has it (`latest_complete`). A stage cut from an
+`nn.Sequential` model saves each layer's state under its model index instead (`checkpoint_layers`):
+then iteration N is restorable when its stages together hold every layer, under whatever cuts they
+were written, and a stage of any cut restores exactly its own layers from them.
 
 One replica per stage writes (`policy`-free rule: the lowest live pipeline of the stage, see
 `checkpoint_writer`); stages never wait for each other, as with the staggered optimizer.
@@ -31,16 +34,17 @@ from torch import nn
 
 from schedcomp.errors import RecoveryError
 from schedcomp.fileio import dumps_json, write_atomic
+from schedcomp.partition import Partition
 from schedcomp.runtime.fault.checkpoint_check import (
     CHECKPOINT_FORMAT,
     MANIFEST,
     Manifest,
     check_against_stage,
-    check_digests,
-    check_metadata_matches,
     read_manifest,
-    stored_digests,
 )
+from schedcomp.runtime.fault.checkpoint_layers import covers, layered_save, restore_layers
+from schedcomp.runtime.fault.checkpoint_storage import check_digests, check_metadata_matches, stored_digests
+from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
 from schedcomp.topology import Topology, Worker
 
@@ -73,17 +77,20 @@ class AsyncCheckpointer:
         self._pending: Future | None = None
 
     def after_step(self, iteration: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-                   writer: bool = True) -> bool:
+                   writer: bool = True, cut: Partition | None = None) -> bool:
         """Call after STEP of `iteration`: saves when it is due and this worker writes; True if it did."""
         if not writer or (iteration + 1) % self.every:
             return False
-        self.save(iteration, module, optimizer)
+        self.save(iteration, module, optimizer, cut)
         return True
 
-    def save(self, iteration: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> Future:
+    def save(self, iteration: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+             cut: Partition | None = None) -> Future:
         """Start saving; the state is copied before this returns, so training may go on at once.
 
-        A complete checkpoint of (`iteration`, stage) is never rewritten: the call does nothing.
+        `cut`: the partition of an `nn.Sequential` model the stage is cut from: then each layer's state is
+        saved under its model index (`checkpoint_layers`), else the stage's state as one. A complete
+        checkpoint of (`iteration`, stage) is never rewritten: the call does nothing.
         """
         self.wait()  # one save at a time: the next one would overtake a slow disk otherwise
         path = checkpoint_dir(self.directory, iteration, self.stage)
@@ -93,18 +100,23 @@ class AsyncCheckpointer:
             done: Future = Future()
             done.set_result(iteration)
             return done
-        skeleton, tensors = flatten(stage_state(module, optimizer))
+        if cut is not None:
+            named, manifest, digests = layered_save(module, optimizer, cut, iteration, self.stage)
+        else:
+            skeleton, tensors = flatten(stage_state(module, optimizer))
+            named = {f"t{i}": t for i, t in enumerate(tensors)}
+            manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage,
+                        "skeleton": skeleton, "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
+            digests = list(zip(named, manifest["tensors"], strict=True))
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RecoveryError(f"cannot create checkpoint directory {path}: {e.strerror or e}") from None
-        manifest = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "stage": self.stage, "skeleton": skeleton,
-                    "tensors": [TensorSpec.of(t).__dict__ for t in tensors]}
         from schedcomp.runtime.fault import dcp_io  # DCP on first use: see `dcp_io`
 
-        future = dcp_io.save_async(tensors, path)
+        future = dcp_io.save_async(named, path)
         committed: Future = Future()  # done once the manifest is written, not just the files
-        future.add_done_callback(lambda f: _commit(f, path, manifest, committed))
+        future.add_done_callback(lambda f: _commit(f, path, manifest, digests, committed))
         self._pending = committed
         return committed
 
@@ -115,14 +127,15 @@ class AsyncCheckpointer:
             pending.result()
 
 
-def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Future) -> None:
+def _commit(saved: Future, path: Path, manifest: dict[str, Any], digests: list[tuple[str, dict[str, Any]]],
+            committed: Future) -> None:
     from schedcomp.runtime.fault import dcp_io
 
     try:
         dcp_io.saved(saved, path)
-        digests = stored_digests(dcp_io.SafeReader(path).read_metadata(), path)
-        for i, spec in enumerate(manifest["tensors"]):
-            spec["sha256"] = digests[f"t{i}"]
+        found = stored_digests(dcp_io.SafeReader(path).read_metadata(), path)
+        for name, spec in digests:  # each tensor's spec in the manifest, by its DCP name
+            spec["sha256"] = found[name]
         # the manifest appears whole or not at all, and a full disk leaves no half-written one behind
         write_atomic(path / MANIFEST, dumps_json(manifest), RecoveryError)
     except Exception as e:
@@ -132,8 +145,10 @@ def _commit(saved: Future, path: Path, manifest: dict[str, Any], committed: Futu
         committed.set_result(manifest["iteration"])
 
 
-def latest_complete(directory: str | Path, pp: int) -> int | None:
-    """The newest iteration every one of the `pp` stages has a complete checkpoint of (None: none)."""
+def latest_complete(directory: str | Path, pp: int, layers: int | None = None) -> int | None:
+    """The newest iteration every one of the `pp` stages has a complete checkpoint of (None: none); with
+    `layers`, the model's layer count, the newest whose stage checkpoints hold every layer, whichever cut
+    wrote them (`checkpoint_layers.covers`)."""
     root = Path(directory)
     if not root.is_dir():
         return None
@@ -143,7 +158,10 @@ def latest_complete(directory: str | Path, pp: int) -> int | None:
         raise RecoveryError(f"cannot list checkpoint directory {root}: {e.strerror or e}") from None
     done = sorted((int(m.group(1)) for name in names if (m := _ITER_RE.fullmatch(name))), reverse=True)
     for iteration in done:
-        if all((checkpoint_dir(root, iteration, s) / MANIFEST).is_file() for s in range(pp)):
+        if layers is not None:
+            if covers(checkpoint_dir(root, iteration, 0).parent, iteration, layers):
+                return iteration
+        elif all((checkpoint_dir(root, iteration, s) / MANIFEST).is_file() for s in range(pp)):
             return iteration
     return None
 
@@ -160,14 +178,19 @@ def complete_iterations(directory: str | Path, stage: int) -> list[int]:
 
 
 def restore(directory: str | Path, iteration: int, stage: int, module: nn.Module,
-            optimizer: torch.optim.Optimizer) -> None:
-    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled).
+            optimizer: torch.optim.Optimizer, cut: Partition | None = None) -> None:
+    """Load stage `stage`'s checkpoint of `iteration` into `module` and `optimizer` (nothing unpickled);
+    with `cut` (an `nn.Sequential` model's), the layers `cut` gives stage `stage`, from whichever stage
+    checkpoints of `iteration` hold them (`checkpoint_layers.restore_layers`).
 
     Everything is checked before anything is allocated or loaded (see `checkpoint_check`), and the
     tensors are read into fresh buffers before the stage's own state is touched: a damaged or
     crafted checkpoint is a RecoveryError naming the file, and leaves the stage as it was.
     """
     path = checkpoint_dir(directory, iteration, stage)
+    if cut is not None:
+        restore_layers(path.parent, iteration, cut, stage, module, optimizer)
+        return
     manifest, reader = checked_checkpoint(path, iteration, stage, module, optimizer)
     specs = manifest.specs
     target = {f"t{i}": torch.empty(s.shape, dtype=s.torch_dtype) for i, s in enumerate(specs)}
@@ -191,21 +214,16 @@ def checked_checkpoint(path: Path, iteration: int, stage: int, module: nn.Module
 
     reader = SafeReader(path)
     metadata = reader.read_metadata()
-    check_metadata_matches(metadata, manifest, str(reader.metadata_path))
-    check_digests(metadata, manifest, path)
+    check_metadata_matches(metadata, manifest.stored, str(reader.metadata_path))
+    check_digests(metadata, manifest.stored, path)
     return manifest, reader
 
 
 def _load_into_stage(module: nn.Module, optimizer: torch.optim.Optimizer, manifest: Manifest,
                      tensors: list[torch.Tensor]) -> None:
-    from schedcomp.runtime.fault.dcp_io import first_line
 
     state = unflatten(manifest.skeleton, tensors)  # the skeleton was checked with the specs already
-    try:
-        load_stage_state(module, optimizer, state)
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:  # what the checks could not foresee
-        raise RecoveryError(f"checkpoint manifest {manifest.path}: its state does not load into this stage "
-                            f"({first_line(e)})") from None
+    load_all_or_nothing(module, optimizer, lambda: load_stage_state(module, optimizer, state), manifest.path)
 
 
 def iterations_lost(checkpointed: int | None, reached: int) -> int:

@@ -11,46 +11,44 @@ a single tensor is allocated or a data file opened, `restore` checks, in this or
    groups, and each state tensor is no bigger than the parameter it belongs to (or, when the
    optimizer already holds state, exactly its shape). So no manifest, whatever shapes it claims,
    makes us allocate more than the stage itself holds;
-3. DCP's `.metadata` (`check_storage`, run by `dcp_io.SafeReader` on every read of it): every data file it
-   names lies inside the checkpoint's own directory (no `..`, no absolute path, no symlink out),
-   exists, and holds the byte range named; every tensor is one whole chunk we could have written;
-   no stream transforms (we never write any);
-4. the metadata against the manifest (`check_metadata_matches`): the same tensors, sizes and
-   dtypes, each stored in at least as many bytes as it holds;
-5. the stored bytes against the manifest (`check_digests`): each tensor's bytes have the SHA-256
-   the manifest recorded once DCP had written them (`stored_digests`), so changed data, or
-   metadata sending a tensor to another one's bytes, is refused before torch reads any of it.
+3. DCP's `.metadata` (`checkpoint_storage.check_storage`, run by `dcp_io.SafeReader` on every
+   read of it): every data file it names lies inside the checkpoint's own directory (no `..`, no
+   absolute path, no symlink out), exists, and holds the byte range named; every tensor is one whole
+   chunk we could have written; no stream transforms (we never write any);
+4. the metadata against the manifest (`checkpoint_storage.check_metadata_matches`): the same
+   tensors, sizes and dtypes, each stored in at least as many bytes as it holds;
+5. the stored bytes against the manifest (`checkpoint_storage.check_digests`): each tensor's bytes
+   have the SHA-256 the manifest recorded once DCP had written them (`stored_digests`), so changed
+   data, or metadata sending a tensor to another one's bytes, is refused before torch reads any of it.
+
+Per-layer checkpoints (`checkpoint_layers`) go through the same steps, per layer read
+(`checkpoint_layers_check`).
 
 Every failure is a `RecoveryError` naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from reprlib import repr as brief  # a value in an error message, cut short
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from schedcomp.errors import RecoveryError
 from schedcomp.fileio import load_json, read_text
+from schedcomp.runtime.fault.checkpoint_storage import FIX, Stored, describe, is_int
 from schedcomp.runtime.fault.transfer import TensorSpec, stage_state, unflatten
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 MANIFEST = "manifest.json"
 CHECKPOINT_FORMAT = 2  # 2: each tensor's stored bytes carry a SHA-256 digest
-_HASH_CHUNK = 1 << 20
+LAYERED_FORMAT = 3  # 3: state per model layer (`checkpoint_layers`), written from an nn.Sequential model
 _OPTIMIZER_COPIES = 4  # bound on an unknown optimizer's state, in copies of the module
 _DEVICES = ("cpu", "cuda")
-_FIX = "pick another iteration (see latest_complete) or delete this checkpoint"
 
 
 @dataclass(frozen=True)
@@ -64,41 +62,65 @@ class Manifest:
     specs: tuple[TensorSpec, ...]
     digests: tuple[str, ...]  # SHA-256 of each tensor's stored bytes, as DCP wrote them
 
+    @property
+    def stored(self) -> tuple[Stored, ...]:
+        return tuple(Stored(f"t{i}", s, d) for i, (s, d) in enumerate(zip(self.specs, self.digests, strict=True)))
+
 
 def read_manifest(directory: Path, iteration: int, stage: int) -> Manifest:
     """The manifest in `directory` (a `checkpoint_dir`), checked; RecoveryError naming it otherwise."""
+    data, what = manifest_json(directory, iteration, stage, CHECKPOINT_FORMAT)
+    specs = parse_specs(data, what)
+    if "skeleton" not in data:
+        raise RecoveryError(f"{what} has no skeleton: {FIX}")
+    return Manifest(directory / MANIFEST, iteration, stage, data["skeleton"], specs,
+                    tuple(s["sha256"] for s in data["tensors"]))
+
+
+def manifest_json(directory: Path, iteration: int, stage: int, want: int) -> tuple[dict[str, Any], str]:
+    """The manifest in `directory` as a JSON object of format `want` for (`iteration`, `stage`), and how to
+    name it in an error."""
     path = directory / MANIFEST
     what = f"checkpoint manifest {path}"
     data = load_json(read_text(path, "checkpoint manifest", RecoveryError), what, RecoveryError)
     if not isinstance(data, dict):
-        raise RecoveryError(f"{what} is a JSON {type(data).__name__}, not an object: {_FIX}")
+        raise RecoveryError(f"{what} is a JSON {type(data).__name__}, not an object: {FIX}")
     if _same_int(data.get("format"), 1):
         raise RecoveryError(f"{what} was written by an older schedcomp, without digests of its tensors: "
                             "restart from scratch or with the schedcomp that wrote it")
-    for key, want in (("format", CHECKPOINT_FORMAT), ("iteration", iteration), ("stage", stage)):
-        if not _same_int(data.get(key), want):
-            raise RecoveryError(f"{what} has {key} {brief(data.get(key))}, expected {want}: {_FIX}")
+    if want == LAYERED_FORMAT and _same_int(data.get("format"), CHECKPOINT_FORMAT):
+        raise RecoveryError(f"{what} holds one stage's state, not each layer's: it was written by an older "
+                            "schedcomp or for a stage builder, and an nn.Sequential model restores layers; restart "
+                            "from scratch or with the schedcomp that wrote it")
+    if want == CHECKPOINT_FORMAT and _same_int(data.get("format"), LAYERED_FORMAT):
+        raise RecoveryError(f"{what} holds each layer's state (written from an nn.Sequential model): restore it "
+                            "by layers, giving the model as an nn.Sequential")
+    for key, value in (("format", want), ("iteration", iteration), ("stage", stage)):
+        if not _same_int(data.get(key), value):
+            raise RecoveryError(f"{what} has {key} {brief(data.get(key))}, expected {value}: {FIX}")
+    return data, what
+
+
+def parse_specs(data: dict[str, Any], what: str) -> tuple[TensorSpec, ...]:
+    """The checked specs of `data["tensors"]` (each with its digest)."""
     tensors = data.get("tensors")
     if not isinstance(tensors, list):
-        raise RecoveryError(f"{what} has no list of tensors: {_FIX}")
-    specs = tuple(_spec(s, i, what) for i, s in enumerate(tensors))
-    if "skeleton" not in data:
-        raise RecoveryError(f"{what} has no skeleton: {_FIX}")
-    return Manifest(path, iteration, stage, data["skeleton"], specs, tuple(s["sha256"] for s in tensors))
+        raise RecoveryError(f"{what} has no list of tensors: {FIX}")
+    return tuple(_spec(s, i, what) for i, s in enumerate(tensors))
 
 
 def _spec(raw: Any, i: int, what: str) -> TensorSpec:
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "device", "sha256"}:
-        raise RecoveryError(f"{what}: tensor {i} is not {{dtype, shape, device, sha256}}: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} is not {{dtype, shape, device, sha256}}: {FIX}")
     if not isinstance(raw["sha256"], str) or len(raw["sha256"]) != 64:
-        raise RecoveryError(f"{what}: tensor {i} has digest {brief(raw['sha256'])}, not a SHA-256 in hex: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has digest {brief(raw['sha256'])}, not a SHA-256 in hex: {FIX}")
     dtype, shape, device = raw["dtype"], raw["shape"], raw["device"]
     if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise RecoveryError(f"{what}: tensor {i} has unknown dtype {brief(dtype)}: {_FIX}")
-    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
-        raise RecoveryError(f"{what}: tensor {i} has shape {brief(shape)}, not a list of sizes >= 0: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has unknown dtype {brief(dtype)}: {FIX}")
+    if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+        raise RecoveryError(f"{what}: tensor {i} has shape {brief(shape)}, not a list of sizes >= 0: {FIX}")
     if device not in _DEVICES:
-        raise RecoveryError(f"{what}: tensor {i} has device {brief(device)}, not one of {_DEVICES}: {_FIX}")
+        raise RecoveryError(f"{what}: tensor {i} has device {brief(device)}, not one of {_DEVICES}: {FIX}")
     return TensorSpec(dtype, tuple(shape), device)
 
 
@@ -110,19 +132,19 @@ def check_against_stage(manifest: Manifest, module: nn.Module, optimizer: Any) -
     what = f"checkpoint manifest {manifest.path}"
     saved = unflatten_checked(manifest)
     if not isinstance(saved, dict) or not {"module", "optimizer"} <= set(saved):
-        raise RecoveryError(f"{what} does not hold a stage state (module and optimizer): {_FIX}")
+        raise RecoveryError(f"{what} does not hold a stage state (module and optimizer): {FIX}")
     own = stage_state(module, optimizer)
     if set(saved) != set(own):  # state tied to the optimizer (`training.attach`): an LR schedule, a loss scaler
-        missing, extra = _key_diff(saved, own)
+        missing, extra = key_diff(saved, own)
         raise RecoveryError(f"{what} holds other training state than this stage (missing {missing}, unexpected "
                             f"{extra}): pass the same lr_scheduler and autocast options as the run that wrote it")
     for name in set(saved) - {"module", "optimizer"}:
         if any(True for _ in _specs_in(saved[name])):  # schedules and scalers are numbers: a tensor is crafted
-            raise RecoveryError(f"{what}: the {name} state holds a tensor: {_FIX}")
-    _check_module(saved["module"], own["module"], what)
+            raise RecoveryError(f"{what}: the {name} state holds a tensor: {FIX}")
+    check_module(saved["module"], own["module"], what)
     if (own["optimizer"] is None) != (saved["optimizer"] is None):
         raise RecoveryError(f"{what} {'has' if own['optimizer'] is None else 'lacks'} optimizer state, this "
-                            f"stage {'has none' if own['optimizer'] is None else 'has'}: {_FIX}")
+                            f"stage {'has none' if own['optimizer'] is None else 'has'}: {FIX}")
     if isinstance(optimizer, torch.optim.Optimizer):
         # `optimizer.state_dict()` numbers the parameters in group order: their sizes, by that number.
         numels = [p.numel() for g in optimizer.param_groups for p in g["params"]]
@@ -141,11 +163,11 @@ def _check_any_optimizer(saved: Any, module_numels: list[int], what: str) -> Non
     specs = list(_specs_in(saved))
     for spec in specs:
         if math.prod(spec.shape) > max(largest, 1):
-            raise RecoveryError(f"{what}: an optimizer tensor is {_describe(spec)}, bigger than any tensor of the "
-                                f"module ({largest} elements): {_FIX}")
+            raise RecoveryError(f"{what}: an optimizer tensor is {describe(spec)}, bigger than any tensor of the "
+                                f"module ({largest} elements): {FIX}")
     if sum(math.prod(s.shape) for s in specs) > _OPTIMIZER_COPIES * total + len(specs):
         raise RecoveryError(f"{what}: the optimizer state holds more than {_OPTIMIZER_COPIES} copies of the "
-                            f"module's {total} elements: {_FIX}")
+                            f"module's {total} elements: {FIX}")
 
 
 def _specs_in(x: Any) -> Iterator[TensorSpec]:
@@ -164,202 +186,79 @@ def unflatten_checked(manifest: Manifest) -> Any:
     try:
         return unflatten(manifest.skeleton, list(manifest.specs))
     except RecoveryError as e:
-        raise RecoveryError(f"checkpoint manifest {manifest.path}: {e}: {_FIX}") from None
+        raise RecoveryError(f"checkpoint manifest {manifest.path}: {e}: {FIX}") from None
 
 
-def _check_module(saved: Any, own: Mapping[str, torch.Tensor], what: str) -> None:
+def check_module(saved: Any, own: Mapping[str, torch.Tensor], what: str) -> None:
     if not isinstance(saved, dict) or set(saved) != set(own):
-        missing, extra = _key_diff(saved, own)
+        missing, extra = key_diff(saved, own)
         raise RecoveryError(f"{what} holds another module's state (missing {missing}, unexpected {extra}): "
                             "it belongs to a different model or stage")
     for name, tensor in own.items():
         spec = saved[name]
         if not isinstance(spec, TensorSpec) or (spec.dtype, spec.shape) != _layout(tensor):
-            raise RecoveryError(f"{what}: module tensor {name!r} is {_describe(spec)}, but this stage's is "
-                                f"{_describe(TensorSpec.of(tensor))}: it belongs to a different model or stage")
+            raise RecoveryError(f"{what}: module tensor {name!r} is {describe(spec)}, but this stage's is "
+                                f"{describe(TensorSpec.of(tensor))}: it belongs to a different model or stage")
 
 
 def _check_optimizer(saved: Any, own: Mapping[str, Any], numels: list[int], what: str) -> None:
     if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
-        raise RecoveryError(f"{what}: the optimizer state is not {{state, param_groups}}: {_FIX}")
+        raise RecoveryError(f"{what}: the optimizer state is not {{state, param_groups}}: {FIX}")
     groups, own_groups = saved["param_groups"], own["param_groups"]
     if not isinstance(groups, list) or len(groups) != len(own_groups):
         raise RecoveryError(f"{what}: the optimizer has {_count(groups)} parameter groups, this stage's "
                             f"has {len(own_groups)}: it belongs to a different optimizer")
     for i, (group, own_group) in enumerate(zip(groups, own_groups, strict=True)):
         if not isinstance(group, dict) or set(group) != set(own_group):
-            missing, extra = _key_diff(group, own_group)
+            missing, extra = key_diff(group, own_group)
             raise RecoveryError(f"{what}: optimizer group {i} has other settings (missing {missing}, "
                                 f"unexpected {extra}): it belongs to a different optimizer")
         if group["params"] != own_group["params"]:  # `state_dict()` numbers parameters 0, 1, ... in group order
             raise RecoveryError(f"{what}: optimizer group {i} lists parameters {brief(group['params'])}, this "
-                                f"stage's optimizer numbers them {brief(own_group['params'])}: {_FIX}")
+                                f"stage's optimizer numbers them {brief(own_group['params'])}: {FIX}")
         for key, value in group.items():
-            if key != "params" and not _same_kind(value, own_group[key]):
+            if key != "params" and not same_kind(value, own_group[key]):
                 raise RecoveryError(f"{what}: optimizer setting {key!r} of group {i} is {brief(value)}, "
-                                    f"not like this optimizer's {brief(own_group[key])}: {_FIX}")
+                                    f"not like this optimizer's {brief(own_group[key])}: {FIX}")
     # parameter number -> its number of elements (the numbers are the same on both sides, checked above)
     sizes = dict(zip((p for g in own_groups for p in g["params"]), numels, strict=True))
     state = saved["state"]
     if not isinstance(state, dict):
-        raise RecoveryError(f"{what}: the optimizer's per-parameter state is not a dict: {_FIX}")
+        raise RecoveryError(f"{what}: the optimizer's per-parameter state is not a dict: {FIX}")
     for param, entries in state.items():
         if param not in sizes or not isinstance(entries, dict):
             raise RecoveryError(f"{what}: optimizer state for {brief(param)}, which is not one of its parameters: "
-                                f"{_FIX}")
+                                f"{FIX}")
         mine = own["state"].get(param, {})
         for key, spec in entries.items():
             if isinstance(spec, TensorSpec):
-                _check_state_tensor(spec, mine.get(key), sizes[param], f"{what}: optimizer state {key!r} of "
+                check_state_tensor(spec, mine.get(key), sizes[param], f"{what}: optimizer state {key!r} of "
                                     f"parameter {param}")
 
 
-def _check_state_tensor(spec: TensorSpec, own: Any, numel: int, where: str) -> None:
+def check_state_tensor(spec: TensorSpec, own: Any, numel: int, where: str) -> None:
     if isinstance(own, torch.Tensor):  # the optimizer already holds this state: it must be the same kind
         if (spec.dtype, spec.shape) != _layout(own):
-            raise RecoveryError(f"{where} is {_describe(spec)}, but this optimizer holds "
-                                f"{_describe(TensorSpec.of(own))}: {_FIX}")
+            raise RecoveryError(f"{where} is {describe(spec)}, but this optimizer holds "
+                                f"{describe(TensorSpec.of(own))}: {FIX}")
     elif math.prod(spec.shape) > max(numel, 1):  # a fresh optimizer: no state is bigger than its parameter
-        raise RecoveryError(f"{where} is {_describe(spec)}, bigger than its parameter ({numel} elements): {_FIX}")
-
-
-# ---- DCP's metadata ---------------------------------------------------------------------------------
-
-
-def check_storage(metadata: Metadata, directory: str | os.PathLike[str], source: str) -> None:
-    """Refuse metadata naming data outside `directory`, missing files or byte ranges, or odd chunks."""
-    root = Path(directory).resolve()
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP on first use: see `dcp_io`
-
-    what = f"checkpoint metadata {source}"
-    # A pickle may BUILD an allowed class with any attributes: nothing is assumed present or typed.
-    tensors, storage = (getattr(metadata, k, None) for k in ("state_dict_metadata", "storage_data"))
-    if not isinstance(tensors, dict) or not isinstance(storage, dict):
-        raise RecoveryError(f"{what} has no tensor or storage table: {_FIX}")
-    for fqn, md in tensors.items():
-        if not isinstance(fqn, str) or not isinstance(md, TensorStorageMetadata):
-            raise RecoveryError(f"{what}: entry {brief(fqn)} is not a tensor: it was not written by schedcomp")
-        _check_chunks(fqn, md, storage, what)
-    sizes: dict[Path, int] = {}
-    for index, info in storage.items():
-        _check_storage_item(index, info, root, sizes, what)
-
-
-def _check_chunks(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any], what: str) -> None:
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-
-    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
-    chunk = chunks[0] if isinstance(chunks, list) and len(chunks) == 1 else None
-    offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-    whole = (isinstance(size, torch.Size) and isinstance(chunk, ChunkStorageMetadata)
-             and isinstance(offsets, torch.Size) and isinstance(sizes, torch.Size)
-             and sizes == size and list(offsets) == [0] * len(size)
-             and isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype))
-    if not whole:  # one process wrote the stage: each tensor is one whole chunk
-        raise RecoveryError(f"{what}: tensor {fqn!r} is not stored as one whole chunk of a known dtype: "
-                            "it was not written by schedcomp")
-    if MetadataIndex(fqn, offsets) not in storage:
-        raise RecoveryError(f"{what}: tensor {fqn!r} has no storage entry: {_FIX}")
-
-
-def _check_storage_item(index: Any, info: Any, root: Path, sizes: dict[Path, int], what: str) -> None:
-    rel, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-    name = getattr(index, "fqn", index)
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in Path(rel).parts or "\0" in rel:
-        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at {brief(rel)}, outside the checkpoint's "
-                            "directory: refusing to read it")
-    path = (root / rel).resolve()
-    if not path.is_relative_to(root):  # a symlink out of the directory
-        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at {rel!r}, which leads outside the "
-                            "checkpoint's directory: refusing to read it")
-    if getattr(info, "transform_descriptors", None):
-        raise RecoveryError(f"{what}: tensor {brief(name)} is stored through transforms "
-                            f"{brief(info.transform_descriptors)}: schedcomp never writes those")
-    if path not in sizes:
-        if not path.is_file():
-            raise RecoveryError(f"{what}: data file {path} of tensor {brief(name)} is missing: {_FIX}")
-        sizes[path] = path.stat().st_size
-    if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0 and offset + length <= sizes[path]):
-        raise RecoveryError(f"{what}: tensor {brief(name)} is stored at bytes {brief(offset)}+{brief(length)} of "
-                            f"{path}, which holds {sizes[path]}: {_FIX}")
-
-
-def check_metadata_matches(metadata: Metadata, manifest: Manifest, source: str) -> None:
-    """The metadata holds exactly the manifest's tensors, each stored in at least the bytes it needs."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    what = f"checkpoint metadata {source}"
-    names = [f"t{i}" for i in range(len(manifest.specs))]
-    if set(metadata.state_dict_metadata) != set(names):
-        raise RecoveryError(f"{what} does not hold exactly the tensors its manifest lists: "
-                            f"it was not written by schedcomp, or is damaged; {_FIX}")
-    for name, spec in zip(names, manifest.specs, strict=True):
-        md = metadata.state_dict_metadata[name]
-        if tuple(md.size) != spec.shape or md.properties.dtype != spec.torch_dtype:
-            raise RecoveryError(f"{what}: tensor {name} is {md.properties.dtype} {list(md.size)}, its manifest "
-                                f"says {_describe(spec)}: {_FIX}")
-        stored = metadata.storage_data[MetadataIndex(name, md.chunks[0].offsets)].length
-        if stored < spec.nbytes:
-            raise RecoveryError(f"{what}: tensor {name} needs {spec.nbytes} bytes but only {stored} are stored: "
-                                f"{_FIX}")
-
-
-def stored_digests(metadata: Metadata, directory: str | os.PathLike[str]) -> dict[str, str]:
-    """SHA-256 of the bytes each tensor is stored in (metadata already `check_storage`d), by tensor name.
-
-    Written into the manifest once DCP has saved, and compared before restoring: a data file whose
-    bytes changed, or metadata that sends a tensor to another tensor's bytes, is refused.
-    """
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    root = Path(directory).resolve()
-    digests = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        info = metadata.storage_data[MetadataIndex(fqn, md.chunks[0].offsets)]
-        digest = hashlib.sha256()
-        with open(root / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            left = info.length
-            while left > 0:
-                chunk = f.read(min(left, _HASH_CHUNK))
-                if not chunk:
-                    break
-                digest.update(chunk)
-                left -= len(chunk)
-        digests[fqn] = digest.hexdigest()
-    return digests
-
-
-def check_digests(metadata: Metadata, manifest: Manifest, directory: str | os.PathLike[str]) -> None:
-    """Each tensor's stored bytes have the digest its manifest recorded."""
-    try:
-        found = stored_digests(metadata, directory)
-    except OSError as e:
-        raise RecoveryError(f"cannot read checkpoint data in {directory}: {e.strerror or e}") from None
-    for i, want in enumerate(manifest.digests):
-        if found[f"t{i}"] != want:
-            raise RecoveryError(f"checkpoint {directory}: the stored bytes of tensor t{i} do not match the digest "
-                                f"in its manifest: the data was changed or damaged; {_FIX}")
+        raise RecoveryError(f"{where} is {describe(spec)}, bigger than its parameter ({numel} elements): {FIX}")
 
 
 # ---- small helpers -----------------------------------------------------------------------------------
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _same_int(x: Any, want: int) -> bool:
-    return _is_int(x) and x == want
+    return is_int(x) and x == want
 
 
-def _same_kind(saved: Any, own: Any) -> bool:
+def same_kind(saved: Any, own: Any) -> bool:
     """A saved optimizer setting may replace this optimizer's own: numbers for numbers, else the same type."""
     if isinstance(own, (int, float)) and not isinstance(own, bool):
         return isinstance(saved, (int, float)) and not isinstance(saved, bool)
     if isinstance(own, (list, tuple)):
         return (isinstance(saved, type(own)) and len(saved) == len(own)
-                and all(_same_kind(s, o) for s, o in zip(saved, own, strict=True)))
+                and all(same_kind(s, o) for s, o in zip(saved, own, strict=True)))
     return type(saved) is type(own)
 
 
@@ -367,11 +266,7 @@ def _layout(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     return str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
-def _describe(x: Any) -> str:
-    return f"{x.dtype} {list(x.shape)}" if isinstance(x, TensorSpec) else f"not a tensor ({brief(x)})"
-
-
-def _key_diff(saved: Any, own: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+def key_diff(saved: Any, own: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
     keys = set(saved) if isinstance(saved, dict) else set()
     return sorted(map(str, set(own) - keys))[:3], sorted(map(str, keys - set(own)))[:3]
 

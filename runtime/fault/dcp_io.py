@@ -5,7 +5,7 @@ and every replacement joining a job, would otherwise pay at start-up whether it 
 - `save_async` / `saved`: DCP's background save of a stage's flat tensors, and its outcome.
 - `SafeReader` / `load`: reading them back without trusting a pickle: DCP's own `.metadata` (a
   pickle) is read by an unpickler that only builds DCP's metadata classes, torch sizes and dtypes;
-  anything else in it is refused, and the metadata is checked (`checkpoint_check.check_storage`)
+  anything else in it is refused, and the metadata is checked (`checkpoint_storage.check_storage`)
   before DCP sees it.
 """
 
@@ -26,17 +26,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.fileio import read_bytes
-from schedcomp.runtime.fault.checkpoint_check import check_storage
+from schedcomp.runtime.fault.checkpoint_storage import check_storage
 
 # Per-stage checkpoints are single-process saves by design (`no_dist`); DCP warns about that from
 # its writer threads too, where a `catch_warnings` block cannot reach.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*", category=UserWarning)
 
 
-def save_async(tensors: list[torch.Tensor], path: Path) -> Future:
-    """Start writing `tensors` (as t0, t1, ...) under `path`; the returned future completes when they are on disk."""
-    return dcp.async_save({f"t{i}": t for i, t in enumerate(tensors)}, storage_writer=FileSystemWriter(path),
-                          no_dist=True)
+def save_async(tensors: dict[str, torch.Tensor], path: Path) -> Future:
+    """Start writing `tensors` (by name) under `path`; the returned future completes when they are on disk."""
+    return dcp.async_save(tensors, storage_writer=FileSystemWriter(path), no_dist=True)
 
 
 def saved(future: Future, path: Path) -> None:
@@ -48,7 +47,7 @@ def saved(future: Future, path: Path) -> None:
 
 
 def load(target: dict[str, torch.Tensor], reader: SafeReader, path: Path) -> None:
-    """Fill `target` (t0, t1, ... allocated by the caller) from the checked checkpoint `reader` reads."""
+    """Fill `target` (tensors by name, allocated by the caller) from the checked checkpoint `reader` reads."""
     try:
         dcp.load(target, storage_reader=reader, no_dist=True)
     except SchedcompError:
@@ -91,7 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeReader(FileSystemReader):
     """DCP's file reader, except that its metadata pickle is read with an allow-list, and checked.
 
-    The metadata is read and checked once (`checkpoint_check.check_storage`: every data file inside
+    The metadata is read and checked once (`checkpoint_storage.check_storage`: every data file inside
     the checkpoint's directory, every byte range present) and the same checked object is handed to
     DCP every time it asks, so the file cannot change between the check and the load.
     """

@@ -104,6 +104,7 @@ class RecoveryHost(Protocol):
     build_stage: Any  # what the trainer builds stages with, loss_fn and make_optimizer: a helper of a replay
     loss_fn: Any  # builds a lost stage beside its own (`fault.swift_parallel`)
     make_optimizer: Any
+    per_layer: bool  # checkpoints hold each layer, under `trainer.partition` (`fault.checkpoint_layers`)
 
     def batch_for(self, iteration: int) -> tuple[Tensors, Tensors]: ...
 

@@ -19,9 +19,11 @@ launched with `python -m schedcomp.runtime.fault.launch --max-restarts 3 ...`. W
 - The launcher sees the request, stops every worker and starts the job again as run k + 1 in a
   fresh key namespace of the same store (`store.run_store`), with the request copied to
   `restart/previous`. On start, every worker of the new run takes the newest iteration all stages
-  have a complete checkpoint of (`checkpoint.latest_complete`; the first worker to look fixes it
-  for everyone in `restart/restored`), restores its own stage from it and starts at the next
-  iteration. `Report.restored_from` and `Report.iterations_lost` say where it resumed and how many
+  have a complete checkpoint of (`checkpoint.latest_complete`; with an `nn.Sequential` model, whose
+  checkpoints hold each layer, the newest whose stages hold every layer, written under any cut; the
+  first worker to look fixes it for everyone in `restart/restored`), restores its own stage from it
+  (per layer: the layers its first plan's cut gives it) and starts at the next iteration.
+  `Report.restored_from` and `Report.iterations_lost` say where it resumed and how many
   iterations the restart threw away (the previous run's highest commit minus the checkpoint;
   without a checkpoint the job starts again at iteration 0 and loses them all).
 - Without a `CheckpointPolicy` a lost stage ends the worker with a one-line error (status 1).
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from schedcomp.errors import RecoveryError
+from schedcomp.partition import Partition
 from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, checkpoint_writer, latest_complete, restore
 from schedcomp.runtime.fault.chunks import Held
 from schedcomp.runtime.fault.session import FaultSession
@@ -143,7 +146,9 @@ class LastResort:
     """One worker's share of checkpoint-restart: resume at start, save after STEP, give up on a lost stage.
 
     Checkpoints are per model chunk: a worker holding several (virtual stages, `fault.chunks`)
-    writes and restores each under its own virtual stage, `checkpoint_dir(directory, iteration, s)`.
+    writes and restores each under its own virtual stage, `checkpoint_dir(directory, iteration, s)`;
+    an `nn.Sequential` model's hold each layer's state (`checkpoint_layers`), so they are written
+    under whatever cut the job runs and restore into any other.
     """
 
     def __init__(self, schedule: CheckpointPolicy | None, session: FaultSession,
@@ -151,26 +156,28 @@ class LastResort:
         self.schedule, self.session, self.leave = schedule, session, leave
         self.checkpointers: dict[int, AsyncCheckpointer] = {}  # by virtual stage, one save in flight each
 
-    def resume(self, held: Held, stages: int) -> Resumed:
+    def resume(self, held: Held, stages: int, cut: Partition | None = None) -> Resumed:
         """Restore the checkpoint every worker of this run agrees on (the first to look picks it) into
-        the chunks `held`; `stages`: the model's (virtual) stages, every one of which must have it."""
+        the chunks `held`; `stages`: the model's (virtual) stages, every one of which must have it. With
+        `cut` (an `nn.Sequential` model's partition) the checkpoints are per layer: any iteration whose
+        stage checkpoints hold every layer, written under any cut, restores into this one."""
         store, env = self.session.store, self.session.env
         previous = (RestartRequest.from_json(store.get(Keys.previous_run()))
                     if store.check([Keys.previous_run()]) else None)
         if self.schedule is None:
             return Resumed(None, None, previous)
-        mine = latest_complete(self.schedule.directory, stages)
+        mine = latest_complete(self.schedule.directory, stages, sum(cut) if cut is not None else None)
         agreed = json.loads(store.compare_set(Keys.restored(), "", json.dumps(mine)))
         if agreed is not None:
             for s, (module, optimizer) in held.items():
-                restore(self.schedule.directory, agreed, s, module, optimizer)
+                restore(self.schedule.directory, agreed, s, module, optimizer, cut)
             log.warning("worker %s: restored the checkpoint of iteration %d", env.worker, agreed)
         lost = None if previous is None else previous.reached - (agreed if agreed is not None else -1)
         return Resumed(agreed, lost, previous)
 
-    def after_step(self, iteration: int, held: Held) -> None:
+    def after_step(self, iteration: int, held: Held, cut: Partition | None = None) -> None:
         """Right after STEP of `iteration` (and its commit record): save every chunk held, if due and this
-        worker writes."""
+        worker writes (`cut`: the model's current partition, under which each layer is saved)."""
         if self.schedule is None:
             return
         view = self.session.view
@@ -180,7 +187,7 @@ class LastResort:
         for s, (module, optimizer) in held.items():
             if s not in self.checkpointers:
                 self.checkpointers[s] = AsyncCheckpointer(self.schedule.directory, s, self.schedule.every)
-            self.checkpointers[s].after_step(iteration, module, optimizer, writer)
+            self.checkpointers[s].after_step(iteration, module, optimizer, writer, cut)
 
     def give_up(self, error: BaseException) -> NoReturn:
         """The job cannot go on by re-planning: ask for a restart (or, without checkpoints, just leave)."""

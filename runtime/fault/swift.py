@@ -218,7 +218,8 @@ class SwiftPolicy(RollbackPolicy):
         rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
         trainer.seed = record["seed"]  # the survivors' random streams, whatever this process was given
         stage = trainer.stage
-        restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer)
+        restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer,
+                trainer.partition if host.per_layer else None)
         joiners = set(session.joiners())
         helpers = _helpers(record)
         replayers = sorted(w for w in joiners if w.stage == me.stage) + helpers.get(me.stage, [])

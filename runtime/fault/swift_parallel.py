@@ -163,10 +163,11 @@ def help_replay(host: RecoveryHost, log: BoundaryLog, directory: str | Path, sta
     assert trainer is not None and report is not None
     pp = session.env.pp
     with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
-        module = build_module(host.build_stage, stage, pp).to(trainer.device)  # a builder may seed: not ours
+        # a builder may seed: not ours; an nn.Sequential is cut as the job is (its checkpoints hold layers)
+        module = build_module(host.build_stage, stage, pp, trainer.partition).to(trainer.device)
     copy = Stage(stage, pp, module, host.loss_fn if stage == pp - 1 else None, host.make_optimizer)
     prepare_stage(copy, trainer.options)
-    restore(directory, source, stage, copy.module, copy.optimizer)
+    restore(directory, source, stage, copy.module, copy.optimizer, trainer.partition if host.per_layer else None)
     joiners = set(session.joiners())
     began = time.perf_counter()
     try:

@@ -8,7 +8,7 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
 - `admit(rt, completed)`: at an iteration boundary, admit the replacements due there, regroup, hand over;
 - `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on;
 - at start, `join_as_replacement(rt)` (a replacement's state from a donor, or the logging policy's replay)
-  or `resume(rt, stages, then)` (the agreed checkpoint restored, then the layers moved to the plan's cut).
+  or `resume(rt, stages)` (the agreed checkpoint restored, per layer into the plan's cut).
 
 A plan that cuts the model elsewhere (`Plan.partition`) moves layers at the switch (`runtime.moves`), once
 the policy has restored a consistent state (after the rollback's undo), among the survivors only:
@@ -60,16 +60,13 @@ def join_as_replacement(rt: Any) -> int:
     return start
 
 
-def resume(rt: Any, stages: int, then: Plan | None) -> int:
-    """A run's start: the replicas synchronised and the checkpoint every worker agrees on restored (`fault.
-    restart`); then, if the run's plan cuts the model elsewhere than the checkpoint (`then`), its layers
-    moved there. Returns the iteration to run next."""
+def resume(rt: Any, stages: int) -> int:
+    """A run's start: the replicas synchronised and the checkpoint every worker agrees on restored into the
+    cut the trainer was built with (`fault.restart`; per layer, so whichever cut wrote it). Returns the
+    iteration to run next."""
     session = rt.session
     rt.trainer.sync_replicas()
-    resumed = rt.last_resort.resume(rt.held, stages)
-    if then is not None:  # the checkpoint holds the base cut: now cut as the plan says
-        rt.trainer.use_plan(then)
-        follow(rt)
+    resumed = rt.last_resort.resume(rt.held, stages, rt.trainer.partition if rt.per_layer else None)
     start = resumed.start
     if start > 0:
         session.commit(start - 1)  # it holds the checkpoint's state after that step

@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--strategy", action="append", choices=STRATEGIES, metavar="NAME",
                    help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
     add_solver_arguments(p, default="greedy")
+    p.add_argument("--recut", action="store_true",
+                   help="adaptive may also split the failed workers' micro-batches into pieces sized for the peers "
+                   "that take them (as compile --recut)")
     p.add_argument("--json", action="store_true",
                    help="print a list of {strategy, period, relative_throughput, peak_memory, memory_limit, "
                    "within_memory_limit} (and the adaptive partition with --layers)")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     strategies = tuple(args.strategy) if args.strategy else STRATEGIES
     outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
                        solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
-                       chunks=chunks, placement=args.placement or "loop", **layer_options(args))
+                       chunks=chunks, placement=args.placement or "loop", recut=args.recut, **layer_options(args))
     if args.json:
         print_json([o.to_dict() for o in outcomes])
         return 0

@@ -212,3 +212,19 @@ def test_critical_path_and_torch_csv_know_the_cut() -> None:
     assert critical_path(plan)[0] == pytest.approx(simulate(plan).makespan)
     with pytest.raises(PlanFormatError, match="re-cut"):
         plan_to_torch_csv(plan)
+
+
+def test_compare_recut_lets_adaptive_re_cut_and_refuses_a_non_boolean() -> None:
+    from schedcomp.baselines import compare
+    from schedcomp.errors import SchedcompTypeError
+
+    kept, cut = ({o.strategy: o for o in compare(2, 3, 3, ["1:1"], strategies=("adaptive", "adaptive-no-split"),
+                                                 recut=recut)} for recut in (False, True))
+    assert cut["adaptive"].period < kept["adaptive"].period  # the failed pipeline's 3 micro-batches over 2 peers
+    assert cut["adaptive-no-split"].period == kept["adaptive-no-split"].period  # ablations keep whole ones
+    with pytest.raises(SchedcompTypeError, match="recut must be True or False"):
+        compare(2, 3, 3, ["1:1"], recut="yes")  # type: ignore[arg-type]
+    run = cli("compare", "--pp", "2", "--dp", "3", "-m", "3", "--fail", "1:1", "--recut", "--json",
+              "--strategy", "adaptive")
+    assert run.code == 0, run.err
+    assert [r["period"] for r in json.loads(run.out)] == pytest.approx([cut["adaptive"].period])

@@ -11,6 +11,7 @@ import pytest
 
 from schedcomp import compile
 from schedcomp.baselines import compare
+from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError
@@ -138,13 +139,25 @@ def test_compile_and_compare_json_carry_the_partition(capsys) -> None:
     (["--layers", "2", "--partition", "4,4"], "4 stages"),
     (["--layers", "2", "--partition", "1,2,2,2"], "sum to the model's layers"),
     (["--partition", "2,2,2,2"], "per-layer costs"),
-    (["--layers", "2", "--recut"], "recut and layers"),
     (["--layers", "2", "--schedule", "zb-v"], "chunks=2"),
     (["--layer-costs", "missing.json"], "missing.json"),
 ])
 def test_bad_layer_flags_are_one_line_and_exit_2(capsys, argv, words) -> None:
     status, out, err = run(capsys, "compile", "--pp", "4", "--dp", "2", "-m", "8", "--fail", "1:1", *argv)
     assert status == 2 and out == "" and words in err and err.count("\n") == 1
+
+
+def test_re_cut_pieces_and_moved_layers_compose_and_beat_either_alone() -> None:
+    # pp 2, dp 3, M 3, 1:1 failed, 3 layers per stage: moving a layer off stage 1 leaves its two live workers
+    # 2 layers each; re-cutting pipeline 1's micro-batches then spreads them evenly over those two
+    both = compile(2, 3, 3, failed=["1:1"], layers=3, recut=True, solver="greedy")
+    layers_only = compile(2, 3, 3, failed=["1:1"], layers=3, solver="greedy")
+    recut_only = compile(2, 3, 3, failed=["1:1"], recut=True, solver="greedy")
+    assert both.partition == (4, 2) and both.cut and 1 in both.cut.pipelines
+    check(both)
+    assert simulate(both).period < min(simulate(layers_only).period, simulate(recut_only).period) - 1
+    text = Plan.from_json(both.to_json())
+    assert text.partition == both.partition and text.cut == both.cut
 
 
 def test_a_layer_cost_file_with_a_stage_cost_model_is_refused(capsys, tmp_path) -> None:

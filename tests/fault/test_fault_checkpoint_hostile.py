@@ -28,7 +28,7 @@ from full_disk import FullDisk
 from schedcomp import fileio
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, latest_complete, restore
-from schedcomp.runtime.fault.checkpoint_check import stored_digests
+from schedcomp.runtime.fault.checkpoint_storage import stored_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
 
@@ -197,7 +197,8 @@ def _two_tensors(skeleton: object) -> str:
     ("[" * 5000 + "]" * 5000, "nests more than 64 levels deep"),
     (b"\xff\xfe", "is not UTF-8"),
     ('{"format": 2, "iteration": 3, "stage": 0, "tensors": []}', "has no skeleton"),
-    ('{"format": 3, "iteration": 3, "stage": 0}', "has format 3, expected 2"),
+    ('{"format": 4, "iteration": 3, "stage": 0}', "has format 4, expected 2"),
+    ('{"format": 3, "iteration": 3, "stage": 0}', "holds each layer's state"),
     ('{"format": 2, "iteration": 4, "stage": 0}', "has iteration 4, expected 3"),
     ('{"format": 2, "iteration": 3, "stage": true}', "has stage True, expected 0"),
     (_one_tensor("Size", [1], "cpu"),
@@ -278,3 +279,22 @@ def test_a_checkpoint_directory_that_cannot_be_made_or_read_is_named(tmp_path: P
     monkeypatch.setattr(Path, "iterdir", unreadable)  # (tests run as root: chmod would not stop them)
     with pytest.raises(RecoveryError, match=f"cannot list checkpoint directory {tmp_path}: Permission denied"):
         latest_complete(tmp_path, 1)
+
+
+@pytest.mark.parametrize(("key", "match"), [("step", "does not load into this stage"),
+                                            ("exp_avg", r"lacks \['exp_avg'\]")])
+def test_a_renamed_optimizer_state_key_is_refused_and_a_trained_stage_keeps_its_state(
+        ckpt: Path, tmp_path: Path, key: str, match: str) -> None:
+    # Passes every check before the load (names, shapes, digests): renaming `step` fails inside torch's
+    # load, renaming `exp_avg` loads a state Adam cannot step with. Either way the stage gets its own back.
+    text = (ckpt / MANIFEST).read_text()
+    assert f'"{key}"' in text
+    (ckpt / MANIFEST).write_text(text.replace(f'"{key}"', f'"{key[:-1]}Q"', 1))  # parameter 0's only
+    module, optimizer = demo_stage(seed=9)
+    train_demo(module, optimizer, steps=1)  # a stage with optimizer state, a schedule's worth of it
+    before = state_digest(module, optimizer)
+    with pytest.raises(RecoveryError, match=match) as info:
+        restore(tmp_path / "job", ITERATION, STAGE, module, optimizer)
+    assert "\n" not in str(info.value) and str(ckpt) in str(info.value)
+    assert state_digest(module, optimizer) == before
+    train_demo(module, optimizer, steps=1)  # and it still steps

@@ -5,12 +5,15 @@ fault-free plan leaves the cut to the runtime (even: 2, 2, 2, 2); every failure 
 layer off stage 1 onto stage 0 in every pipeline (3, 1, 2, 2). Worker 0:1 is killed in iteration 1: the
 survivors roll back, switch, and layer 2 goes to 0:0 from 1:1 (its own pipeline's holder is dead) and to
 1:0 from 1:1. Every survivor's layers equal the fault-free model trained in one process (float64, 1e-10).
-Also: the policies that keep layers in place refuse such a cache in one line, before any group is made.
+Checkpoints hold each layer, so a job keeps taking them under a moved cut, and a restart restores them into
+its own first plan's cut. Also: the policies that keep layers in place refuse such a cache in one line,
+before any group is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -91,53 +94,40 @@ def test_a_compiled_cache_moves_layers_where_its_failure_plan_cuts(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_job_whose_own_cut_is_not_even_checkpoints_under_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The job's partition is (3, 1, 2, 2), the healthy plan's: checkpoints are written under that cut (the
-    # one a restart builds), not only under the runtime's even split. 1:0 (no checkpoint writer: pipeline 0
-    # writes) dies in iteration 1; the failure plan cuts elsewhere, so iteration 0's checkpoint is the last
-    # one, complete for every stage.
-    from schedcomp.runtime.fault.checkpoint import latest_complete
+def test_a_moved_cut_keeps_checkpointing_and_a_restart_restores_into_its_own_cut(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job's own cut is (3, 1, 2, 2), the healthy plan's (not the runtime's even split). 1:0 (no checkpoint
+    # writer: pipeline 0 writes) dies in iteration 1; its failure plan moves a layer, (2, 1, 3, 2), and the
+    # survivors go on checkpointing under that cut, per layer (before, checkpoints stopped while the cut was
+    # moved: iteration 0's was the last complete one). A second run of the job starts without 0:3 (dead
+    # before joining): its first plan cuts (3, 1, 3, 1), so each worker builds that cut and restores, from
+    # the checkpoint written under (2, 1, 3, 2), exactly the layers it holds (stage 0's come from two stage
+    # directories), then trains on to the fault-free model.
+    from schedcomp.partition import spans
+    from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir, latest_complete
 
-    victim = Worker(1, 0)
-
+    victim, absent = Worker(1, 0), Worker(0, 3)
     cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP, partition=MOVED)
-    assert cache.lookup([]).partition == MOVED and cache.lookup([victim]).partition != MOVED
+    moved, later = cache.lookup([victim]).partition, cache.lookup([absent]).partition
+    assert cache.lookup([]).partition == MOVED and len({MOVED, moved, later}) == 3, (moved, later)
     cache.save(tmp_path / "plans")
     stream = cache.lookup([]).streams[victim]
+    everyone = {str(Worker(d, s)) for d in range(DP) for s in range(PP)}
     monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
     monkeypatch.setenv("CHAOS_CHECKPOINT", str(tmp_path / "ckpt"))
     results = launch(str(tmp_path / "plans"), f"{victim}@1.{len(stream) // 2}")
-    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(victim)},
-          cache.lookup([victim]).partition, ITERATIONS)
-    assert latest_complete(tmp_path / "ckpt", PP) == 0
+    check(results, everyone - {str(victim)}, moved, ITERATIONS)
+    assert latest_complete(tmp_path / "ckpt", PP, LAYERS) == ITERATIONS - 1
+    for s, held in enumerate(spans(moved)):  # written under the moved cut
+        manifest = json.loads((checkpoint_dir(tmp_path / "ckpt", ITERATIONS - 1, s) / MANIFEST).read_text())
+        assert [entry["index"] for entry in manifest["layers"]] == list(held)
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_job_that_starts_short_of_a_worker_builds_its_base_cut_then_moves(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # A first job trains 2 iterations and checkpoints them under the healthy plan's cut. A second one resumes
-    # from them, but 1:0 dies before joining, so its first plan is the one for {1:0}, which cuts the model
-    # elsewhere. Each worker builds the base cut, restores the checkpoint there, then moves its layers to the
-    # plan's cut (`switches.resume`) and trains on to the fault-free model. (Restoring the checkpoint into the
-    # plan's cut, as before, loaded other layers' weights, or refused.)
-    from schedcomp.runtime.fault.checkpoint import latest_complete
-
-    absent = Worker(1, 0)
-    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP)
-    cut = cache.lookup([absent]).partition
-    assert cut is not None and cut != cache.lookup([]).partition
-    cache.save(tmp_path / "plans")
-    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
-    monkeypatch.setenv("CHAOS_CHECKPOINT", str(tmp_path / "ckpt"))
-    launch(str(tmp_path / "plans"), "", iterations=2)
-    assert latest_complete(tmp_path / "ckpt", PP) == 1
     monkeypatch.setenv("CHAOS_ABSENT", str(absent))
-    results = launch(str(tmp_path / "plans"), "")
-    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(absent)}, cut, ITERATIONS)
+    results = launch(str(tmp_path / "plans"), "", iterations=ITERATIONS + 2)
+    check(results, everyone - {str(absent)}, later, ITERATIONS + 2)
     for r in results.values():
         assert r["failed"] == [str(absent)] and not r["recoveries"]
-        assert sorted(map(int, r["ledger"])) == list(range(2, ITERATIONS))  # resumed after the checkpoint
+        assert sorted(map(int, r["ledger"])) == [ITERATIONS, ITERATIONS + 1]  # resumed after the checkpoint
 
 
 def check(results: dict[str, dict], expected: set[str], cut: tuple[int, ...], iterations: int) -> None:

@@ -80,6 +80,54 @@ def test_dcp_checkpoint_of_cuda_state_round_trips(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(module.parameters(), fresh.parameters(), strict=True))
 
 
+def test_per_layer_checkpoint_of_cuda_state_restores_into_another_cut(tmp_path: Path) -> None:
+    """An nn.Sequential's stages on the GPU save per layer under the cut (2, 2) and a fresh model restores into
+    (3, 1): every layer's weights and Adam moments come back bit for bit, on the GPU, and step as the original."""
+    from torch import nn
+
+    from schedcomp.partition import spans
+    from schedcomp.runtime.fault.checkpoint import AsyncCheckpointer, latest_complete, restore
+
+    device = torch.device("cuda", 0)
+
+    def cut_into(net: nn.Sequential, cut: tuple[int, ...]) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+        held = [nn.Sequential(*(net[i] for i in layers)) for layers in spans(cut)]
+        return [(m, torch.optim.Adam(m.parameters(), lr=0.01)) for m in held]
+
+    def model(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))).to(device)
+
+    def step(net: nn.Sequential, stages: list[tuple[nn.Module, torch.optim.Optimizer]], seed: int) -> None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        net(torch.randn(ROWS, 16, device=device, generator=g)).square().mean().backward()
+        for _, optimizer in stages:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    net, fresh = model(1), model(2)
+    written, restored = cut_into(net, (2, 2)), cut_into(fresh, (3, 1))
+    for i in range(2):
+        step(net, written, i)
+    for s, (module, optimizer) in enumerate(written):
+        AsyncCheckpointer(tmp_path, stage=s, every=1).save(1, module, optimizer, (2, 2)).result(timeout=120)
+    assert latest_complete(tmp_path, 2, 4) == 1
+    for s, (module, optimizer) in enumerate(restored):
+        restore(tmp_path, 1, s, module, optimizer, (3, 1))
+    moments = {id(p): st for _, o in written for p, st in o.state.items()}
+    for _, optimizer in restored:
+        for st in optimizer.state.values():  # Adam's moments live beside their parameters
+            assert st["exp_avg"].device == device and st["exp_avg_sq"].device == device
+    got = {id(q): st for _, o in restored for q, st in o.state.items()}
+    for a, b in zip(net.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b) and b.device == device
+        assert all(torch.equal(torch.as_tensor(moments[id(a)][k]).cpu(), torch.as_tensor(got[id(b)][k]).cpu())
+                   for k in moments[id(a)])
+    step(net, written, 2)
+    step(fresh, restored, 2)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters(), strict=True))
+
+
 def test_cuda_state_round_trips_through_transfer_bytes() -> None:
     from schedcomp.runtime.fault.transfer import TensorSpec, flatten, from_bytes, stage_state, to_bytes
 

@@ -210,15 +210,17 @@ def test_optimizers_that_do_not_split_per_layer_are_refused() -> None:
     from schedcomp.runtime.moves import check_movable, layer_states
     from schedcomp.runtime.stage import Stage
 
+    stage = Stage(0, 1, model()[:2], None, Momentum)
     with pytest.raises(RuntimeSetupError, match=r"Momentum's state_dict is not torch\.optim's"):
-        layer_states(Stage(0, 1, model()[:2], None, Momentum), 0)
+        layer_states(stage.module, stage.optimizer, 0)
 
     def two_groups(params) -> torch.optim.Optimizer:
         params = list(params)
         return torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.0}], lr=0.1)
 
+    stage = Stage(0, 1, model()[:2], None, two_groups)
     with pytest.raises(RuntimeSetupError, match="has 2 param groups"):
-        layer_states(Stage(0, 1, model()[:2], None, two_groups), 0)
+        layer_states(stage.module, stage.optimizer, 0)
     # ... and the same checks run before training wherever plans may move layers (`ResilientTrainer`), so the
     # refusal never comes in the middle of a recovery
     with pytest.raises(RuntimeSetupError, match="has 2 param groups"):

@@ -2,7 +2,8 @@
 single-process model on the same global batch (CPU, gloo, float64, 1e-10).
 
 The model, optimizer and single-process reference are `test_runtime_equivalence`'s; the batch has more rows per
-micro-batch so that every piece holds whole samples, and some pieces round to unequal row counts.
+micro-batch so that every piece holds whole samples, and some pieces round to unequal row counts. Also a plan
+that re-cuts and moves a layer boundary at once (`compile(..., layers=, recut=True)`), on an `nn.Sequential`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_runtime_equivalence import ITERATIONS, SEQ, H, build_block, make_optimizer, reference
-from torch import Tensor
+from torch import Tensor, nn
 
 from schedcomp import CostModel, Plan, Topology
 from schedcomp.adaptive import solve
@@ -109,3 +110,75 @@ def test_hand_cut_rows_are_rounded_and_cover_the_share_once() -> None:
 def test_hand_cut_plan_with_rounded_rows_matches_reference(tmp_path: Path) -> None:
     """Each piece's loss weighted by its own row count, every sample once (4 processes)."""
     run_and_compare(hand_cut_plan(), tmp_path)
+
+
+# ---- re-cut pieces on a re-partitioned model ---------------------------------------------------------------
+
+LAYERS = 6  # blocks of the nn.Sequential below: 3 per stage in the job's own cut
+
+
+def sequential() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(LAYERS))).to(DTYPE)
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def sequential_batch(chunks: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(12)
+    return (torch.randn(chunks * ROWS, H, generator=g, dtype=DTYPE),
+            torch.randn(chunks * ROWS, H, generator=g, dtype=DTYPE))
+
+
+def moved_and_cut_plan() -> Plan:
+    """pp 2, dp 3, M 3, worker 1:1 failed, 3 layers per stage: the plan moves a layer off the stage that lost
+    a worker and re-cuts the failed pipeline's micro-batches for the peers that take them."""
+    plan = compile(2, 3, 3, failed=["1:1"], recut=True, layers=3)
+    assert plan.cut and plan.partition == (4, 2), (plan.cut, plan.partition)
+    return plan
+
+
+def run_sequential(rank: int, plan: Plan, outdir: str) -> None:
+    """In each process: train `sequential()` cut by the plan's partition; save each layer it holds."""
+    from schedcomp.runtime import PipelineTrainer
+
+    trainer = PipelineTrainer(plan, sequential(), F.mse_loss, adam)
+    batch = sequential_batch(plan.topology.dp * plan.microbatches)
+    losses = [float(trainer.step(batch)) for _ in range(ITERATIONS)]
+    first = sum(trainer.partition[:trainer.worker.stage])
+    held = {first + k: layer.state_dict() for k, layer in enumerate(trainer.stage.module)}
+    torch.save({"worker": str(trainer.worker), "losses": losses, "held": held}, Path(outdir) / f"{rank}.pt")
+    trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_re_cut_pieces_on_a_moved_cut_match_one_process(tmp_path: Path) -> None:
+    """Unequal pieces and a moved layer boundary at once (5 processes): every layer each worker holds and
+    every loss equal one process training the whole model on the whole batch."""
+    plan = moved_and_cut_plan()
+    spawn(run_sequential, len(plan.workers), (plan, str(tmp_path)), timeout=150.0)
+    model = sequential()
+    optimizer = adam(model.parameters())
+    x, y = sequential_batch(plan.topology.dp * plan.microbatches)
+    want_losses = []
+    for _ in range(ITERATIONS):
+        loss = F.mse_loss(model(x), y)
+        want_losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    results = [torch.load(f) for f in sorted(tmp_path.glob("*.pt"))]
+    assert sorted(r["worker"] for r in results) == sorted(map(str, plan.workers))
+    seen = []
+    for result in results:
+        assert result["losses"] == pytest.approx(want_losses, abs=TOL, rel=0), result["worker"]
+        for layer, state in result["held"].items():
+            seen.append(layer)
+            for name, want in model[layer].state_dict().items():
+                err = (state[name] - want).abs().max().item()
+                assert err <= TOL, f"{result['worker']} layer {layer} {name} is off by {err:.3g}"
+    # stage 0 holds layers 0-3 in all three pipelines, stage 1 layers 4-5 in its two live ones
+    assert sorted(seen) == sorted([*range(4)] * 3 + [4, 5] * 2)

@@ -43,6 +43,8 @@ class HostJob:
         self.hosts, self.pp, self.dp = hosts, pp, dp
         self.store = f"{hosts.addresses[0]}:{PORT}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CHAOS_DETECTION": str(detection),
+               # the operations a cut leaves hanging (and leaving the job) wait this long, not the default 30 s
+               "CHAOS_GROUP_TIMEOUT": str(2 * detection),
                "CHAOS_GATES": ",".join(map(str, gates))}
         self.env = env
         worker = [sys.executable, str(PROCS), "resilient", str(iterations), cache_dir, victims]

@@ -237,8 +237,11 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
             os.kill(os.getpid(), signal.SIGKILL)
 
     # generous detection: under a loaded CI box heartbeats must not time out; deaths of local
-    # workers are seen at once through the launcher's death notices anyway
-    session = FaultSession(env, detection_time=float(os.environ.get("CHAOS_DETECTION", "15")), group_timeout=30.0,
+    # workers are seen at once through the launcher's death notices anyway. CHAOS_GROUP_TIMEOUT: how
+    # long a gloo operation waits on a peer; a host cut off mid-operation leaves that wait blocked
+    # until then, and leaving the job (`FaultSession.close`) waits it out.
+    session = FaultSession(env, detection_time=float(os.environ.get("CHAOS_DETECTION", "15")),
+                           group_timeout=float(os.environ.get("CHAOS_GROUP_TIMEOUT", "30")),
                            agree_timeout=90.0, backend=os.environ.get("CHAOS_BACKEND", "gloo"))  # tests/gpu: "nccl"
     kill = kill_at(at, env.worker, env.incarnation)
     gates = {int(g) for g in os.environ.get("CHAOS_GATES", "").split(",") if g}

@@ -1,0 +1,168 @@
+"""Per-layer checkpoints (`checkpoint_layers`): written under one cut of an nn.Sequential, restored into others.
+
+An 8-layer model trains two Adam steps (float64) stage by stage under the cut (2, 2, 2, 2), each stage with
+its own optimizer and a StepLR schedule; every stage saves iteration 1. A fresh model restored into the
+cuts (3, 1, 2, 2) and (1, 3, 3, 1) holds exactly the same per-layer parameters, Adam state and schedule,
+and trains on exactly as the original.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from schedcomp.errors import RecoveryError
+from schedcomp.partition import spans
+from schedcomp.runtime.fault.checkpoint import MANIFEST, AsyncCheckpointer, checkpoint_dir, latest_complete, restore
+from schedcomp.runtime.training import attach_lr_scheduler, lr_scheduler_of
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
+
+LAYERS, WRITTEN, ITERATION = 8, (2, 2, 2, 2), 1
+
+
+def model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(LAYERS))).double()
+
+
+def stages(net: nn.Sequential, cut: tuple[int, ...]) -> list[tuple[nn.Sequential, torch.optim.Optimizer]]:
+    """Each stage of `cut`: its layers of `net` (the same modules) and its own Adam with a StepLR schedule."""
+    out = []
+    for held in spans(cut):
+        module = nn.Sequential(*(net[i] for i in held))
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+        attach_lr_scheduler(optimizer, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+        out.append((module, optimizer))
+    return out
+
+
+def train(net: nn.Sequential, held: list[tuple[nn.Sequential, torch.optim.Optimizer]], steps: range) -> None:
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+        F.mse_loss(net(x), y).backward()
+        for _, optimizer in held:
+            optimizer.step()
+            optimizer.zero_grad()
+            lr_scheduler_of(optimizer).step()
+
+
+def per_layer(net: nn.Sequential, held: list[tuple[nn.Sequential, torch.optim.Optimizer]]) -> list[dict]:
+    """Each layer's parameters and its parameters' Adam state, and every stage's lr and schedule."""
+    state = {id(p): s for _, optimizer in held for p, s in optimizer.state.items()}
+    layers = [{"module": layer.state_dict(), "adam": [state.get(id(p), {}) for p in layer.parameters()]}
+              for layer in net]
+    settings = [(o.param_groups[0]["lr"], lr_scheduler_of(o).state_dict()["last_epoch"]) for _, o in held]
+    return [*layers, settings]
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> tuple[Path, nn.Sequential, list]:
+    net = model(0)
+    held = stages(net, WRITTEN)
+    train(net, held, range(ITERATION + 1))
+    for s, (module, optimizer) in enumerate(held):
+        AsyncCheckpointer(tmp_path, s, every=1).save(ITERATION, module, optimizer, WRITTEN).result(timeout=60)
+    return tmp_path, net, held
+
+
+@pytest.mark.parametrize("cut", [(3, 1, 2, 2), (1, 3, 3, 1)])
+def test_a_checkpoint_written_under_one_cut_restores_exactly_into_another(written, cut: tuple[int, ...]) -> None:
+    root, net, held = written
+    manifest = json.loads((checkpoint_dir(root, ITERATION, 1) / MANIFEST).read_text())
+    assert [e["index"] for e in manifest["layers"]] == [2, 3] and manifest["model_layers"] == LAYERS
+    assert latest_complete(root, len(cut), LAYERS) == ITERATION
+    fresh = model(1)
+    restored = stages(fresh, cut)
+    assert not same(per_layer(fresh, restored)[:LAYERS], per_layer(net, held)[:LAYERS])
+    for s, (module, optimizer) in enumerate(restored):
+        restore(root, ITERATION, s, module, optimizer, cut)
+    want = per_layer(net, held)
+    got = per_layer(fresh, restored)
+    assert same(got[:LAYERS], want[:LAYERS])  # parameters and Adam state, bit for bit
+    assert got[LAYERS] == [want[LAYERS][0]] * len(cut)  # the lr and schedule every stage shares
+    train(net, held, range(ITERATION + 1, ITERATION + 3))
+    train(fresh, restored, range(ITERATION + 1, ITERATION + 3))
+    for a, b in zip(fresh.parameters(), net.parameters(), strict=True):
+        assert (a - b).abs().max().item() <= 1e-10
+
+
+def test_an_iteration_is_complete_only_when_its_stages_hold_every_layer(written) -> None:
+    root, net, held = written
+    other = stages(net, (1, 3, 3, 1))  # the same trained layers, cut otherwise (fresh optimizers)
+    # iteration 3: stage 0 written under (1, 3, 3, 1) holds layer 0 only, stages 1-3 under (2, 2, 2, 2): no layer 1
+    AsyncCheckpointer(root, 0, every=1).save(3, *other[0], (1, 3, 3, 1)).result(timeout=60)
+    for s in (1, 2, 3):
+        AsyncCheckpointer(root, s, every=1).save(3, *held[s], WRITTEN).result(timeout=60)
+    assert latest_complete(root, 4, LAYERS) == ITERATION
+    with pytest.raises(RecoveryError, match=r"holds no complete state of layers \[1\]"):
+        restore(root, 3, 0, *stages(model(1), WRITTEN)[0], WRITTEN)
+    # iteration 5: stage 0 written under (3, 1, 2, 2) holds layers 0-2, stage 1 under (2, 2, 2, 2) layers 2-3 (an
+    # iteration re-run under another cut): complete, layer 2 is read from stage 0, the lowest holding it
+    wide = stages(net, (3, 1, 2, 2))
+    AsyncCheckpointer(root, 0, every=1).save(5, *wide[0], (3, 1, 2, 2)).result(timeout=60)
+    for s in (1, 2, 3):
+        AsyncCheckpointer(root, s, every=1).save(5, *held[s], WRITTEN).result(timeout=60)
+    assert latest_complete(root, 4, LAYERS) == 5
+    (checkpoint_dir(root, 5, 2) / MANIFEST).unlink()  # stage 2's writer died before its manifest
+    assert latest_complete(root, 4, LAYERS) == ITERATION
+
+
+def test_damaged_or_crafted_per_layer_checkpoints_are_one_line(written, tmp_path: Path) -> None:
+    root, _, _ = written
+    cut = (3, 1, 2, 2)
+
+    def restore_stage(s: int) -> None:
+        module, optimizer = stages(model(1), cut)[s]
+        restore(root, ITERATION, s, module, optimizer, cut)
+
+    # a data file changed after the save: stage 2 of (3, 1, 2, 2) reads layers 4-5 from stage 2's directory
+    data = next(p for p in checkpoint_dir(root, ITERATION, 2).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[-9] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RecoveryError, match=r"stage2: the stored bytes of tensor layer\d\.\d do not match"):
+        restore_stage(2)
+    restore_stage(1)  # layer 3 lies in stage 1's directory, untouched
+    # a manifest claiming a bigger layer: refused before anything is allocated
+    path = checkpoint_dir(root, ITERATION, 1) / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["layers"][1]["tensors"][0]["shape"] = [4096, 4096]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(RecoveryError, match=r"stage1/manifest.json: layer 3: module tensor '0.weight' is "
+                                            r"float64 \[4096, 4096\], but this stage's is float64 \[4, 4\]"):
+        restore_stage(1)
+    manifest["layers"][1]["index"] = 2  # two entries of layer 2
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(RecoveryError, match=r"stage1/manifest.json: layer entry .* of a new layer index below 8"):
+        latest_complete(root, 4, LAYERS)
+    manifest["model_layers"] = 9
+    manifest["layers"][1]["index"] = 3
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(RecoveryError, match="holds layers of a 9-layer model, this one has 8"):
+        latest_complete(root, 4, LAYERS)
+    # a checkpoint of one stage's state (an older schedcomp's, or a stage builder's) where layers are expected
+    module, optimizer = stages(model(0), WRITTEN)[0]
+    AsyncCheckpointer(tmp_path / "old", 0, every=1).save(0, module, optimizer).result(timeout=60)
+    with pytest.raises(RecoveryError, match="holds one stage's state, not each layer's: it was written by an older "
+                                            "schedcomp or for a stage builder"):
+        latest_complete(tmp_path / "old", 4, LAYERS)
+    # and the other way round
+    with pytest.raises(RecoveryError, match="holds each layer's state"):
+        restore(root, ITERATION, 0, module, optimizer)
