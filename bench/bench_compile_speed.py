@@ -17,7 +17,8 @@ compile + validate up to pp = 32, M = 128 under 1 s (dp = 1 and dp = 4).
 `--scale` (issue 14, a few minutes): each case in a fresh process, timed from outside (wall, CPU, peak
 RSS of that process from `os.wait4`): `schedcomp compile --pp 32 --dp 256 -m 64` with 16 spread failures
 through the CLI (import, compile, check, write the plan, simulate the summary; targets < 10 s wall and
-< 1 GB); and `repair` of that plan for one more failed worker, several workers, each timed inside the
+< 1 GB); the same phases timed in one process (CPU s, and resident memory after each: where the time and
+the peak go); and `repair` of that plan for one more failed worker, several workers, each timed inside the
 process (target < 1 s), with the memory the repair allocates (tracemalloc, a second run) and the time
 of `check` on the result. Repair needs the plan's timeline (`schedcomp.optimes.op_times`), timed once
 beforehand as the runtime would while the plan is in use; each repair edits the compiled plan.
@@ -140,6 +141,61 @@ def repair_child() -> None:
                           "check_s": checked, "period": period, "repaired_period": after}), flush=True)
 
 
+def phases_child() -> None:
+    """The scale case's phases as `compile` and the CLI run them (the collector paused throughout, as there), in
+    one process: prints one JSON line with each phase's CPU seconds and the resident memory (now and peak, MB)
+    after it."""
+    from schedcomp.gcpause import paused_gc
+
+    with paused_gc():
+        _phases()
+
+
+def _phases() -> None:
+    import resource
+
+    from schedcomp.adaptive import ITERATIONS, adaptive_solution
+    from schedcomp.compiler import unit_costs
+    from schedcomp.fileio import write_atomic
+    from schedcomp.memory import FAULT_FREE, resolve_limit
+    from schedcomp.serialize import plan_json_pieces
+    from schedcomp.simfast import remember, solver_timing
+    from schedcomp.simulator import simulate
+
+    row: dict[str, float] = {}
+    clock = time.process_time()
+
+    def done(phase: str) -> None:
+        nonlocal clock
+        now = time.process_time()
+        with open("/proc/self/statm") as f:  # (Linux: resident pages now; the peak from getrusage)
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        row.update({f"{phase}_s": now - clock, f"{phase}_mb": resident,
+                    f"{phase}_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+        clock = now
+
+    topo = Topology.of(SCALE["pp"], SCALE["dp"], SCALE["failed"])  # type: ignore[arg-type]
+    costs = resolve_limit(FAULT_FREE, topo, SCALE["microbatches"], unit_costs(topo))  # type: ignore[arg-type]
+    sol = adaptive_solution(topo, SCALE["microbatches"], costs, solver="auto")  # type: ignore[arg-type]
+    done("solve")
+    order = sol.order()
+    timed = solver_timing(sol.problem, sol.seqs, sol.timing, ITERATIONS, sol.synchronous) if sol.timing else None
+    del sol
+    done("order")
+    plan = lower(order, costs, solver="greedy")  # (as `compiler._adaptive`)
+    del order
+    done("lower")
+    check(plan)
+    remember(plan, timed)
+    done("check")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_atomic(os.path.join(tmp, "plan.json"), plan_json_pieces(plan))
+    done("json")
+    simulate(plan)
+    done("simulate")
+    print(json.dumps(row), flush=True)
+
+
 def scale() -> None:
     """The issue-14 table (see the module docstring)."""
     fails = [f"--fail={d}:{s}" for d, s in SCALE["failed"]]  # type: ignore[attr-defined]
@@ -152,6 +208,12 @@ def scale() -> None:
     print("|---|---|---|---|---|")
     print(f"| CLI compile pp32 dp256 M64, 16 failures (period {facts['period']:g}) | {wall:.1f} | {cpu:.1f} | "
           f"{rss:.0f} | < 10 s, < 1 GB: {'yes' if wall < 10 and rss < 1024 else 'NO'} |")
+    _, _, _, out = measured([sys.executable, __file__, "--phases-child"])
+    row = json.loads(out)
+    print("\n| phase (one process) | CPU s | RSS MB after | peak RSS MB |\n|---|---|---|---|")
+    for phase in ("solve", "order", "lower", "check", "json", "simulate"):
+        print(f"| {phase} | {row[phase + '_s']:.2f} | {row[phase + '_mb']:.0f} | {row[phase + '_peak_mb']:.0f} |")
+    print()
     wall, cpu, rss, out = measured([sys.executable, __file__, "--repair-child"])
     print(f"| compile + {len(REPAIRED)} repairs and checks in one process | {wall:.1f} | {cpu:.1f} | {rss:.0f} | |")
     print()
@@ -179,9 +241,13 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
     parser.add_argument("--scale", action="store_true", help="the issue-14 cases instead (minutes)")
     parser.add_argument("--repair-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--phases-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repair_child:
         repair_child()
+        return
+    if args.phases_child:
+        phases_child()
         return
     if args.scale:
         scale()

@@ -36,13 +36,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Op, Order
+from schedcomp.ir import OP_SETTERS, Op, Order
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
@@ -50,7 +51,7 @@ from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem, order_from_sequences
-from schedcomp.solvers.timing import peak_memory, time_sequences, within_limits
+from schedcomp.solvers.timing import Timing, peak_memory, time_sequences, within_limits
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,17 @@ class Solution:
     bound: float
     solver: str
     variant: str
+    timing: Timing | None = None
+    """The timing of `seqs` over `ITERATIONS` iterations (optimizer as `synchronous`), when the solver kept it:
+    the lowered plan's simulation is this very timing (`schedcomp.simfast.remember`)."""
+    synchronous: bool = False
 
     def order(self) -> Order:
         problem = self.problem
         family = "adaptive" if problem.split else "adaptive-no-split"
         kinds, nk, mbs, stages = problem.kinds, len(problem.kinds), problem.width, problem.stages
-        make = Op.trusted  # the fields come from op ids of this problem: in range by construction
+        # `Op.trusted` inlined (the fields come from op ids of this problem: in range by construction).
+        new, set_kind, set_pipeline, set_microbatch, set_stage = object.__new__, *OP_SETTERS
         ops = {}
         for wid, seq in self.seqs.items():
             # Decoded as columns (a million ops at pp = 32, dp = 256: per-op divmods cost seconds).
@@ -90,11 +96,29 @@ class Solution:
             rest, stage = np.divmod(slot, stages)
             pipeline, microbatch = np.divmod(rest, mbs)
             columns = (kind.tolist(), pipeline.tolist(), microbatch.tolist(), stage.tolist())
-            ops[problem.worker_of(wid)] = [make(kinds[k], d, m, st) for k, d, m, st in zip(*columns, strict=True)]
+            decoded = []
+            append = decoded.append
+            for k, d, m, st in zip(*columns, strict=True):
+                op = new(Op)
+                set_kind(op, kinds[k])
+                set_pipeline(op, d)
+                set_microbatch(op, m)
+                set_stage(op, st)
+                append(op)
+            ops[problem.worker_of(wid)] = decoded
         return order_from_sequences(problem, ops, family)
 
 
-def adaptive_order(
+def adaptive_order(topology: Topology, microbatches: int, costs: CostModel,
+                   **options: Any) -> tuple[Order, float | None, str]:
+    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used);
+    `options` (solver, time_limit, split, synchronous, recut) as `adaptive_solution`'s."""
+    with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
+        sol = adaptive_solution(topology, microbatches, costs, **options)
+        return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
+
+
+def adaptive_solution(
     topology: Topology,
     microbatches: int,
     costs: CostModel,
@@ -104,18 +128,15 @@ def adaptive_order(
     split: bool = True,
     synchronous: bool = False,
     recut: bool = False,
-) -> tuple[Order, float | None, str]:
-    """The adaptive compute order for `topology` (with its failures): (order, period bound, solver used).
-
-    `recut` sizes the failed workers' micro-batches for the peers that take them (`schedcomp.recut`);
-    the order then carries the cut."""
+) -> Solution:
+    """`adaptive_order`'s solution itself: its sequences, and their timing that the lowered plan's simulation
+    reuses (`schedcomp.compiler`). `recut` sizes the failed workers' micro-batches for the peers that take
+    them (`schedcomp.recut`); the order then carries the cut."""
     with paused_gc():  # the schedulers allocate many small acyclic objects: see `schedcomp.gcpause`
         problem = Problem(topology, microbatches, costs, split)
         if recut and topology.failed:
-            sol = recut_solution(problem, solver, time_limit, synchronous)
-        else:
-            sol = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
-        return sol.order(), (sol.bound if sol.bound > 0 else None), sol.solver
+            return recut_solution(problem, solver, time_limit, synchronous)
+        return solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
 
 
 def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
@@ -169,8 +190,10 @@ def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, s
     if result.seqs is not None:
         timing = time_sequences(problem, result.seqs, ITERATIONS, synchronous)
         if timing.ok and timing.period < best.period - _TOL:
-            return Solution(problem, result.seqs, timing.period, timing.makespan, bound, "cpsat", result.status)
-    return Solution(problem, best.seqs, best.period, best.makespan, bound, "cpsat", best.variant)
+            return Solution(problem, result.seqs, timing.period, timing.makespan, bound, "cpsat", result.status,
+                            timing, synchronous)
+    return Solution(problem, best.seqs, best.period, best.makespan, bound, "cpsat", best.variant, best.timing,
+                    synchronous)
 
 
 def cpsat_fits(problem: Problem, time_limit: float) -> bool:
@@ -189,7 +212,7 @@ def greedy(
     bound = lower_bound(problem) if bound is None else bound
     quota = balanced_quota(problem)
     assignment = assign_orphans(problem, quota)
-    best: tuple[float, float, float, int, str, dict[int, list[int]]] | None = None
+    best: tuple[float, float, float, int, str, dict[int, list[int]], Timing] | None = None
     n_ops = problem.n_slots * len(problem.kinds)
     # (The plain construction is 1F1B's, one stage per worker, of whole micro-batches.)
     plain = problem.topology.chunks == 1 and not problem.cut
@@ -199,7 +222,7 @@ def greedy(
         seqs = merged_sequences(problem, assignment)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         if timing.ok and within_limits(problem, seqs):
-            best = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, -1, "merged", seqs)
+            best = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, -1, "merged", seqs, timing)
     variants = portfolio(problem)
     for i, params in enumerate(variants):
         if best is not None and best[0] <= bound * (1 + _TOL):
@@ -207,7 +230,7 @@ def greedy(
         seqs = list_schedule(problem, params, assignment, quota)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
         # Ties on the period go to the schedule holding less memory, then to the shorter first iteration.
-        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, i, str(params), seqs)
+        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, i, str(params), seqs, timing)
         if timing.ok and (best is None or key[:4] < best[:4]):
             best = key
     if best is not None and best[0] > bound * (1 + _TOL) and n_ops <= PLAIN_MAX_OPS and plain:
@@ -215,19 +238,22 @@ def greedy(
         # is work-conserving and can lose to 1F1B's strict alternation (see `solvers.plain`).
         seqs = plain_sequences(problem)
         timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
-        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, len(variants), "plain", seqs)
+        key = (round(timing.period, 9), peak_memory(problem, seqs), timing.makespan, len(variants), "plain", seqs,
+               timing)
         if timing.ok and key[:4] < best[:4] and within_limits(problem, seqs):
             best = key
     if best is None:
         raise ScheduleError("no list-scheduler variant produced a runnable schedule (a bug): report the inputs")
-    period, _, makespan, _, variant, seqs = best
+    period, _, makespan, _, variant, seqs, timing = best
+    kept: Timing | None = timing
     if period > bound * (1 + _TOL) and n_ops <= LOCAL_SEARCH_MAX_OPS:
         seqs, (p2, m2) = improve(problem, seqs, time_budget=time_budget, max_moves=_moves(n_ops),
                                  iterations=ITERATIONS, synchronous=synchronous, bound=bound)
+        kept = None  # (the search may have moved ops: its sequences are not the ones timed)
         if (p2, m2) < (period, makespan):
             period, makespan, variant = p2, m2, variant + "+ls"
     log.info("greedy: %s, period %.4g, bound %.4g", variant, period, bound)
-    return Solution(problem, seqs, period, makespan, bound, "greedy", variant)
+    return Solution(problem, seqs, period, makespan, bound, "greedy", variant, kept, synchronous)
 
 
 PLAIN_MAX_OPS = 20_000

@@ -17,11 +17,13 @@ plan's peers are those very keys) and by equality where identity does not settle
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.planindex import TensorTable
 from schedcomp.semantics import SEMANTICS
 from schedcomp.topology import Worker
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
 _KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}  # an op id is `slot * 4 + _KIND_ID[kind]`
 _LOW = (1 << 32) - 1
-_FIELDS = 6  # items per transfer in the scan's flat lists (see `check._Checker.sends`)
+_FIELDS = 3  # ints (objects) per transfer in the scan's flat arrays (lists): see `check._Checker.sends`
 
 
 class _Codes(dict):  # type: ignore[type-arg]
@@ -43,18 +45,19 @@ class _Codes(dict):  # type: ignore[type-arg]
 class _Columns:
     """One side's transfers (all sends, or all receives) as columns, in stream order."""
 
-    def __init__(self, flat: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
+    def __init__(self, ints: Any, objects: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
                  by_rank: list[Worker | None]) -> None:
         self.plan, self.by_rank = plan, by_rank  # for messages only
-        n = self.n = len(flat) // _FIELDS
-        self.here = np.fromiter(flat[0::_FIELDS], np.int64, n)  # packed places
-        self.slot = np.fromiter(flat[1::_FIELDS], np.int64, n)
+        n = self.n = len(objects) // _FIELDS
+        flat = np.frombuffer(ints, dtype=np.int64) if n else np.zeros(0, np.int64)
+        self.here = flat[0::_FIELDS].copy()  # packed places (copies: the scan's array can then go)
+        self.slot = flat[1::_FIELDS].copy()
+        stage = flat[2::_FIELDS]
         rows = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
         code = {k: c for c, k in enumerate(rows)}  # the scan gave transfer kinds only
-        kcode = np.fromiter(map(code.__getitem__, flat[2::_FIELDS]), np.int64, n)
-        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, flat[3::_FIELDS]), np.int64, n)
-        stage = np.fromiter(flat[4::_FIELDS], np.int64, n)  # ints: the scan checked them
-        self.peers = flat[5::_FIELDS]
+        kcode = np.fromiter(map(code.__getitem__, objects[0::_FIELDS]), np.int64, n)
+        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, objects[1::_FIELDS]), np.int64, n)
+        self.peers = objects[2::_FIELDS]
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
         self.channel = np.array([SEMANTICS[r].channel for r in rows], dtype=np.int64)[kcode]
@@ -72,9 +75,9 @@ class _Columns:
         """What transfer k's kind requires (the message of the first rule)."""
         return SEMANTICS[self.instruction(k).kind].rule
 
-    def first_of(self, tensors: list[int], k: int) -> int:
+    def first_of(self, tensors: NDArray[np.int64], k: int) -> int:
         """The instruction index of the first transfer of transfer k's tensor."""
-        return int(self.here[tensors.index(tensors[k])]) & _LOW
+        return int(self.here[np.flatnonzero(tensors == tensors[k])[0]]) & _LOW
 
     def place(self, op_ids: NDArray[np.int64]) -> NDArray[np.int64]:
         """The packed place of each op id (-1 where no such op runs)."""
@@ -92,11 +95,13 @@ class TransferRules:
     nw: int
     comp: Any  # op id -> packed place, -1 for none (an int64 array: see `check._Checker`)
     by_rank: list[Worker | None]
-    sends: list[Any]
-    recvs: list[Any]
-    sent: dict[int, int]
-    received: dict[int, int]
-    consumer: Any
+    sends: Any  # array("q"), see `check._Checker`
+    send_kinds: list[Any]
+    recvs: Any
+    recv_kinds: list[Any]
+    sent: TensorTable
+    received: TensorTable
+    consumer: TensorTable
     transfer_events: tuple[Any, ...]
     channels: tuple[Any, ...]
 
@@ -138,17 +143,21 @@ class TransferRules:
         raise AssertionError("a transfer failed no rule")
 
     @staticmethod
-    def _once(tensors: list[int], distinct: int) -> NDArray[np.bool_]:
-        """Whether no earlier item of `tensors` (of which `distinct` differ) is the same tensor."""
+    def _once(tensors: NDArray[np.int64]) -> NDArray[np.bool_]:
+        """Whether no earlier item of `tensors` is the same tensor."""
         n = len(tensors)
-        if distinct == n:
-            return np.ones(n, bool)
-        seen: set[int] = set()
+        # First occurrences: a stable sort groups equal tensors in their order (one test when all differ).
+        by = np.argsort(tensors, kind="stable")
+        ordered = tensors[by]
+        repeat = np.zeros(n, bool)
+        repeat[1:] = ordered[1:] == ordered[:-1]
         once = np.ones(n, bool)
-        for k, t in enumerate(tensors):
-            once[k] = t not in seen
-            seen.add(t)
+        once[by[repeat]] = False
         return once
+
+    def _table(self, keys: NDArray[np.int64], values: NDArray[np.int64]) -> TensorTable:
+        """A transfer table of this plan (keys checked distinct and in range by the rules)."""
+        return TensorTable(keys, values, self.ns * self.mbs * self.plan.topology.dp * 2)  # type: ignore[attr-defined]
 
     def transfers(self) -> None:
         """Check every send and receive and pair them up (the tables keep the scan's stream order)."""
@@ -156,7 +165,8 @@ class TransferRules:
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
-        sends = _Columns(self.sends, ns, comp, self.plan, by_rank)
+        sends = _Columns(self.sends, self.send_kinds, ns, comp, self.plan, by_rank)
+        self.sends, self.send_kinds = array("q"), []  # (read into columns)
         slot, rank, ins = sends.slot, sends.rank, sends.instruction
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
         to = np.where(target >= 0, target >> 32, -1)  # the consumer's rank
@@ -166,7 +176,6 @@ class TransferRules:
             own[k] = sends.peers[k] == by_rank[rank[k]]
         producer = sends.place(slot * 4 + sends.opk)
         tensor = slot * 2 + sends.channel
-        tensors = tensor.tolist()
 
         def own_worker(k: int) -> str:
             return ("sends to its own worker: a tensor between two chunks of one worker is handed off locally, drop "
@@ -181,24 +190,24 @@ class TransferRules:
             return f"goes to {ins(k).peer} but the consumer of {ins(k).op}'s output runs on {expect}"
 
         def twice(k: int) -> str:
-            return f"sends the same tensor twice (first at instruction {sends.first_of(tensors, k)}): keep one"
+            return f"sends the same tensor twice (first at instruction {sends.first_of(tensor, k)}): keep one"
 
-        # The pairing `PlanIndex` keeps, built first: its size says whether any tensor is sent twice.
-        sent = self.sent = dict(zip(tensors, sends.here.tolist(), strict=True))
         self._first_bad(sends, [
             (sends.kind_ok, sends.kind_rule),
             (~own, own_worker),
             ((producer >= 0) & (producer >> 32 == rank) & (producer < sends.here), unproduced),
             (to_consumer, elsewhere),
-            (self._once(tensors, len(sent)), twice),
+            (self._once(tensor), twice),
         ])
+        self.sent = self._table(tensor, sends.here)  # the pairing `PlanIndex` keeps
 
-        recvs = _Columns(self.recvs, ns, comp, self.plan, by_rank)
+        recvs = _Columns(self.recvs, self.recv_kinds, ns, comp, self.plan, by_rank)
+        self.recvs, self.recv_kinds = array("q"), []
         rslot, rrank, rins = recvs.slot, recvs.rank, recvs.instruction
         consumer = recvs.place(rslot * 4 + recvs.opk)
         source = recvs.place((rslot + recvs.step) * 4)
         frm = np.where(source >= 0, source >> 32, -1)  # the producer's rank
-        rtensors = ((rslot + recvs.step) * 2 + recvs.channel).tolist()
+        rtensors = (rslot + recvs.step) * 2 + recvs.channel
         used = consumer & _LOW
 
         def not_here(k: int) -> str:
@@ -214,19 +223,19 @@ class TransferRules:
         def rtwice(k: int) -> str:
             return f"receives the same tensor twice (first at instruction {recvs.first_of(rtensors, k)})"
 
-        received = self.received = dict(zip(rtensors, recvs.here.tolist(), strict=True))
         self._first_bad(recvs, [
             (recvs.kind_ok, recvs.kind_rule),
             ((consumer >= 0) & (consumer >> 32 == rrank), not_here),
             (consumer > recvs.here, late),
             (self._peers_are(recvs, frm), not_from),
-            (self._once(rtensors, len(received)), rtwice),
+            (self._once(rtensors), rtwice),
         ])
-        self.consumer = dict(zip(rtensors, used.tolist(), strict=True))
+        self.received = self._table(rtensors, recvs.here)
+        self.consumer = self._table(rtensors, used)
         # What `fifo` and `deadlock` read: each side's channels (sender rank * workers + receiver rank) and
         # tensors in stream order, and the deadlock pass's events ((rank, index, 0 needs / 1 sends, tensor)).
         nw = self.nw
-        self.channels = (rank * nw + to, tensor, frm * nw + rrank, np.array(rtensors, dtype=np.int64))
+        self.channels = (rank * nw + to, tensor, frm * nw + rrank, rtensors)
         self.transfer_events = (np.concatenate([rank, rrank]), np.concatenate([sends.here & _LOW, used]),
                                 np.concatenate([np.ones(sends.n, np.int64), np.zeros(recvs.n, np.int64)]),
                                 np.concatenate([tensor, self.channels[3]]))
@@ -249,7 +258,7 @@ class TransferRules:
                     self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
                 if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
                     self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
-        if not received.keys() >= sent.keys():  # a set comparison in C; the loop names the first unreceived
+        if not received.has_all(sent.key_array()):  # one array test; the loop names the first unreceived
             for tensor, at in sent.items():
                 w, i = self.by_rank[at >> 32], at & _LOW
                 if tensor not in received:

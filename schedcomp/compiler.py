@@ -15,6 +15,7 @@ from schedcomp import limits
 from schedcomp.check import check, peak_memory
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeError, ScheduleError
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Order, Plan
 from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.lower import lower
@@ -179,7 +180,8 @@ def _fit_memory(plan: Plan) -> None:
 def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: str, time_limit: float,
               recut: bool = False, partition: Partition | None = None) -> Plan:
     try:
-        from schedcomp.adaptive import adaptive_order
+        from schedcomp.adaptive import ITERATIONS, adaptive_solution
+        from schedcomp.simfast import remember, solver_timing
     except ModuleNotFoundError as exc:
         if exc.name != "schedcomp.adaptive":
             raise
@@ -187,12 +189,20 @@ def _adaptive(topology: Topology, microbatches: int, costs: CostModel, solver: s
             "the adaptive schedules (needed with failed workers) are not available in this build: "
             "use a fault-free family (gpipe, 1f1b, zb-h1, zb-h2) without failures"
         ) from None
-    order: Order
-    order, lower_bound, solver_name = adaptive_order(
-        topology, microbatches, costs, solver=solver, time_limit=time_limit, **({"recut": True} if recut else {})
-    )
-    plan = lower(dataclasses.replace(order, partition=partition), costs, solver=solver_name, lower_bound=lower_bound)
+    sol = adaptive_solution(topology, microbatches, costs, solver=solver, time_limit=time_limit,
+                            **({"recut": True} if recut else {}))
+    with paused_gc():  # (as `adaptive_order` decodes it: millions of small acyclic objects at scale)
+        order: Order = sol.order()
+        # The summary's simulation is the solver's own timing of these sequences: what it reports is kept,
+        # the sequences themselves are not (a million ints at scale, alive through `check`).
+        timed = None if sol.timing is None else solver_timing(sol.problem, sol.seqs, sol.timing, ITERATIONS,
+                                                              sol.synchronous)
+    solver_name, bound = sol.solver, (sol.bound if sol.bound > 0 else None)
+    del sol
+    plan = lower(dataclasses.replace(order, partition=partition), costs, solver=solver_name, lower_bound=bound)
+    del order  # (its ops live on in the plan's instructions; its tuples go before `check`'s tables)
     check(plan)
+    remember(plan, timed)
     return plan
 
 

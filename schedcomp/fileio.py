@@ -17,8 +17,9 @@ import math
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from schedcomp.errors import SchedcompError
 
@@ -38,13 +39,15 @@ def max_file_bytes() -> int:
         raise SchedcompError(f"SCHEDCOMP_MAX_FILE_BYTES={raw!r} is not a whole number of bytes") from None
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[SchedcompError] = SchedcompError) -> None:
-    """Write `data` to `path` via a temporary file in the same directory, fsync, rename.
+def write_atomic(path: str | os.PathLike[str], data: str | bytes | Iterable[str],
+                 error: type[SchedcompError] = SchedcompError) -> None:
+    """Write `data` to `path` via a temporary file in the same directory, fsync, rename; a text may come in
+    pieces (`serialize.plan_json_pieces`: a large plan is never held whole).
 
     On any failure the old file (if any) is left as it was and no temporary file remains.
     """
     path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
+    payload = data
     try:
         st = os.stat(path)  # follows links: what would be written
     except FileNotFoundError:
@@ -65,7 +68,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
         raise error(f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            _write_all(f, payload)
             f.flush()
             os.fsync(f.fileno())
         if path.exists():  # keep the old file's permissions: mkstemp makes it 0600
@@ -76,10 +79,29 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, error: type[Sc
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         raise error(f"cannot write {path}: {e.strerror or e}; the old file, if any, is unchanged") from None
+    except BaseException:  # text made in pieces failed half-way (or Ctrl-C): no temporary file remains
+        Path(tmp).unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
-def _write_stream(path: Path, payload: bytes, error: type[SchedcompError]) -> None:
+_CHUNK = 1 << 24  # characters encoded at a time
+
+
+def _write_all(f: BinaryIO, data: str | bytes | Iterable[str]) -> None:
+    """Write `data` to binary file `f`, a string UTF-8 encoded a slice at a time (encoding a 70 MB plan whole
+    would hold a second copy of it in memory), pieces one by one."""
+    if isinstance(data, bytes):
+        f.write(data)
+    elif isinstance(data, str):
+        for at in range(0, len(data), _CHUNK):
+            f.write(data[at : at + _CHUNK].encode())
+    else:
+        for piece in data:
+            f.write(piece.encode())
+
+
+def _write_stream(path: Path, payload: str | bytes | Iterable[str], error: type[SchedcompError]) -> None:
     """Write to a character device or a FIFO in place. O_NONBLOCK on open: a FIFO nobody reads is
     refused at once (ENXIO) instead of hanging; the writes themselves then block as usual."""
     try:
@@ -90,7 +112,7 @@ def _write_stream(path: Path, payload: bytes, error: type[SchedcompError]) -> No
     try:
         os.set_blocking(fd, True)
         with os.fdopen(fd, "wb", closefd=True) as f:
-            f.write(payload)
+            _write_all(f, payload)
     except OSError as e:
         raise error(f"cannot write {path}: {e.strerror or e}") from None
 

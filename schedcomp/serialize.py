@@ -42,7 +42,7 @@ import io
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -70,6 +70,7 @@ __all__ = [
     "order_to_torch_csv",
     "plan_from_json",
     "plan_from_text",
+    "plan_json_pieces",
     "plan_to_json",
     "plan_to_text",
     "plan_to_torch_csv",
@@ -218,22 +219,36 @@ def _parse_worker(text: str, what: str) -> Worker:
 def plan_to_json(plan: Plan, indent: bool = True) -> str:
     """The versioned JSON form of `plan`: one line per header key and per worker's stream, or one
     line in all with `indent=False`."""
-    data = _header(plan)
+    if not indent:
+        data = _header(plan)
+        streams = _stream_items(plan, ":", ",")
+        head = _dumps(data, separators=(",", ":"))
+        return f'{head[:-1]},"streams":{{{",".join(streams)}}}}}'
+    # Joined once (a 70 MB plan at pp = 32, dp = 256: each intermediate copy would add that much to the peak).
+    return "".join(plan_json_pieces(plan))
+
+
+def plan_json_pieces(plan: Plan) -> Iterator[str]:
+    """`plan_to_json(plan)` in pieces, a stream's line at a time (what `fileio.write_atomic` writes of a large
+    plan without holding its whole text)."""
+    # One line per key and per stream keeps files diff-able without a line per instruction.
+    lines = [f" {json.dumps(k)}: {_dumps(v)}," for k, v in _header(plan).items()]
+    yield "{\n" + "\n".join(lines) + '\n "streams": {\n  '
+    with paused_gc():
+        for n, stream in enumerate(_stream_items(plan, ": ", ", ")):
+            yield f",\n  {stream}" if n else stream
+    yield "\n }\n}\n"
+
+
+def _stream_items(plan: Plan, item: str, sep: str) -> Iterator[str]:
+    """Each worker's `"WORKER": [...]` item, in worker order."""
     # Instruction and worker texts are letters, digits and `._:<>[]-` (see `ir`), valid JSON strings as
     # they are: each stream is joined directly, not escaped by `json` text by text (that was most of the
     # time for plans of 100k+ workers). Anything else (a hand-made op with odd fields) goes through `json`.
-    item, sep = (": ", ", ") if indent else (":", ",")
     text = _text_of(plan)
     # Sorted items, not `plan.streams[w]` per sorted key: that hashes each `Worker` (a Python call) once more.
-    streams = [f"{_string(str(w))}{item}{_string_list(stream, sep, text)}"
-               for w, stream in sorted(plan.streams.items(), key=itemgetter(0))]
-    if not indent:
-        head = _dumps(data, separators=(",", ":"))
-        return f'{head[:-1]},"streams":{{{",".join(streams)}}}}}'
-    # One line per key and per stream keeps files diff-able without a line per instruction.
-    lines = [f" {json.dumps(k)}: {_dumps(v)}," for k, v in data.items()]
-    body = ",\n".join(f"  {s}" for s in streams)
-    return "{\n" + "\n".join(lines) + f"\n \"streams\": {{\n{body}\n }}\n}}\n"
+    for w, stream in sorted(plan.streams.items(), key=itemgetter(0)):
+        yield f"{_string(str(w))}{item}{_string_list(stream, sep, text)}"
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:<>\[\]-]*")  # texts that are valid inside JSON quotes as they are

@@ -13,16 +13,18 @@ gradient check, a re-cut plan) returns None and takes the general path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from schedcomp.costs import CostModel
 from schedcomp.ir import Plan
 from schedcomp.semantics import InstrKind
 from schedcomp.solvers.problem import FUSED_KINDS, SPLIT_KINDS, Problem
-from schedcomp.solvers.timing import time_sequences, worker_peaks
+from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
 from schedcomp.timeline import period_from_ends
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
 _TAIL = (InstrKind.ALLREDUCE, InstrKind.STEP)
 _PLAIN = frozenset({InstrKind.LOAD, InstrKind.SEND_ACT, InstrKind.SEND_GRAD, InstrKind.RECV_ACT,
@@ -41,8 +43,48 @@ class FastTiming:
     memory: dict[Worker, float]
 
 
+@dataclass(frozen=True)
+class SolverTiming:
+    """A solver's timing of a plan's compute order, with what its problem was timed for (see `remember`; not
+    the problem itself, whose cached tables would stay alive with the plan)."""
+
+    topology: Topology
+    microbatches: int
+    costs: CostModel
+    iterations: int
+    synchronous: bool
+    timing: FastTiming
+
+
+_TIMED = "_schedcomp_timed"  # the plan's `SolverTiming`, there once `remember` kept it
+
+
+def solver_timing(problem: Problem, seqs: Mapping[int, Sequence[int]], timing: Timing, iterations: int,
+                  synchronous: bool) -> SolverTiming | None:
+    """What `simulate` reports of the plan lowered from `seqs`, which the solver timed as `timing` over
+    `iterations` (optimizer as `synchronous`); None where the fast path would not time that plan."""
+    if problem.cut or not timing.ok:
+        return None
+    return SolverTiming(problem.topology, problem.microbatches, problem.costs, iterations, synchronous,
+                        _fast_timing(problem, seqs, timing))
+
+
+def remember(plan: Plan, timed: SolverTiming | None) -> None:
+    """Keep on `plan` the solver's timing of its compute order: `time_lowered` then reads it instead of timing
+    the plan again (at pp = 32, dp = 256 that is 1.5 million ops read off the streams and re-timed).
+    Only for the very plan lowered from the timed sequences (plans are immutable by contract; a copy made with
+    `dataclasses.replace` does not carry it) and only where `compute_sequences` would build the same problem."""
+    if timed is None or plan.cut or timed.topology != plan.topology or timed.costs is not plan.costs \
+            or timed.microbatches != plan.microbatches:
+        return
+    object.__setattr__(plan, _TIMED, timed)
+
+
 def time_lowered(plan: Plan, iterations: int, synchronous: bool) -> FastTiming | None:
     """Time a checked, lowered `plan` (see the module docstring), or None when it is not one."""
+    timed = plan.__dict__.get(_TIMED)
+    if timed is not None and timed.iterations == iterations and timed.synchronous == synchronous:
+        return timed.timing  # type: ignore[no-any-return]
     seqs = compute_sequences(plan)
     if seqs is None:
         return None
@@ -50,12 +92,18 @@ def time_lowered(plan: Plan, iterations: int, synchronous: bool) -> FastTiming |
     timing = time_sequences(problem, by_wid, iterations, synchronous)
     if not timing.ok:
         return None  # (a checked plan cannot deadlock; the general path says where if it ever did)
+    return _fast_timing(problem, by_wid, timing)
+
+
+def _fast_timing(problem: Problem, by_wid: Mapping[int, Sequence[int]], timing: Timing) -> FastTiming:
+    """What `simulate` reports of sequences `timing` timed: ends, period, bubbles, busy time and peak memory."""
     ends = timing.iteration_ends
     pp, snk = problem.pp, problem.stages * len(problem.kinds)
     busy: dict[Worker, float] = {}
     for wid, ops in sorted(by_wid.items()):  # rank order: the workers' sorted order, as `simulate` gives
-        times = problem.op_times[wid]
-        busy[Worker(*divmod(wid, pp))] = sum(times[op % snk] for op in ops)
+        # Added in stream order as before (the same float), by C-level `map` and `sum` rather than a generator.
+        kinds = (np.asarray(ops, dtype=np.int64) % snk).tolist()
+        busy[Worker(*divmod(wid, pp))] = sum(map(problem.op_times[wid].__getitem__, kinds))
     peaks = worker_peaks(problem, by_wid)
     memory = {w: max(0.0, peaks.get(w.pipeline * pp + w.stage, 0.0)) for w in busy}
     period = period_from_ends(ends, ends[0])

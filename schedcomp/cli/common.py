@@ -6,7 +6,7 @@ import argparse
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from schedcomp import fileio
@@ -95,7 +95,7 @@ def read_text(path: str, what: str) -> str:
     return fileio.read_text(path, what, PlanFormatError)
 
 
-def write_text(path: str, text: str, what: str) -> None:
+def write_text(path: str, text: str | Iterable[str], what: str) -> None:
     """Write atomically: a full disk or a crash leaves the old file whole; the error names the path."""
     fileio.write_atomic(path, text, SchedcompError)
 
@@ -247,10 +247,11 @@ def save_and_report(args: argparse.Namespace, plan: Plan, done: str, seconds_key
     seconds it took (`--json`, under `seconds_key`; or a summary saying it was `done` in that time): what
     `compile` and `repair` end with. `simulated=False` leaves the metrics out (the simulator would check
     the plan first)."""
+    from schedcomp.serialize import plan_json_pieces
     from schedcomp.simulator import simulate
 
-    if args.output:
-        write_text(args.output, plan.to_text() if args.text else plan.to_json(), "plan")
+    if args.output:  # (JSON in pieces: a large plan's text is never held whole)
+        write_text(args.output, plan.to_text() if args.text else plan_json_pieces(plan), "plan")
     sim = simulate(plan) if simulated else None
     summary = {**plan_facts(plan, sim.memory if sim else None), **(sim.summary() if sim else {}),
                "lower_bound": plan.lower_bound, "solver": plan.solver, seconds_key: round(seconds, 4),

@@ -1,6 +1,7 @@
 """Atomic writes and bounded reads: the old file survives a failed write; hostile files are one clear error."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,19 @@ def test_json_is_bounded_and_always_valid() -> None:
     with pytest.raises(SchedcompError, match="Out of range float values"):
         dumps_json({"period": float("inf")})
     assert dumps_json({"a": 1}) == '{"a": 1}'
+
+
+def test_write_atomic_writes_text_in_pieces(tmp_path: Path) -> None:
+    """A text given in pieces (a large plan's JSON, `serialize.plan_json_pieces`) is written whole; a piece that
+    fails half-way leaves the old file and no temporary file."""
+    path = tmp_path / "plan.json"
+    write_atomic(path, iter(["{", '"a": ', "1}"]))
+    assert path.read_text() == '{"a": 1}'
+
+    def failing() -> Iterator[str]:
+        yield "half"
+        raise ValueError("a bad piece")
+
+    with pytest.raises(ValueError, match="a bad piece"):
+        write_atomic(path, failing())
+    assert path.read_text() == '{"a": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

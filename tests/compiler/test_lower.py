@@ -198,11 +198,13 @@ def test_compile_errors(kwargs: dict, error: type, words: list[str]) -> None:
 def test_compile_hands_failures_to_the_adaptive_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def adaptive_order(topology, microbatches, costs, *, solver, time_limit):
+    def adaptive_solution(topology, microbatches, costs, *, solver, time_limit):
         calls.append((topology, microbatches, costs.memory_limit, solver, time_limit))
-        return rerouted_order(microbatches), 12.5, "fake"
+        return types.SimpleNamespace(order=lambda: rerouted_order(microbatches), bound=12.5, solver="fake",
+                                     timing=None)
 
-    monkeypatch.setitem(sys.modules, "schedcomp.adaptive", types.SimpleNamespace(adaptive_order=adaptive_order))
+    fake = types.SimpleNamespace(adaptive_solution=adaptive_solution, ITERATIONS=4)
+    monkeypatch.setitem(sys.modules, "schedcomp.adaptive", fake)
     plan = compile(3, 2, 3, failed=[(1, 1)], schedule="zb-h1", memory_limit=50, solver="greedy", time_limit=2.0)
     check(plan)
     assert calls == [(Topology.of(3, 2, [(1, 1)]), 3, 50, "greedy", 2.0)]

@@ -205,3 +205,22 @@ def test_networkx_graph_and_critical_path_match_the_simulator(kw: dict[str, obje
     assert length == pytest.approx(simulate(plan, iterations=1).makespan)
     assert all(b in g.successors(a) or g.nodes[b]["instruction"].kind is InstrKind.ALLREDUCE
                for a, b in itertools.pairwise(path))
+
+
+def test_transfer_tables_read_as_mappings() -> None:
+    """`check`'s transfer tables are typed arrays read as read-only maps (`planindex.TensorTable`): in the order
+    built, with plain int keys and values, and no key outside the ones given (absent, negative, past the end)."""
+    import numpy as np
+
+    from schedcomp.planindex import TensorTable
+
+    table = TensorTable(np.array([6, 1, 3]), np.array([60, 10, (1 << 40) + 3]), 8)
+    assert list(table) == [6, 1, 3] and list(table.items()) == [(6, 60), (1, 10), (3, (1 << 40) + 3)]
+    assert dict(table) == {6: 60, 1: 10, 3: (1 << 40) + 3} and len(table) == len(table.items()) == 3
+    assert table[1] == 10 and type(table[1]) is int and 3 in table and table.get(6) == 60
+    for absent in (0, 7, -1, 8, 1 << 70, "1"):
+        assert absent not in table and table.get(absent) is None  # type: ignore[call-overload]
+        with pytest.raises(KeyError):
+            table[absent]  # type: ignore[index]
+    assert table.has_all(np.array([3, 6])) and not table.has_all(np.array([3, 5]))
+    assert not table.has_all(np.array([-1])) and not table.has_all(np.array([8]))

@@ -244,3 +244,12 @@ def test_stream_lines_are_what_json_writes(texts: list[str], sep: str) -> None:
     from schedcomp.serialize import _string_list
 
     assert _string_list(texts, sep, text=list) == json.dumps(texts, separators=(sep, ":"))
+
+
+def test_json_pieces_are_the_json() -> None:
+    """`plan_json_pieces` (what the CLI writes a plan with) joins to `plan_to_json`, a piece per stream."""
+    from schedcomp.serialize import plan_json_pieces
+
+    plan = compile(pp=3, dp=2, microbatches=4, failed=[(1, 2)])
+    pieces = list(plan_json_pieces(plan))
+    assert "".join(pieces) == plan.to_json() and len(pieces) == 2 + len(plan.streams)

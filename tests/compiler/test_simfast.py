@@ -50,3 +50,21 @@ def test_other_plans_take_the_general_path() -> None:
     w = next(iter(streams))
     streams[w] = streams[w][:-2] + streams[w][-1:] + streams[w][-2:-1]  # STEP before ALLREDUCE: not lowered
     assert time_lowered(type(plan)(plan.topology, plan.costs, plan.microbatches, streams), 2, False) is None
+
+
+@pytest.mark.parametrize("kw", [{"pp": 4, "dp": 8, "microbatches": 24, "failed": [(1, 2), (5, 0)], "solver": "greedy"},
+                                {"pp": 4, "dp": 8, "microbatches": 24, "failed": [(3, 1)], "costs": UNEVEN,
+                                 "solver": "greedy"}], ids=str)
+def test_the_solvers_timing_is_the_plans(kw: dict[str, object]) -> None:
+    """A compiled adaptive plan keeps its solver's timing (`simfast.remember`; where no local search moved ops
+    after it: above `LOCAL_SEARCH_MAX_OPS`), which `simulate` reports as is: the same as timing the plan read
+    back from its JSON, which carries none."""
+    plan = compile(**kw)  # type: ignore[arg-type]
+    assert "_schedcomp_timed" in plan.__dict__
+    copy = type(plan).from_json(plan.to_json())
+    assert "_schedcomp_timed" not in copy.__dict__
+    kept, timed = simulator.simulate(plan), simulator.simulate(copy)
+    assert (kept.period, kept.makespan, kept.iteration_ends, kept.bubble_ratio) == \
+        (timed.period, timed.makespan, timed.iteration_ends, timed.bubble_ratio)
+    assert kept.busy == timed.busy and kept.memory == timed.memory
+    assert simulator.simulate(plan, 3).iteration_ends == simulator.simulate(copy, 3).iteration_ends  # not kept
