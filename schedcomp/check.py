@@ -287,6 +287,9 @@ class _Checker(TransferRules, OrderRules):
                         self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{count - 1}")
                     slot = (d * mbs + m) * ns + os
                     if type(slot) is not int:  # hand-made fields such as 1.0 (== a stage): the tables are typed
+                        if any(not isinstance(f, (int, float)) or f != int(f) for f in (d, m, os)):
+                            self.fail(w, i, f"names op fields {d!r}, {m!r}, {os!r}: pipeline, micro-batch and stage "
+                                      "must be whole numbers")
                         slot, os = int(slot), int(os)
                 if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
                     sends.extend((base | i, slot, os))

@@ -78,20 +78,30 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes | Iterable[str]
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
+        _close(payload)
         raise error(f"cannot write {path}: {e.strerror or e}; the old file, if any, is unchanged") from None
     except BaseException:  # text made in pieces failed half-way (or Ctrl-C): no temporary file remains
         Path(tmp).unlink(missing_ok=True)
+        _close(payload)
         raise
     _fsync_dir(path.parent)
+
+
+def _close(payload: object) -> None:
+    """End a generator of pieces left half-way, so what it holds open (a paused collector) is released now,
+    not whenever the exception that stopped it is freed."""
+    close = getattr(payload, "close", None)
+    if callable(close):
+        close()
 
 
 _CHUNK = 1 << 24  # characters encoded at a time
 
 
-def _write_all(f: BinaryIO, data: str | bytes | Iterable[str]) -> None:
+def _write_all(f: BinaryIO, data: str | bytes | bytearray | memoryview | Iterable[str]) -> None:
     """Write `data` to binary file `f`, a string UTF-8 encoded a slice at a time (encoding a 70 MB plan whole
     would hold a second copy of it in memory), pieces one by one."""
-    if isinstance(data, bytes):
+    if isinstance(data, (bytes, bytearray, memoryview)):
         f.write(data)
     elif isinstance(data, str):
         for at in range(0, len(data), _CHUNK):
@@ -114,7 +124,11 @@ def _write_stream(path: Path, payload: str | bytes | Iterable[str], error: type[
         with os.fdopen(fd, "wb", closefd=True) as f:
             _write_all(f, payload)
     except OSError as e:
+        _close(payload)
         raise error(f"cannot write {path}: {e.strerror or e}") from None
+    except BaseException:
+        _close(payload)
+        raise
 
 
 def read_bytes(path: str | os.PathLike[str], what: str, error: type[SchedcompError] = SchedcompError,

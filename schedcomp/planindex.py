@@ -15,6 +15,7 @@ no transfer at all).
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import ItemsView, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,18 @@ def transfer_key(ins: Instruction) -> TransferKey:
     return (op.pipeline, op.microbatch, stage, sem.channel)
 
 
+def _as_id(key: object) -> int | None:
+    """`key` as a transfer id where a dict of int keys would match it (1, True, np.int64(1), 1.0), else None."""
+    if type(key) is int:
+        return key
+    if isinstance(key, float):
+        return int(key) if key.is_integer() else None
+    try:
+        return operator.index(key)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 class TensorTable(Mapping[int, int]):
     """A read-only map of transfer ids to ints (packed places, indexes), in the order it was built, over typed
     arrays: a plan of pp = 32, dp = 256 has a million transfers, which as three dicts of Python ints took 300 MB
@@ -62,7 +75,8 @@ class TensorTable(Mapping[int, int]):
 
     def __getitem__(self, key: int) -> int:
         pos = self._pos
-        if type(key) is int and 0 <= key < len(pos):
+        key = _as_id(key)
+        if key is not None and 0 <= key < len(pos):
             at = pos[key]
             if at >= 0:
                 return self._values[at]
@@ -70,7 +84,8 @@ class TensorTable(Mapping[int, int]):
 
     def __contains__(self, key: object) -> bool:
         pos = self._pos
-        return type(key) is int and 0 <= key < len(pos) and pos[key] >= 0
+        key = _as_id(key)
+        return key is not None and 0 <= key < len(pos) and pos[key] >= 0
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._keys)

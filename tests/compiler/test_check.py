@@ -312,3 +312,23 @@ def test_a_plan_beyond_the_job_limits_is_refused_in_one_line() -> None:
 
     with pytest.raises(LimitError, match="micro-batches, over the limit"):
         check(replace(plan_of(), microbatches=2**40))
+
+
+def test_op_fields_that_are_not_whole_numbers_are_refused() -> None:
+    # A float op field that equals no whole number (0.5 * 4 + 0 lands on micro-batch 2's slot) would be
+    # counted as that real op: refused with the worker and the instruction named, never rounded.
+    import dataclasses
+
+    from schedcomp.compiler import compile
+
+    plan = compile(2, 1, 4, schedule="1f1b")
+
+    def odd(ins):
+        op = ins.op
+        if op is None or (op.pipeline, op.microbatch) != (0, 2):
+            return ins
+        return dataclasses.replace(ins, op=dataclasses.replace(op, pipeline=0.5, microbatch=0))
+
+    bad = dataclasses.replace(plan, streams={w: tuple(odd(i) for i in s) for w, s in plan.streams.items()})
+    with pytest.raises(ValidationError, match="must be whole numbers"):
+        check(bad)

@@ -83,3 +83,33 @@ def test_write_atomic_writes_text_in_pieces(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a bad piece"):
         write_atomic(path, failing())
     assert path.read_text() == '{"a": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_a_write_that_fails_ends_its_generator_of_pieces_at_once(tmp_path: Path) -> None:
+    """A generator of pieces holds things open while suspended (`plan_json_pieces` pauses the collector):
+    a failed write closes it, on a regular file and on a device, rather than leaving it to the exception."""
+    import gc
+
+    from schedcomp.compiler import compile
+    from schedcomp.serialize import plan_json_pieces
+
+    plan = compile(2, 1, 2, schedule="1f1b")
+    ended = []
+
+    def pieces() -> Iterator[str]:
+        try:
+            yield "half"
+            raise OSError(28, "No space left on device")
+        finally:
+            ended.append(True)
+
+    with pytest.raises(SchedcompError, match="No space left on device") as info:
+        write_atomic(tmp_path / "plan.json", pieces())
+    assert ended == [True] and info.value is not None
+    if Path("/dev/full").exists():  # a device: written in place, where every write fails
+        assert gc.isenabled()
+        with pytest.raises(SchedcompError, match="cannot write /dev/full") as info:
+            write_atomic("/dev/full", plan_json_pieces(plan))
+        assert gc.isenabled()  # while the exception (and the generator's frame in it) is still held
+    write_atomic(tmp_path / "bytes.bin", bytearray(b"\x00\x01"))  # bytes-like payloads are written as they are
+    assert (tmp_path / "bytes.bin").read_bytes() == b"\x00\x01"

@@ -218,7 +218,9 @@ def test_transfer_tables_read_as_mappings() -> None:
     assert list(table) == [6, 1, 3] and list(table.items()) == [(6, 60), (1, 10), (3, (1 << 40) + 3)]
     assert dict(table) == {6: 60, 1: 10, 3: (1 << 40) + 3} and len(table) == len(table.items()) == 3
     assert table[1] == 10 and type(table[1]) is int and 3 in table and table.get(6) == 60
-    for absent in (0, 7, -1, 8, 1 << 70, "1"):
+    # keys a dict of ints would match are matched (numpy ints from columns, whole floats), others are not
+    assert table[np.int64(1)] == table[1.0] == table[True] == 10 and np.int64(6) in table and 3.0 in table
+    for absent in (0, 7, -1, 8, 1 << 70, "1", 1.5, np.float64(0.5), None):
         assert absent not in table and table.get(absent) is None  # type: ignore[call-overload]
         with pytest.raises(KeyError):
             table[absent]  # type: ignore[index]
