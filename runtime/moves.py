@@ -121,6 +121,16 @@ def optimizer_dict(optimizer: Any) -> dict[str, Any]:
     return state
 
 
+def group_settings(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's param-group settings (lr, betas, ...), without its parameters: what every stage shares."""
+    return {k: v for k, v in optimizer_dict(optimizer)["param_groups"][0].items() if k != "params"}
+
+
+def tied_states(optimizer: Any) -> dict[str, Any]:
+    """The state of what is tied to the optimizer (LR schedule, float16's loss scaler), by name."""
+    return {name: stateful.state_dict() for name, stateful in attached_to(optimizer).items()}
+
+
 def layer_states(module: nn.Module, optimizer: Any, first: int) -> dict[int, LayerState]:
     """Each layer of `module` (an `nn.Sequential` whose layer 0 is model layer `first`, optimised by `optimizer`):
     its module state and its trainable parameters' optimizer state, by model layer index."""
@@ -146,7 +156,7 @@ def job_splits_per_layer(model: nn.Sequential, partition: Partition, make_optimi
     tensors (a tensor `lr`): per-layer manifests keep settings as plain numbers."""
     for held in spans(partition):
         module = nn.Sequential(*(model[i] for i in held))
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = trainable(module)
         try:
             optimizer = make_optimizer(params)
         except Exception:  # an optimizer that cannot be built here is judged as not splitting
@@ -233,9 +243,7 @@ def _materialise(layer: nn.Module, device: torch.device) -> nn.Module:
 def _rebuild(s: int, layers: list[nn.Module], states: list[LayerState], old: Stage, build: StageFactory) -> Stage:
     """Virtual stage s over `layers`, its optimizer holding their `states` and `old`'s group settings."""
     stage = build(s, nn.Sequential(*layers))
-    group = {k: v for k, v in optimizer_dict(old.optimizer)["param_groups"][0].items() if k != "params"}
-    load_layer_optimizer(stage.optimizer, layers, states, group,
-                         {name: stateful.state_dict() for name, stateful in attached_to(old.optimizer).items()})
+    load_layer_optimizer(stage.optimizer, layers, states, group_settings(old.optimizer), tied_states(old.optimizer))
     return stage
 
 

@@ -192,6 +192,11 @@ class ResilientTrainer:
 
     # ---- waiting -------------------------------------------------------------------------------------
 
+    @property
+    def checkpoint_cut(self) -> Partition | None:
+        """The model's cut its checkpoints are written and restored under, layer by layer (None: per stage)."""
+        return self.trainer.partition if self.per_layer and self.trainer is not None else None
+
     def wait(self, work: Any) -> None:
         """Wait for `work`; give up (`GenerationAborted`) as soon as the generation breaks."""
         wait_abortable(work, self.session.signal)
@@ -253,6 +258,12 @@ class ResilientTrainer:
         # checkpoints hold each layer where every stage's layers can move (else each stage, restored into the
         # base cut), judged alike by every worker: one job never writes both formats
         self.per_layer = sequential and job_splits_per_layer(self.build_stage, base, self.make_optimizer)
+        if sequential and not self.per_layer and not session.env.rejoining and self.trainer.partition != base \
+                and self.last_resort.schedule is not None:
+            raise RuntimeSetupError("this job's checkpoints hold each stage, not each layer (some stage's optimizer "
+                                    "has several param groups or a tensor setting), so they restore only into the "
+                                    "job's own cut, but this run's first plan cuts the model elsewhere: start it with "
+                                    "every worker")
         self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
         self.snapshot = held_snapshot(self.held)
         self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
@@ -288,8 +299,10 @@ class ResilientTrainer:
                 for stage in trainer.stages.values():
                     stage.optimizer.zero_grad(set_to_none=True)
             session.commit(i)  # nothing touches the network between the step and its record
-            if checkpoint:  # per layer under the current cut: a restart may cut the model otherwise
-                self.last_resort.after_step(i, self.held, trainer.partition if self.per_layer else None)
+            # per layer under any cut (a restart may cut the model otherwise); per stage only under the base cut,
+            # the one a restart builds
+            if checkpoint and (self.per_layer or trainer.partition == trainer.base_partition):
+                self.last_resort.after_step(i, self.held, self.checkpoint_cut)
 
         return step
 

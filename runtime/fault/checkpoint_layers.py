@@ -36,8 +36,7 @@ from schedcomp.runtime.fault.checkpoint_layers_check import (
 from schedcomp.runtime.fault.checkpoint_storage import FIX, check_digests, check_metadata_matches
 from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, unflatten
-from schedcomp.runtime.moves import layer_states, load_layer_optimizer, load_layer_state, optimizer_dict
-from schedcomp.runtime.training import attached_to
+from schedcomp.runtime.moves import group_settings, layer_states, load_layer_optimizer, load_layer_state, tied_states
 
 _STAGE_RE = re.compile(r"stage(\d+)")
 
@@ -48,9 +47,7 @@ def layered_save(module: nn.Module, optimizer: Any, cut: Partition, iteration: i
     (digests still missing) and, by DCP name, the manifest entry each tensor's digest goes into."""
     held = spans(cut)[stage]
     states = layer_states(module, optimizer, held.start)
-    group = {k: v for k, v in optimizer_dict(optimizer)["param_groups"][0].items() if k != "params"}
-    settings, loose = flatten({"param_group": group,
-                               "attached": {name: s.state_dict() for name, s in attached_to(optimizer).items()}})
+    settings, loose = flatten({"param_group": group_settings(optimizer), "attached": tied_states(optimizer)})
     if loose:
         raise RecoveryError("the optimizer's settings or the state tied to it (LR schedule, loss scaler) hold a "
                             "tensor: per-layer checkpoints keep plain numbers there")

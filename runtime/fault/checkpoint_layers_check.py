@@ -42,7 +42,7 @@ from schedcomp.runtime.fault.checkpoint_check import (
 )
 from schedcomp.runtime.fault.checkpoint_storage import FIX, Stored, is_int
 from schedcomp.runtime.fault.transfer import TensorSpec, unflatten
-from schedcomp.runtime.moves import optimizer_dict, trainable, transient_buffers
+from schedcomp.runtime.moves import group_settings, trainable, transient_buffers
 from schedcomp.runtime.training import attached_to
 
 LAYER_KEYS = {"module", "buffers", "optimizer"}  # what `moves.layer_states` gives per layer
@@ -134,7 +134,7 @@ def check_settings(manifest: LayerManifest, optimizer: Any) -> tuple[dict[str, A
     if not isinstance(settings, dict) or set(settings) != {"param_group", "attached"}:
         raise RecoveryError(f"{what}: the settings are not {{param_group, attached}}: {FIX}")
     group, attached = settings["param_group"], settings["attached"]
-    own = {k: v for k, v in optimizer_dict(optimizer)["param_groups"][0].items() if k != "params"}
+    own = group_settings(optimizer)
     if not isinstance(group, dict) or set(group) != set(own):
         missing, extra = key_diff(group, own)
         raise RecoveryError(f"{what}: the optimizer's settings differ (missing {missing}, unexpected {extra}): it "

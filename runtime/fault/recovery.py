@@ -68,6 +68,7 @@ from schedcomp.runtime.fault.rollback import Rollback
 
 if TYPE_CHECKING:
     from schedcomp.ir import Plan
+    from schedcomp.partition import Partition
     from schedcomp.runtime.data import Tensors
     from schedcomp.runtime.executor import Iteration
     from schedcomp.runtime.fault.report import Report
@@ -104,7 +105,7 @@ class RecoveryHost(Protocol):
     build_stage: Any  # what the trainer builds stages with, loss_fn and make_optimizer: a helper of a replay
     loss_fn: Any  # builds a lost stage beside its own (`fault.swift_parallel`)
     make_optimizer: Any
-    per_layer: bool  # checkpoints hold each layer, under `trainer.partition` (`fault.checkpoint_layers`)
+    checkpoint_cut: Partition | None  # checkpoints hold each layer, under this cut (`fault.checkpoint_layers`)
 
     def batch_for(self, iteration: int) -> tuple[Tensors, Tensors]: ...
 

@@ -218,8 +218,7 @@ class SwiftPolicy(RollbackPolicy):
         rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
         trainer.seed = record["seed"]  # the survivors' random streams, whatever this process was given
         stage = trainer.stage
-        restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer,
-                trainer.partition if host.per_layer else None)
+        restore(self.checkpoint.directory, source, me.stage, stage.module, stage.optimizer, host.checkpoint_cut)
         joiners = set(session.joiners())
         helpers = _helpers(record)
         replayers = sorted(w for w in joiners if w.stage == me.stage) + helpers.get(me.stage, [])

@@ -167,7 +167,7 @@ def help_replay(host: RecoveryHost, log: BoundaryLog, directory: str | Path, sta
         module = build_module(host.build_stage, stage, pp, trainer.partition).to(trainer.device)
     copy = Stage(stage, pp, module, host.loss_fn if stage == pp - 1 else None, host.make_optimizer)
     prepare_stage(copy, trainer.options)
-    restore(directory, source, stage, copy.module, copy.optimizer, trainer.partition if host.per_layer else None)
+    restore(directory, source, stage, copy.module, copy.optimizer, host.checkpoint_cut)
     joiners = set(session.joiners())
     began = time.perf_counter()
     try:

@@ -66,7 +66,7 @@ def resume(rt: Any, stages: int) -> int:
     iteration to run next."""
     session = rt.session
     rt.trainer.sync_replicas()
-    resumed = rt.last_resort.resume(rt.held, stages, rt.trainer.partition if rt.per_layer else None)
+    resumed = rt.last_resort.resume(rt.held, stages, rt.checkpoint_cut)
     start = resumed.start
     if start > 0:
         session.commit(start - 1)  # it holds the checkpoint's state after that step
