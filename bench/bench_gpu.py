@@ -20,7 +20,6 @@ Reproduce:  python bench/bench_gpu.py            (needs CUDA; prints one line an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -111,17 +110,24 @@ def trainer_vs_plain(device: torch.device, dtype: torch.dtype, hidden: int, laye
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def memory(device: torch.device) -> None:
+def trainer_vs_plain_table(hidden: int, layers: int, reps: int, warmup: int) -> None:
+    print(f"\n2. trainer step vs plain loop: GPT hidden {hidden}, {layers} blocks, 8 micro-batches of 4 x 1024 "
+          f"tokens, AdamW; median of {reps}")
+    print(f"{'dtype':>9} {'plain ms':>9} {'1f1b/plain':>10} {'zb-h1/plain':>11}")
+    for dtype in (torch.bfloat16, torch.float32):
+        t = trainer_vs_plain(torch.device("cuda", 0), dtype, hidden, layers, 8, 4, reps, warmup)
+        print(f"{str(dtype).removeprefix('torch.'):>9} {t['plain'] * 1e3:9.1f} {t['1f1b'] / t['plain']:10.3f} "
+              f"{t['zb-h1'] / t['plain']:11.3f}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def memory(device: str) -> None:
     print("\n3. planned vs measured peak memory per worker")
-    path = HERE / "bench_memory.py"
-    if not path.is_file():
-        print("   bench/bench_memory.py is not here yet (the memory work provides planned_vs_measured): skipped")
-        return
-    spec = importlib.util.spec_from_file_location("bench_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.planned_vs_measured(device)
+    # A plain import (bench/ is on sys.path): the job's workers are spawned and unpickle
+    # `bench_memory._worker` by that module name.
+    import bench_memory
+
+    rows = bench_memory.planned_vs_measured(device)
     if not rows:
         print("   (no rows)")
         return
@@ -136,6 +142,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps and a smaller GPT")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--parts", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3),
+                   help="which of the three measurements to run (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing measured")
@@ -146,16 +154,12 @@ def main() -> int:
     _join_world_of_one()
     torch.cuda.set_device(0)
     print(f"bench_gpu on {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    split_vs_fused(reps, warmup, GPU_SHAPES[:1] if args.quick else GPU_SHAPES)
-    print(f"\n2. trainer step vs plain loop: GPT hidden {hidden}, {layers} blocks, 8 micro-batches of 4 x 1024 "
-          f"tokens, AdamW; median of {reps}")
-    print(f"{'dtype':>9} {'plain ms':>9} {'1f1b/plain':>10} {'zb-h1/plain':>11}")
-    for dtype in (torch.bfloat16, torch.float32):
-        t = trainer_vs_plain(torch.device("cuda", 0), dtype, hidden, layers, 8, 4, reps, warmup)
-        print(f"{str(dtype).removeprefix('torch.'):>9} {t['plain'] * 1e3:9.1f} {t['1f1b'] / t['plain']:10.3f} "
-              f"{t['zb-h1'] / t['plain']:11.3f}", flush=True)
-        torch.cuda.empty_cache()
-    memory(torch.device("cuda", 0))
+    if 1 in args.parts:
+        split_vs_fused(reps, warmup, GPU_SHAPES[:1] if args.quick else GPU_SHAPES)
+    if 2 in args.parts:
+        trainer_vs_plain_table(hidden, layers, reps, warmup)
+    if 3 in args.parts:
+        memory("cuda")
     return 0
 
 

@@ -9,7 +9,9 @@ micro-batch's activations, B frees all but what W needs, W frees the rest.
 - CUDA: allocator deltas, `torch.cuda.memory_allocated` before and after each op, and the op's peak
   from `torch.cuda.max_memory_allocated` (reset before it), less the weight gradients the op
   allocated (the first W or B of an iteration creates `.grad`): everything else the op keeps, and
-  its transient workspace in the peak.
+  its transient workspace in the peak. The first matmul on a stream also allocates cuBLAS's persistent
+  workspace (32 MiB on Hopper), which no plan counts: each iteration starts from zero (`forget`) and
+  `schedcomp.profile.measured_peaks` leaves out a trace's first iteration.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class MemoryMeter:
         return storage_bytes((t for _, x, g in pending for t in (x, g)), self.params)
 
     def forget(self) -> None:
-        """An aborted iteration: nothing is held any more."""
+        """A new or aborted iteration: nothing is held any more."""
         self.saved.clear()
         self.stashed.clear()
         self.held = self.peak = 0.0

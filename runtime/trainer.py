@@ -302,6 +302,10 @@ class PipelineTrainer:
         if started is not None:
             started(it)
         timing: Timing | None = [] if self.profile else None
+        if self._meter is not None:
+            # Activations never outlive their iteration (each F's B and W run in it), so what the device still
+            # holds from the last one is not activation memory (on CUDA, the cuBLAS workspaces): count from zero.
+            self._meter.forget()
         run_stream(it, self.stream, timing, before)
         if self.checks is not None and not self.checks.launched(it.number):
             self.checks.contribute_nothing(it.number)  # no STEP here (an idle worker): still in the collective

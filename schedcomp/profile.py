@@ -186,9 +186,12 @@ def activation_bytes(spans: Iterable[Span], pp: int) -> tuple[tuple[float, ...],
 
 
 def measured_peaks(spans: Iterable[Span]) -> dict[Worker, float]:
-    """The most activation memory each worker held in the traces (bytes), where they carry memory."""
+    """The most activation memory each worker held in the traces (bytes), where they carry memory.
+
+    A trace of several iterations is read from its second on: on CUDA the first also allocates
+    cuBLAS's persistent workspace (`runtime.memory`), which is not activation memory."""
     peaks: dict[Worker, float] = {}
-    for s in spans:
+    for s in _steady(list(spans), 1):
         value = s.memory_peak if s.memory_peak is not None else s.memory
         if value is not None:
             peaks[s.worker] = max(peaks.get(s.worker, 0.0), value)

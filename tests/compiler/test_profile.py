@@ -107,3 +107,20 @@ def test_profile_costs_each_chunk_of_virtual_stages(schedule: str, pp: int) -> N
     # and the recovered model times the plan as the true one does (both in ms)
     again = compile(pp, 2, microbatches=8, schedule=schedule, chunks=2, costs=got)
     assert simulate(again).period == pytest.approx(MS * simulate(plan).period)
+
+
+def test_measured_peaks_leave_out_the_first_iteration_of_several() -> None:
+    """On CUDA the first iteration's first matmul also allocates cuBLAS's workspace (tens of MiB): a trace
+    of several iterations is read from its second; a trace of one is read whole."""
+    from schedcomp.profile import measured_peaks
+    from schedcomp.timeline import Span
+
+    plan = compile(1, 1, 2, schedule="1f1b")
+    worker = Worker(0, 0)
+    forward = next(ins for ins in plan.streams[worker] if ins.op is not None)
+
+    def span(iteration: int, peak: float) -> Span:
+        return Span(worker, iteration, 0, forward, 0.0, 1.0, memory=peak / 2, memory_peak=peak)
+
+    assert measured_peaks([span(0, 70e6), span(1, 1.8e6), span(2, 1.7e6)]) == {worker: 1.8e6}
+    assert measured_peaks([span(0, 70e6)]) == {worker: 70e6}

@@ -24,12 +24,17 @@ REROUTED_LOST1 = PLANS / "rerouted-pp2-dp2-m4-lost1.json"
 CACHE = PLANS / "cache-pp1-dp2-m4"
 
 
+def write_plans(folder: Path = PLANS) -> None:
+    """Write the plans into `folder` (tests/test_gpu_plans.py compares a fresh copy with the shipped one)."""
+    folder.mkdir(exist_ok=True)
+    (folder / REROUTED.name).write_text(compile(2, 2, 4, failed=[(1, 1)], schedule="zb-h1").to_json())
+    (folder / REROUTED_LOST1.name).write_text(compile(2, 2, 4, failed=[(1, 0), (1, 1)], schedule="zb-h1").to_json())
+    shutil.rmtree(folder / CACHE.name, ignore_errors=True)
+    precompile(1, 2, 4, 1, directory=folder / CACHE.name, time_limit=1.0)
+
+
 def main() -> None:
-    PLANS.mkdir(exist_ok=True)
-    REROUTED.write_text(compile(2, 2, 4, failed=[(1, 1)], schedule="zb-h1").to_json())
-    REROUTED_LOST1.write_text(compile(2, 2, 4, failed=[(1, 0), (1, 1)], schedule="zb-h1").to_json())
-    shutil.rmtree(CACHE, ignore_errors=True)
-    precompile(1, 2, 4, 1, directory=CACHE, time_limit=1.0)
+    write_plans()
     print(f"wrote {REROUTED}, {REROUTED_LOST1} and {CACHE}/")
 
 

@@ -24,6 +24,9 @@ for entry in "$REPO"/schedcomp/*; do ln -s "$entry" "$SHIM/schedcomp/"; done
 ln -s "$REPO/schedules" "$SHIM/schedcomp/schedules"
 ln -s "$REPO/runtime" "$SHIM/schedcomp/runtime"
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
+# Without this `python -` and `python -m pytest` put the working directory (the repository root, whose
+# schedcomp/ lacks schedules/ and runtime/) before the shim; Python >= 3.11.
+export PYTHONSAFEPATH=1
 
 {
   echo "== GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -10,6 +10,7 @@ fix every such job died at construction (a CPU plan digest all-gathered over an 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,9 @@ from gpu_procs import (
 )
 
 from schedcomp.runtime.launch import spawn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_memory  # (the job the benchmark runs: one definition for both)
 
 pytestmark = [need_gpus(1), pytest.mark.timeout(300)]
 
@@ -144,3 +148,10 @@ def test_replica_transfer_of_cuda_state_through_cpu_buffers(tmp_path: Path) -> N
     """Two processes on one GPU (gloo carries the bytes): the receiver ends with the sender's CUDA state."""
     spawn(replica_transfer, 2, ("cpu", str(tmp_path)), timeout=240, backend="cpu:gloo")
     check_transfer(tmp_path)
+
+
+def test_cuda_peak_activation_memory_is_within_20_percent_of_the_plan() -> None:
+    """Measured by allocator deltas (`runtime.memory`); the first iteration, which also allocates cuBLAS's
+    workspace, is left out."""
+    rows = bench_memory.planned_vs_measured("cuda")
+    assert rows and all(0.8 <= r["ratio"] <= 1.2 for r in rows), rows

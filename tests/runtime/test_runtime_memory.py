@@ -106,9 +106,3 @@ def test_show_measured_draws_memory_and_warns_when_the_plan_underestimates(job, 
     assert "warning: stage 3" in bad.stderr and len(bad.stderr.strip().splitlines()) >= 1
     rows = json.loads(bad.stdout)["measured"]["memory"]
     assert max(r["ratio"] for r in rows if r["stage"] == 3) > 1.2
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-def test_cuda_peak_is_within_20_percent_of_the_plan():
-    rows = bench_memory.planned_vs_measured("cuda")
-    assert rows and all(0.8 <= r["ratio"] <= 1.2 for r in rows), rows
