@@ -36,14 +36,16 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def assert_matches_reference(results: list[dict], families: list[str]) -> None:
-    """Every run's losses and every active worker's stage equal the plain loop's (float64, 1e-10)."""
+def assert_matches_reference(results: list[dict], families: list[str], device: str = "cuda") -> None:
+    """Every run's losses and every active worker's stage equal the plain loop's (float64, 1e-10), on
+    `device` ("cpu": the dry run on gloo in the CPU suite, tests/runtime/test_gpu_procs_on_cpu.py)."""
     reference = results[0]["reference"]
     for result in results:
         assert result["mismatches"] == [], f"tensors on a device their group does not serve: {result['mismatches']}"
         assert [r["family"] for r in result["runs"]] == families
         for run in result["runs"]:
-            assert run["device"].startswith("cuda") and "cuda:nccl" in run["backend"], run
+            assert run["device"].startswith(device), run
+            assert device == "cpu" or "cuda:nccl" in run["backend"], run
             assert run["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE, rel=0), run["family"]
             if not run["active"]:
                 continue
@@ -60,3 +62,21 @@ def check_transfer(tmp_path: Path) -> None:
     assert receiver["state"] == sender["state"]  # bit-exact, each tensor on the device type it had
     assert any(device == "cuda" for device, _ in receiver["state"]["tensors"])
     assert receiver["received"] == sender["sent"] and receiver["info"] == {"iteration": 7}
+
+
+def assert_moves_match(results: list[dict], cut: tuple[int, ...], device: str = "cuda") -> None:
+    """Each stage of the layer-move job (`moves_procs.train_moving`) holds the layers of `cut`, the last
+    partition, with the state the one-process reference reaches (float64, 1e-10)."""
+    want = results[0]["reference"]
+    for stage, r in enumerate(results):
+        assert r["devices"] == [device] and not r["mismatches"], r["mismatches"]
+        assert {"isend", "irecv"} <= set(r["calls"])
+        assert sorted(map(int, r["layers"])) == list(range(sum(cut[:stage]), sum(cut[: stage + 1])))
+        for layer, state in r["layers"].items():
+            for name, value in want[int(layer)].items():
+                got, expected = _flat(state[name]), _flat(value)
+                assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= TOLERANCE, (stage, layer, name)
+
+
+def _flat(x: object) -> list[float]:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]  # type: ignore[list-item]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_helpers import TOLERANCE, fault_free_json, need_gpus, read
+from gpu_helpers import assert_moves_match, fault_free_json, need_gpus, read
 from moves_procs import CUTS, train_moving
 
 from schedcomp.runtime.launch import spawn
@@ -18,17 +18,4 @@ pytestmark = pytest.mark.timeout(300)
 @need_gpus(2)
 def test_layers_move_between_gpus_over_nccl(tmp_path: Path) -> None:
     spawn(train_moving, 2, (fault_free_json("zb-h1", 2, 1, 4), str(tmp_path)), timeout=240, backend=None)
-    results = [read(tmp_path / f"moves.{r}.json") for r in range(2)]
-    want = results[0]["reference"]
-    for stage, r in enumerate(results):
-        assert r["devices"] == ["cuda"] and not r["mismatches"], r["mismatches"]
-        assert {"isend", "irecv"} <= set(r["calls"])
-        assert sorted(map(int, r["layers"])) == list(range(sum(CUTS[-1][:stage]), sum(CUTS[-1][: stage + 1])))
-        for layer, state in r["layers"].items():
-            for name, value in want[int(layer)].items():
-                got, expected = _flat(state[name]), _flat(value)
-                assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= TOLERANCE, (stage, layer, name)
-
-
-def _flat(x) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+    assert_moves_match([read(tmp_path / f"moves.{r}.json") for r in range(2)], CUTS[-1])
