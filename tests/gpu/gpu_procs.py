@@ -196,3 +196,45 @@ def replica_transfer(rank: int, via: str, outdir: str) -> None:
                       "state": state_summary(module, optimizer)}
     result["mismatches"] = [c.name for c in audit.mismatches()]
     _dump(outdir, f"transfer.{rank}", result)
+
+
+def autocast_mlp(rank: int, plan_jsons: list[str], outdir: str) -> None:
+    """float32 master weights trained under CUDA autocast (world size 1): bfloat16 with each plan against a
+    plain autocast loop over the same micro-batches on the same device, and float16 with loss scaling."""
+    from schedcomp.runtime import PipelineTrainer
+
+    def model() -> nn.Module:
+        return mlp_stage(0).float()
+
+    out: dict = {"runs": []}
+    x, y = (t.float() for t in mlp_batch(Plan.from_json(plan_jsons[0]).microbatches))
+    for text in plan_jsons:
+        plan = Plan.from_json(text)
+        for dtype in (torch.bfloat16, torch.float16):
+            trainer = PipelineTrainer(plan, lambda s: model(), F.mse_loss, adamw, autocast=dtype)
+            results = [trainer.step((x, y)) for _ in range(STEPS)]
+            trainer.settle()
+            params = list(trainer.stage.module.parameters())
+            out["runs"].append({
+                "family": plan.family, "dtype": str(dtype), "losses": [float(r) for r in results],
+                "skipped": [bool(r.skipped) for r in results], "state": _states(trainer.stage.module),
+                "param_dtypes": sorted({str(p.dtype) for p in params}),
+                "devices": sorted({p.device.type for p in params})})
+            device = trainer.device
+    reference = model().to(device)
+    optimizer = adamw(reference.parameters())
+    chunks = Plan.from_json(plan_jsons[0]).microbatches
+    xs, ys = x.to(device).chunk(chunks), y.to(device).chunk(chunks)
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for xm, ym in zip(xs, ys, strict=True):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                loss = F.mse_loss(reference(xm), ym) / chunks
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    out["reference"] = {"losses": losses, "state": _states(reference), "initial": _states(model())}
+    _dump(outdir, "autocast", out)
