@@ -11,6 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-python3}
+[[ $PY == */* ]] && PY=$(realpath "$PY")  # a relative path still works after the `cd` below
 RESULTS_DIR=${OUT:-$REPO/bench/results}
 mkdir -p "$RESULTS_DIR"
 RESULTS=$RESULTS_DIR/gpu-results.txt
@@ -24,12 +25,14 @@ for entry in "$REPO"/schedcomp/*; do ln -s "$entry" "$SHIM/schedcomp/"; done
 ln -s "$REPO/schedules" "$SHIM/schedcomp/schedules"
 ln -s "$REPO/runtime" "$SHIM/schedcomp/runtime"
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
-# Without this `python -` and `python -m pytest` put the working directory (the repository root, whose
-# schedcomp/ lacks schedules/ and runtime/) before the shim; Python >= 3.11.
+# `python -` and `python -m pytest` put the working directory first on the path: the repository root's
+# schedcomp/ lacks schedules/ and runtime/. PYTHONSAFEPATH (Python >= 3.11) stops that, and Python runs from
+# the shim's folder, whose schedcomp/ is the whole package, where it does not apply (3.10).
 export PYTHONSAFEPATH=1
+cd "$SHIM"
 
 {
-  echo "== GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "== GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
   "$PY" - <<'PY'
 import importlib, sys
 missing = [m for m in ("torch", "numpy", "networkx", "pytest") if importlib.util.find_spec(m) is None]
@@ -47,12 +50,12 @@ PY
 
 echo "== pytest tests/gpu" | tee -a "$RESULTS"
 # --confcutdir: tests/conftest.py (hypothesis profiles) is not needed here; -p no:cacheprovider: read-only trees
-"$PY" -m pytest tests/gpu -q -rs --confcutdir=tests/gpu -p no:cacheprovider -o addopts="" 2>&1 | tee -a "$RESULTS"
+"$PY" -m pytest "$REPO/tests/gpu" -q -rs --confcutdir="$REPO/tests/gpu" -p no:cacheprovider -o addopts="" 2>&1 | tee -a "$RESULTS"
 status=${PIPESTATUS[0]}
 
 echo "== python bench/bench_gpu.py ${BENCH_ARGS:-}" | tee -a "$RESULTS"
 # shellcheck disable=SC2086
-"$PY" bench/bench_gpu.py ${BENCH_ARGS:-} 2>&1 | tee -a "$RESULTS"
+"$PY" "$REPO/bench/bench_gpu.py" ${BENCH_ARGS:-} 2>&1 | tee -a "$RESULTS"
 bench=${PIPESTATUS[0]}
 echo "== pytest exit $status, bench exit $bench; results in $RESULTS" | tee -a "$RESULTS"
 [ "$status" -eq 0 ] && [ "$bench" -eq 0 ]
