@@ -11,7 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-python3}
-[[ $PY == */* ]] && PY=$(realpath "$PY")  # a relative path still works after the `cd` below
+# absolute (links kept: a venv's python is a link) so that a relative path still works after the `cd` below
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
 RESULTS_DIR=${OUT:-$REPO/bench/results}
 mkdir -p "$RESULTS_DIR"
 RESULTS=$RESULTS_DIR/gpu-results.txt
