@@ -38,12 +38,14 @@ from bench_split_backward import GPU_SHAPES, measure  # noqa: E402  (bench/ is n
 def split_vs_fused(reps: int, warmup: int, shapes: list[tuple[int, int, int]]) -> None:
     device = torch.device("cuda")
     print(f"\n1. split vs fused backward (forward + backward), bf16; median of {reps}")
-    print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'fused ms':>9} {'ours/fused':>10} {'torch/fused':>11}")
+    print("   (host ms: the call's own wall time, launching without waiting; near the fused ms, the GPU waits for it)")
+    print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'fused ms':>9} {'ours/fused':>10} {'torch/fused':>11} "
+          f"{'fused host ms':>13} {'ours host ms':>12}")
     for hidden, layers, tokens in shapes:
         t = measure(hidden, layers, tokens, device, torch.bfloat16, reps, warmup)
         theirs = f"{t['torch'] / t['fused']:11.3f}" if "torch" in t else f"{'n/a':>11}"
-        print(f"{hidden:6d} {layers:6d} {tokens:6d} {t['fused'] * 1e3:9.2f} {t['ours'] / t['fused']:10.3f} {theirs}",
-              flush=True)
+        print(f"{hidden:6d} {layers:6d} {tokens:6d} {t['fused'] * 1e3:9.2f} {t['ours'] / t['fused']:10.3f} {theirs} "
+              f"{t['fused host'] * 1e3:13.2f} {t['ours host'] * 1e3:12.2f}", flush=True)
 
 
 def _join_world_of_one() -> None:

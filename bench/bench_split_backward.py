@@ -40,20 +40,27 @@ def blocks(hidden: int, layers: int, device: torch.device, dtype: torch.dtype) -
     return nn.Sequential(*(Block(config) for _ in range(layers))).to(device, dtype)
 
 
-def timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    def on_gpu(fn: Callable[[], None]) -> float:
+def timer(device: torch.device) -> Callable[[Callable[[], None]], tuple[float, float]]:
+    """Seconds of one call: (device time, host time). On a GPU the device time is CUDA events' and the host
+    time the call's own wall time (launching the kernels, no synchronisation): where the host takes about as
+    long as the device, the GPU waits for launches and host overhead shows in the device time."""
+
+    def on_gpu(fn: Callable[[], None]) -> tuple[float, float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
+        began = time.perf_counter()
         fn()
+        host = time.perf_counter() - began
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, host
 
-    def on_cpu(fn: Callable[[], None]) -> float:  # CPU time: one thread, less disturbed by a busy host
+    def on_cpu(fn: Callable[[], None]) -> tuple[float, float]:  # CPU time: one thread, less disturbed by a busy host
         t = time.process_time()
         fn()
-        return time.process_time() - t
+        spent = time.process_time() - t
+        return spent, spent
 
     return on_gpu if device.type == "cuda" else on_cpu
 
@@ -97,20 +104,23 @@ def runs(model: nn.Sequential, x: Tensor, grad: Tensor) -> dict[str, Callable[[]
 
 def measure(hidden: int, layers: int, tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
             warmup: int) -> dict[str, float]:
+    """Median seconds per variant (device time), and per variant "NAME host" (host time, see `timer`)."""
     model = blocks(hidden, layers, device, dtype)
     seq = min(SEQ, tokens)
     x = torch.randn(tokens // seq, seq, hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     timed = timer(device)
     fns = runs(model, x, grad)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {key: [] for name in fns for key in (name, f"{name} host")}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     for _ in range(reps):  # interleaved, so drift hurts every variant alike
         for name, fn in fns.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+            device_s, host_s = timed(fn)
+            times[name].append(device_s)
+            times[f"{name} host"].append(host_s)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def main() -> None:
