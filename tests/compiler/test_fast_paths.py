@@ -1,0 +1,46 @@
+"""`lower` and `check` over columns give the answers the per-instruction code gave (session 11).
+
+`tests/compiler/data/fast_paths.json` holds, for a fixed corpus of small plans and their random corruptions
+(`tests/support/fast_path_corpus.py`: families, chunks, adaptive plans with failures, re-cut, layers; broken
+streams and broken compute orders), what the code answered before `lower`, the validator's scan and its
+deadlock pass were rewritten: each sound plan's JSON and transfer tables (digests) and each refusal's exact
+message. The rewrite must give every one of them again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fast_path_corpus import verdicts
+
+from schedcomp.check import index_of
+from schedcomp.compiler import compile
+
+GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
+
+
+def test_same_verdicts_as_before() -> None:
+    expected = json.loads(GOLDEN.read_text())
+    got = verdicts()
+    assert got.keys() == expected.keys()
+    differ = [name for name in expected if got[name] != expected[name]]
+    assert not differ, "\n".join(f"{n}:\n  was {expected[n]}\n  now {got[n]}" for n in differ[:5])
+    assert sum(v.startswith("ok ") for v in got.values()) >= 40  # the corpus has sound plans ...
+    assert sum("deadlock" in v for v in got.values()) >= 5  # ... and deadlocks among its refusals
+
+
+def test_index_order_runs_every_stream_to_its_end() -> None:
+    """The deadlock pass's order of (worker, stop) segments reaches the end of every stream, never goes
+    back, and lets no worker pass ALLREDUCE before its whole stage group reached it."""
+    plan = compile(4, dp=3, microbatches=6, failed=[(0, 1), (2, 3)], solver="greedy")
+    index = index_of(plan)
+    assert index is not None
+    at = {w: 0 for w in plan.streams}
+    reduce_at = {w: len(s) - 2 for w, s in plan.streams.items()}
+    for w, stop in index.order:
+        assert stop >= at[w]
+        if stop > reduce_at[w]:  # passes ALLREDUCE: its group is there
+            assert all(at[v] >= reduce_at[v] for v in plan.streams if v.stage == w.stage)
+        at[w] = stop
+    assert at == {w: len(s) for w, s in plan.streams.items()}
