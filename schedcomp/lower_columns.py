@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +49,23 @@ def _ints(values: list[object]) -> NDArray[np.int64] | None:
 def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, tuple[Instruction, ...]] | None:
     """Every live worker's stream as `lower` places it, ending with `tail` (ALLREDUCE, STEP), or None for an
     order this plain path does not handle (see the module docstring)."""
+    placed = _placement(order)
+    if placed is None:
+        return None
+    workers = list(order.ops)
+    who = np.empty(len(workers) + 1, object)
+    who[:-1] = workers  # (index -1: None, no peer)
+    ops = np.fromiter(chain.from_iterable(order.ops.values()), object)
+    count, ends = len(placed[0]), placed[3]
+    # The fields' columns go to `_build` alone, which frees each once it is set (memory peaks here).
+    instructions = _build(count, [(_KINDS, placed[0]), (ops, placed[1]), (who, placed[2])])
+    del placed
+    return {w: (*instructions[a:b], *tail) for w, a, b in zip(workers, [0, *ends[:-1]], ends, strict=True)}
+
+
+def _placement(order: Order) -> tuple[NDArray[np.int8], NDArray[np.integer[Any]], NDArray[np.int32], list[int]] | None:
+    """Per instruction of all streams in a row, its kind (a row of `_KINDS`), its op (a number in the order's
+    ops in a row) and its peer (a worker number, -1 for none); and where each worker's stream ends."""
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
@@ -125,20 +142,16 @@ def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, t
     where = np.concatenate([start[recv_block] + np.arange(len(along)) - run_start, at_op[loads] - 1, at_op,
                             at_op[sends] + 1])
     total = int(size.sum())
-    kinds = np.empty(total, np.int64)
+    kinds = np.empty(total, np.int8)
     kinds[where] = np.concatenate([_RECV + (out_tensor[along] & 1), np.full(np.count_nonzero(loads), _LOAD), code,
                                    _SEND + (out_tensor[sends] & 1)])
-    op_of = np.empty(total, np.int64)
+    op_of = np.empty(total, np.int32 if n < 2**31 else np.int64)
     op_of[where] = np.concatenate([consumer[along], np.flatnonzero(loads), np.arange(n), np.flatnonzero(sends)])
-    peer = np.full(total, -1, np.int64)  # (index -1 of `who`: None)
+    peer = np.full(total, -1, np.int32)  # (index -1 of `who`: None)
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
-    who = np.empty(len(workers) + 1, object)
-    who[:-1] = workers
-    ops = np.fromiter(flat, object, n)
-    instructions = _build(_KINDS[kinds].tolist(), ops[op_of].tolist(), who[peer].tolist())
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return {w: (*instructions[a:b], *tail) for w, a, b in zip(workers, [0, *ends[:-1]], ends, strict=True)}
+    return kinds, op_of, peer, ends
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -154,10 +167,14 @@ def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -
     return out - group_no * span
 
 
-def _build(kinds: list[object], ops: list[object], peers: list[object]) -> list[Instruction]:
-    """Instructions from their fields, every field set in C (`map`), not a Python step each: what
-    `Instruction.trusted` does, for millions (the fields are right by construction)."""
-    made = list(map(object.__new__, repeat(Instruction, len(kinds))))
-    for setter, values in zip(INSTRUCTION_SETTERS, (kinds, ops, peers), strict=True):
-        deque(map(setter, made, values), maxlen=0)
+def _build(count: int, fields: list[tuple[NDArray[Any], NDArray[np.integer[Any]]]]) -> list[Instruction]:
+    """`count` instructions, each field given as (its values, which value each instruction takes), set in C
+    (`map`), not a Python step each: what `Instruction.trusted` does, for millions (the fields are right by
+    construction). One field's list of values at a time, each column freed once used: each is as long as the
+    plan."""
+    made = list(map(object.__new__, repeat(Instruction, count)))
+    for setter in INSTRUCTION_SETTERS:
+        values, which = fields.pop(0)
+        deque(map(setter, made, values[which].tolist()), maxlen=0)
+        del values, which
     return made
