@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fast_path_corpus import verdicts
+import pytest
+from fast_path_corpus import PLANS, order_of, verdicts
 
+from schedcomp import lower as lowering
 from schedcomp.check import index_of
 from schedcomp.compiler import compile
+from schedcomp.lower_columns import lower_streams
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
 
@@ -44,3 +47,17 @@ def test_index_order_runs_every_stream_to_its_end() -> None:
             assert all(at[v] >= reduce_at[v] for v in plan.streams if v.stage == w.stage and v != w)
         at[w] = stop
     assert at == {w: len(s) for w, s in plan.streams.items()}
+
+
+@pytest.mark.parametrize(("name", "kw"), PLANS, ids=[name for name, _ in PLANS])
+def test_columns_lower_as_op_by_op(name: str, kw: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sound order of the corpus takes the column path, and the op-by-op path gives the same streams."""
+    plan = compile(**kw)  # type: ignore[arg-type]
+    order = order_of(plan)
+    assert lower_streams(order, ()) is not None
+    fast = lowering.lower(order, plan.costs)
+    monkeypatch.setattr(lowering, "lower_streams", lambda order, tail: None)
+    slow = lowering.lower(order, plan.costs)
+    assert fast.streams == slow.streams
+    assert list(fast.streams) == list(slow.streams)
+    assert fast.to_json() == slow.to_json()

@@ -99,7 +99,7 @@ def _mutate(plan: Plan, rnd: random.Random) -> Plan:
     return dataclasses.replace(plan, streams=streams)
 
 
-def _order_of(plan: Plan) -> Order:
+def order_of(plan: Plan) -> Order:
     return Order(plan.topology, plan.microbatches, {w: plan.compute_ops(w) for w in plan.streams},
                  plan.family, plan.cut, plan.partition)
 
@@ -136,7 +136,7 @@ def cases() -> Iterator[tuple[str, Callable[[], Plan]]]:
         for k in range(MUTANTS):
             bad = _mutate(plan, rnd)
             yield f"{name} mutant {k}", lambda bad=bad: bad
-        order = _order_of(plan)
+        order = order_of(plan)
         costs: CostModel = plan.costs
         for k in range(ORDER_MUTANTS):
             bad_order = _mutate_order(order, rnd)
@@ -151,4 +151,4 @@ if __name__ == "__main__":
     print(json.dumps(verdicts(), indent=1, sort_keys=True))
 
 
-__all__ = ["PLANS", "Worker", "cases", "verdicts"]
+__all__ = ["PLANS", "Worker", "cases", "order_of", "verdicts"]
