@@ -158,11 +158,11 @@ def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -
     """Per item, the least value among it and the items after it in its group (groups contiguous)."""
     if not len(values):
         return values
-    # Reversed, each group's running minimum; later groups (earlier in reverse) are lifted above all values of
-    # the groups after them, so a running minimum over everything never reaches back into another group.
+    # Group k lifted by k spans of the values: every later group's values exceed every earlier group's, so a
+    # running minimum from the end over all items is, within each group, that group's suffix minimum.
     group_no = np.cumsum(np.r_[False, groups[1:] != groups[:-1]])
     span = int(values.max() - values.min()) + 1
-    lifted = values + group_no * span  # group 0 lowest: reversed, each group sees only larger ones before it
+    lifted = values + group_no * span
     out = np.minimum.accumulate(lifted[::-1])[::-1]
     return out - group_no * span
 
