@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fast_path_corpus import PLANS, order_of, verdicts
+from hypothesis import given
+from hypothesis import strategies as st
 
 from schedcomp import lower as lowering
 from schedcomp.check import index_of
 from schedcomp.compiler import compile
-from schedcomp.lower_columns import lower_streams
+from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
 
@@ -61,3 +64,13 @@ def test_columns_lower_as_op_by_op(name: str, kw: dict[str, object], monkeypatch
     assert fast.streams == slow.streams
     assert list(fast.streams) == list(slow.streams)
     assert fast.to_json() == slow.to_json()
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-1, 50)), max_size=40))
+def test_suffix_minimum_stays_in_its_group(items: list[tuple[int, int]]) -> None:
+    """FIFO post times: per item, the least value among it and the later items of its (contiguous) group."""
+    items.sort(key=lambda item: item[0])  # groups contiguous, values in any order within them
+    groups = np.array([g for g, _ in items], dtype=np.int64)
+    values = np.array([v for _, v in items], dtype=np.int64)
+    expected = [min(v for g, v in items[k:] if g == items[k][0]) for k in range(len(items))]
+    assert _suffix_min_by_group(values, groups).tolist() == expected
