@@ -22,6 +22,7 @@ from schedcomp import lower as lowering
 from schedcomp.check import index_of
 from schedcomp.compiler import compile
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
+from schedcomp.schedules import FAMILIES
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
 
@@ -74,3 +75,34 @@ def test_suffix_minimum_stays_in_its_group(items: list[tuple[int, int]]) -> None
     values = np.array([v for _, v in items], dtype=np.int64)
     expected = [min(v for g, v in items[k:] if g == items[k][0]) for k in range(len(items))]
     assert _suffix_min_by_group(values, groups).tolist() == expected
+
+
+@st.composite
+def jobs(draw: st.DrawFn) -> dict[str, object]:
+    """A small job of any family, or an adaptive one with failed workers (and maybe re-cut)."""
+    pp, dp = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    if dp > 1 and pp > 1 and draw(st.booleans()):
+        workers = [(d, s) for d in range(dp) for s in range(pp)]
+        failed = draw(st.lists(st.sampled_from(workers), min_size=1, max_size=dp - 1, unique_by=lambda w: w[0]))
+        return {"pp": pp, "dp": dp, "microbatches": draw(st.integers(1, 6)), "failed": failed, "solver": "greedy",
+                "recut": draw(st.booleans())}
+    name = draw(st.sampled_from(sorted(FAMILIES)))
+    chunks = 2 if name == "zb-v" else draw(st.integers(1, 2)) if name == "interleaved-1f1b" else None
+    m = pp * draw(st.integers(1, 2)) if name == "interleaved-1f1b" else max(FAMILIES[name].min_microbatches(pp), 1)
+    return {"pp": pp, "dp": dp, "microbatches": m + (0 if name == "interleaved-1f1b" else draw(st.integers(0, 4))),
+            "schedule": name, **({"chunks": chunks} if chunks else {})}
+
+
+@given(jobs())
+def test_columns_lower_random_jobs_as_op_by_op(kw: dict[str, object]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    order = order_of(plan)
+    fast = lower_streams(order, ())
+    assert fast is not None
+    original = lowering.lower_streams
+    try:
+        lowering.lower_streams = lambda order, tail: None  # type: ignore[assignment]
+        slow = lowering.lower(order, plan.costs)
+    finally:
+        lowering.lower_streams = original
+    assert {w: s + slow.streams[w][-2:] for w, s in fast.items()} == slow.streams
