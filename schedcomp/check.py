@@ -19,8 +19,8 @@ tensor between two chunks of the same worker is handed off locally: no SEND or R
 oneself is refused), and its producer must come first in the stream. ALLREDUCE and STEP stay one
 per worker: one gradient reduction over the worker's stage group covers all its chunks (the
 workers at one place of each pipeline hold the same chunks, so each chunk's replicas are that group).
-The deadlock check is a Kahn pass over the wait-for graph (stream order, send -> consumer, one node
-per stage's ALLREDUCE), walked stream by stream over each stream's waits and posts only. A send
+The deadlock check finds how far each stream runs (stream order, send -> consumer, each stage's
+ALLREDUCE waits for its group) in rounds over columns of each stream's waits and posts only. A send
 counts as posted when its stream reaches the SEND instruction (the runtime posts it there), which is
 never earlier than its producer.
 """
@@ -156,9 +156,8 @@ class _Checker(TransferRules, OrderRules):
         # sends, tensor), what the deadlock pass walks.
         self.channels: tuple[Any, ...] = ()
         self.transfer_events: tuple[Any, ...] = ()
-        # Per rank, what the deadlock pass walks in stream order: tensor t as t where an op needs it, as ~t
-        # where it is sent, and its ALLREDUCE last (set by `deadlock`, with their instructions' indexes).
-        self.events: list[list[int]] = []
+        # Per transfer event in stream order, its instruction's index, and where each rank's events start (set by
+        # `deadlock`; an event is a send, or a compute op that needs a received input).
         self.event_places: tuple[list[int], list[int]] = ([], [])
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)

@@ -3,8 +3,8 @@
 `OrderRules` is the half of `check._Checker` that looks at order rather than at single
 instructions: local hand-offs between two chunks of one worker (the producer first), FIFO per
 channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
-then STEP tail, and the deadlock pass (Kahn over the wait-for graph, which also records the
-deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
+then STEP tail, and the deadlock pass (how far each stream runs, in rounds over columns, which also
+records the deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
 built (`plan`, `pp`, `nw`, `workers`, `stream_of`, `tail`, `channels`, `transfer_events`, `sent`,
 `received`, `consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail`
 and `where`.
@@ -13,9 +13,7 @@ and `where`.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Callable, Mapping
-from itertools import islice
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -24,11 +22,12 @@ from schedcomp.ir import Instruction, Plan, staged_text
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
     Tensor = int
     Where = tuple[Worker, int]
 
 _LOW = (1 << 32) - 1  # the index part of a packed place (see `check`)
-_ALLREDUCE = -(1 << 62)  # a rank's ALLREDUCE among its events (tensor t: t >= 0 needed there, ~t sent there)
 
 
 class OrderRules:
@@ -37,7 +36,6 @@ class OrderRules:
     plan: Plan
     pp: int
     workers: list[Worker]
-    events: list[Any]  # per rank, an array("q")
     event_places: tuple[Any, list[int]]
     tail: list[Any]
     nw: int
@@ -49,6 +47,7 @@ class OrderRules:
     order_ranks: Any
     order_stops: Any
     stream_of: list[tuple[Instruction, ...]]  # the streams by rank
+    by_rank: list[Worker | None]  # the streams' workers by rank, None for failed ones
     comp: Any  # op id -> where it runs, packed as rank << 32 | index, -1 for none (see `check._Checker`)
     ns: int  # virtual stages per pipeline
     local: set[int]  # tensors handed off between two chunks of one worker (filled by `handoffs`)
@@ -133,23 +132,6 @@ class OrderRules:
                 extra = reduce[0] + 1 if step[0] != reduce[0] + 1 else step[0] + 1
                 self.fail(w, extra, f"comes after ALLREDUCE: {rule}")
 
-    def stream_events(self, ranks: list[int]) -> list[list[int]]:
-        """Per rank, its transfers' events and then its one ALLREDUCE (`tails` proved it comes after all
-        of them), in stream order, as ints (see `events`); sets `event_places` for `event_index`."""
-        rank, index, code, tensor = self.transfer_events
-        # One instruction is at most one event (a receive's is its consumer's, one per op), so
-        # (rank, index) orders them; one int key sorts faster than several, and a stable sort (a merge)
-        # is quick on the scan's order, where only each rank's receives are out of place.
-        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index, kind="stable")
-        # Typed arrays, not lists: two million events at pp = 32, dp = 256 were 100 MB of int objects.
-        flat = array("q", np.where(code[by] == 0, tensor[by], ~tensor[by]).astype(np.int64).tobytes())
-        bounds = np.searchsorted(rank[by], np.arange(self.nw + 1)).tolist()
-        self.event_places = (array("q", index[by].astype(np.int64).tobytes()), bounds)
-        events = [flat[bounds[r] : bounds[r + 1]] for r in range(self.nw)]
-        for r in ranks:
-            events[r].append(_ALLREDUCE)
-        return events
-
     def event_index(self, r: int, e: int) -> int:
         """The instruction of event `e` of rank `r` (one past the stream's STEP for one past its events)."""
         index, bounds = self.event_places
@@ -175,63 +157,80 @@ class OrderRules:
         return array("q", found.astype(np.int64).tobytes())
 
     def deadlock(self) -> None:
-        """Kahn's pass over the wait-for graph, walked stream by stream.
+        """Whether every stream runs to its end, and a deadlock-free order of it (for the `PlanIndex`).
 
-        The graph's edges are stream order, send -> consumer, and one shared node per stage's
-        ALLREDUCE. Each worker advances until a compute op's input has not been sent yet (its
-        sender has not reached the SEND) or it reaches ALLREDUCE before the rest of its stage
-        group; it resumes when that changes. Whoever cannot finish waits on a cycle.
+        A worker passes a compute op once the sends of its inputs are posted (their senders passed those
+        SEND instructions), and its ALLREDUCE once its whole stage group reached theirs; sends never wait.
+        How far each worker gets is the least fixpoint of those rules, whatever the order of the walk: it is
+        found in rounds over all workers at once (numpy columns, not a step per event: two million events at
+        pp = 32, dp = 256), each round letting every worker pass its next op if that op's inputs were sent by
+        the end of the round before (one op a round: looking further ahead made the rounds dearer than the
+        ones it saved). Each round's moves are segments of the order. A worker that does not reach its
+        ALLREDUCE waits on a cycle, which `report_cycle` names.
         """
-        streams, pp, workers = self.plan.streams, self.pp, self.workers
+        pp, nw, workers = self.pp, self.nw, self.workers
         ranks = [w.pipeline * pp + w.stage for w in workers]  # in rank order, as `workers`
-        events = self.events = self.stream_events(ranks)
-        group = [0] * pp  # live workers per stage, in one pass: a pass per stage was quadratic in workers
-        for w in workers:
-            group[w.stage] += 1
-        at = [0] * self.nw  # next event of each rank
-        reached = bytearray(len(self.comp) // 2)  # per tensor (two per slot, four ops in `comp`): 1 once sent
-        parked: dict[Tensor, int] = {}  # tensor -> the rank waiting for it
-        arrived: list[set[int]] = [set() for _ in range(pp)]  # ranks at each stage's ALLREDUCE
-        todo = deque(ranks)
-        order_ranks, order_stops = self.order_ranks, self.order_stops
-        while todo:
-            r = todo.popleft()
-            ev, start = events[r], at[r]
-            e = len(ev)  # unless it stops at an event
-            for e, tensor in enumerate(islice(ev, start, None), start):  # noqa: B007 - `e` is read after
-                if tensor >= 0:  # a compute op needs this input
-                    if not reached[tensor]:
-                        parked[tensor] = r
-                        break
-                elif tensor != _ALLREDUCE:  # a send of ~tensor is posted
-                    tensor = ~tensor
-                    reached[tensor] = 1
-                    if tensor in parked:
-                        todo.append(parked.pop(tensor))
-                else:  # ALLREDUCE
-                    s = r % pp
-                    here = arrived[s]
-                    if r not in here:
-                        here.add(r)
-                        if len(here) == group[s]:
-                            todo.extend(v for v in here if v != r)
-                    if len(here) < group[s]:
-                        break
-            else:
-                e = len(ev)
-            at[r] = e
-            order_ranks.append(r)
-            order_stops.append(e)
-        # A worker that did not reach the end of its events waits at the instruction of the next one.
-        pos = {w: self.event_index(r, at[r]) for w, r in zip(workers, ranks, strict=True) if at[r] < len(events[r])}
-        stuck = set(pos)
-        if stuck:
-            topo = self.plan.topology
-            waiting = {s: {topo.worker_of_rank(r) for r in arrived[s]} for s in range(pp)}
-            inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
-            for tensor, at in self.received.items():
-                inputs[self.where(at)[0]][self.consumer[tensor]] = tensor
-            self.report_cycle(stuck, pos, inputs, waiting)
+        rank, index, code, tensor = self.transfer_events
+        # Events (a receive's is its consumer's: one per instruction) in stream order: (rank, index) as one key.
+        by = np.argsort(rank * (int(index.max(initial=0)) + 1) + index, kind="stable")
+        ev_rank, ev_tensor, is_send = rank[by], tensor[by], code[by] == 1
+        bounds = np.searchsorted(ev_rank, np.arange(nw + 1))
+        self.event_places = (array("q", index[by].astype(np.int64).tobytes()), bounds.tolist())
+        ev_pos = np.arange(len(by)) - bounds[ev_rank]  # each event's number in its rank's events
+        sender = np.full(len(self.comp) // 2 + 1, -1, np.int64)  # per tensor (two per slot): who sends it, where
+        sent_at = np.zeros(len(sender), np.int64)
+        sender[ev_tensor[is_send]], sent_at[ev_tensor[is_send]] = ev_rank[is_send], ev_pos[is_send]
+        needs = ~is_send
+        # Per need, in stream order: where it is (one more, read past a rank's last), who sends its input, where.
+        need_pos = np.append(ev_pos[needs], 0)
+        need_from, need_after = sender[ev_tensor[needs]], sent_at[ev_tensor[needs]]
+        need_bounds = np.searchsorted(ev_rank[needs], np.arange(nw + 1))
+        cur, end = need_bounds[:-1].copy(), need_bounds[1:]  # each rank's next need, and one past its last
+        reduce_event = bounds[1:] - bounds[:-1]  # each rank's ALLREDUCE: events are its transfers, then it
+
+        def stops(r: NDArray[np.int64]) -> NDArray[np.int64]:
+            """Events passed by ranks `r`: up to their next need, or up to their ALLREDUCE."""
+            return np.where(cur[r] < end[r], need_pos[cur[r]], reduce_event[r])
+
+        live = np.zeros(nw, bool)
+        live[ranks] = True
+        everyone = np.flatnonzero(live)
+        at = np.zeros(nw, np.int64)
+        at[everyone] = stops(everyone)  # sends before the first need wait for nothing
+        moves_r, moves_at = [everyone[at[everyone] > 0]], [at[everyone][at[everyone] > 0]]
+        active = everyone[cur[everyone] < end[everyone]]
+        while len(active):
+            k = cur[active]
+            x = need_from[k]
+            ready = (x >= 0) & (at[np.maximum(x, 0)] > need_after[k])  # its send was passed by the round before
+            if not ready.any():
+                break  # nobody can move: those left wait on a cycle
+            r = active[ready]
+            cur[r] += 1
+            at[r] = stops(r)
+            moves_r.append(r)
+            moves_at.append(at[r])
+            active = active[cur[active] < end[active]]
+        arrived_mask = live & (cur == end)  # at their ALLREDUCE
+        stage = np.arange(nw) % pp
+        complete = np.bincount(stage[arrived_mask], minlength=pp) == np.bincount(stage[live], minlength=pp)
+        through = everyone[complete[stage[everyone]]]  # whole stage groups at ALLREDUCE pass it, and STEP
+        at[through] = reduce_event[through] + 1
+        moves_r.append(through)
+        moves_at.append(at[through])
+        self.order_ranks = array("q", np.concatenate(moves_r).astype(np.int64).tobytes())
+        self.order_stops = array("q", np.concatenate(moves_at).astype(np.int64).tobytes())
+        if len(through) == len(everyone):
+            return
+        # A worker that did not pass its ALLREDUCE waits at the instruction of its next event.
+        stuck_ranks = everyone[at[everyone] <= reduce_event[everyone]].tolist()
+        by_rank, streams = self.by_rank, self.plan.streams
+        pos: dict[Worker, int] = {by_rank[r]: self.event_index(r, int(at[r])) for r in stuck_ranks}  # type: ignore[misc]
+        waiting = {s: {by_rank[r] for r in np.flatnonzero(arrived_mask & (stage == s)).tolist()} for s in range(pp)}
+        inputs: dict[Worker, dict[int, Tensor]] = {w: {} for w in streams}
+        for t, where in self.received.items():
+            inputs[self.where(where)[0]][self.consumer[t]] = t
+        self.report_cycle(set(pos), pos, inputs, waiting)
 
     def report_cycle(self, stuck: set[Worker], pos: dict[Worker, int], inputs: dict[Worker, dict[int, Tensor]],
                      arrived: dict[int, set[Worker]]) -> NoReturn:

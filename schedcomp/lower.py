@@ -14,6 +14,9 @@ NCCL matches point-to-point messages between two ranks in posting order, whateve
 on every channel (sender X -> receiver Y) Y must post its receives in the order X posts its
 sends. Sends follow X's compute order; when Y needs a receive, it first posts every receive
 that X sends earlier on that channel and that Y has not posted yet.
+
+An order without problems is lowered over columns, all ops at once (`schedcomp.lower_columns`); any other
+takes the op-by-op path below, which gives the same streams or names the first problem.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, OpKind, Order, Plan
+from schedcomp.lower_columns import lower_streams
 from schedcomp.topology import Worker
 
 Tensor = int
@@ -53,6 +57,10 @@ def lower(
 def _lower(
     order: Order, costs: CostModel, solver: str, lower_bound: float | None, meta: Mapping[str, Any] | None
 ) -> Plan:
+    streams = lower_streams(order, (_ALLREDUCE, _STEP))  # all ops at once, for an order with no problem
+    if streams is not None:
+        return _plan(order, costs, streams, solver, lower_bound, meta)
+    # Op by op: the same streams, or the first problem named.
     topology = order.topology
     pp = topology.stages  # virtual stages: the model's stages, whichever workers hold them
     mbs = order.cut.width(order.microbatches)  # slot ids' stride: a re-cut pipeline may run more pieces than M
@@ -105,8 +113,13 @@ def _lower(
         w: _stream(x, ops, pp, mbs, runner, workers, sends[x], inbound[x])
         for x, (w, ops) in enumerate(order.ops.items())
     }
+    return _plan(order, costs, streams, solver, lower_bound, meta)
+
+
+def _plan(order: Order, costs: CostModel, streams: dict[Worker, tuple[Instruction, ...]], solver: str,
+          lower_bound: float | None, meta: Mapping[str, Any] | None) -> Plan:
     return Plan(
-        topology=topology,
+        topology=order.topology,
         costs=costs,
         microbatches=order.microbatches,
         streams=streams,

@@ -1,0 +1,108 @@
+"""`lower` and `check` over columns give the answers the per-instruction code gave (session 11).
+
+`tests/compiler/data/fast_paths.json` holds, for a fixed corpus of small plans and their random corruptions
+(`tests/support/fast_path_corpus.py`: families, chunks, adaptive plans with failures, re-cut, layers; broken
+streams and broken compute orders), what the code answered before `lower`, the validator's scan and its
+deadlock pass were rewritten: each sound plan's JSON and transfer tables (digests) and each refusal's exact
+message. The rewrite must give every one of them again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fast_path_corpus import PLANS, compiled, order_of, verdicts
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schedcomp import lower as lowering
+from schedcomp.check import index_of
+from schedcomp.compiler import compile
+from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
+from schedcomp.schedules import FAMILIES
+
+GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
+
+
+def test_same_verdicts_as_before() -> None:
+    expected = json.loads(GOLDEN.read_text())
+    got = verdicts()
+    assert got.keys() == expected.keys()
+    differ = [name for name in expected if got[name] != expected[name]]
+    assert not differ, "\n".join(f"{n}:\n  was {expected[n]}\n  now {got[n]}" for n in differ[:5])
+    assert sum(v.startswith("ok ") for v in got.values()) >= 40  # the corpus has sound plans ...
+    assert sum("deadlock" in v for v in got.values()) >= 5  # ... and deadlocks among its refusals
+
+
+def test_index_order_runs_every_stream_to_its_end() -> None:
+    """The deadlock pass's order of (worker, stop) segments reaches the end of every stream, never goes
+    back, and lets no worker pass ALLREDUCE before its whole stage group reached it."""
+    plan = compile(4, dp=3, microbatches=6, failed=[(0, 1), (2, 3)], solver="greedy")
+    index = index_of(plan)
+    assert index is not None
+    at = {w: 0 for w in plan.streams}
+    reduce_at = {w: len(s) - 2 for w, s in plan.streams.items()}
+    for w, stop in index.order:
+        assert stop >= at[w]
+        if stop > reduce_at[w]:  # passes ALLREDUCE: its group is there
+            assert all(at[v] >= reduce_at[v] for v in plan.streams if v.stage == w.stage and v != w)
+        at[w] = stop
+    assert at == {w: len(s) for w, s in plan.streams.items()}
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PLANS])
+def test_columns_lower_as_op_by_op(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sound order of the corpus takes the column path, and the op-by-op path gives the same streams."""
+    plan = compiled(name)
+    order = order_of(plan)
+    assert lower_streams(order, ()) is not None
+    fast = lowering.lower(order, plan.costs)
+    monkeypatch.setattr(lowering, "lower_streams", lambda order, tail: None)
+    slow = lowering.lower(order, plan.costs)
+    assert fast.streams == slow.streams
+    assert list(fast.streams) == list(slow.streams)
+    assert fast.to_json() == slow.to_json()
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-1, 50)), max_size=40))
+def test_suffix_minimum_stays_in_its_group(items: list[tuple[int, int]]) -> None:
+    """FIFO post times: per item, the least value among it and the later items of its (contiguous) group."""
+    items.sort(key=lambda item: item[0])  # groups contiguous, values in any order within them
+    groups = np.array([g for g, _ in items], dtype=np.int64)
+    values = np.array([v for _, v in items], dtype=np.int64)
+    expected = [min(v for g, v in items[k:] if g == items[k][0]) for k in range(len(items))]
+    assert _suffix_min_by_group(values, groups).tolist() == expected
+
+
+@st.composite
+def jobs(draw: st.DrawFn) -> dict[str, object]:
+    """A small job of any family, or an adaptive one with failed workers (and maybe re-cut)."""
+    pp, dp = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    if dp > 1 and pp > 1 and draw(st.booleans()):
+        workers = [(d, s) for d in range(dp) for s in range(pp)]
+        failed = draw(st.lists(st.sampled_from(workers), min_size=1, max_size=dp - 1, unique_by=lambda w: w[0]))
+        return {"pp": pp, "dp": dp, "microbatches": draw(st.integers(1, 6)), "failed": failed, "solver": "greedy",
+                "recut": draw(st.booleans())}
+    name = draw(st.sampled_from(sorted(FAMILIES)))
+    chunks = 2 if name == "zb-v" else draw(st.integers(1, 2)) if name == "interleaved-1f1b" else None
+    m = pp * draw(st.integers(1, 2)) if name == "interleaved-1f1b" else max(FAMILIES[name].min_microbatches(pp), 1)
+    return {"pp": pp, "dp": dp, "microbatches": m + (0 if name == "interleaved-1f1b" else draw(st.integers(0, 4))),
+            "schedule": name, **({"chunks": chunks} if chunks else {})}
+
+
+@given(jobs())
+def test_columns_lower_random_jobs_as_op_by_op(kw: dict[str, object]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    order = order_of(plan)
+    fast = lower_streams(order, ())
+    assert fast is not None
+    original = lowering.lower_streams
+    try:
+        lowering.lower_streams = lambda order, tail: None  # type: ignore[assignment]
+        slow = lowering.lower(order, plan.costs)
+    finally:
+        lowering.lower_streams = original
+    assert {w: s + slow.streams[w][-2:] for w, s in fast.items()} == slow.streams
