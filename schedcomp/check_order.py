@@ -197,7 +197,7 @@ class OrderRules:
         everyone = np.flatnonzero(live)
         at = np.zeros(nw, np.int64)
         at[everyone] = stops(everyone)  # sends before the first need wait for nothing
-        moves_r, moves_at = [everyone[at[everyone] > 0]], [at[everyone][at[everyone] > 0]]
+        moves_r, moves_at = [everyone], [at[everyone]]  # (a rank with no transfers is at its ALLREDUCE now: pp = 1)
         active = everyone[cur[everyone] < end[everyone]]
         while len(active):
             k = cur[active]

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 _CODE = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
-_F, _B, _W, _BW = range(4)
+# Looked up by identity: `OpKind` is a str enum, so a plain "F" would equal OpKind.F where the op-by-op
+# path (`op.kind is F`) refuses it.
+_CODE_BY_ID = {id(kind): code for kind, code in _CODE.items()}
+_F, _B, _BW = 0, 1, 3
 # An instruction's kind by code: 0..3 the compute ops (as `_CODE`), then LOAD, the sends and the receives
 # (activation, gradient: a tensor's low bit).
 _KINDS = np.array([InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW, InstrKind.LOAD, InstrKind.SEND_ACT,
@@ -75,7 +78,7 @@ def _placement(order: Order) -> tuple[NDArray[np.int8], NDArray[np.integer[Any]]
     n = len(flat)
     if not n:
         return None
-    code = np.fromiter(map(_CODE.get, map(attrgetter("kind"), flat), repeat(-1)), np.int64, n)
+    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), flat)), repeat(-1)), np.int64, n)
     d, m, s = (_ints(list(map(attrgetter(f), flat))) for f in ("pipeline", "microbatch", "stage"))
     if d is None or m is None or s is None or (code < 0).any():
         return None

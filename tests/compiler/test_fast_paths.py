@@ -1,4 +1,4 @@
-"""`lower` and `check` over columns give the answers the per-instruction code gave (session 11).
+"""`lower` and `check` over columns give the answers the per-instruction code gave.
 
 `tests/compiler/data/fast_paths.json` holds, for a fixed corpus of small plans and their random corruptions
 (`tests/support/fast_path_corpus.py`: families, chunks, adaptive plans with failures, re-cut, layers; broken
@@ -37,10 +37,12 @@ def test_same_verdicts_as_before() -> None:
     assert sum("deadlock" in v for v in got.values()) >= 5  # ... and deadlocks among its refusals
 
 
-def test_index_order_runs_every_stream_to_its_end() -> None:
+@pytest.mark.parametrize(("pp", "dp", "failed"), [(4, 3, [(0, 1), (2, 3)]), (1, 2, [])])
+def test_index_order_runs_every_stream_to_its_end(pp: int, dp: int, failed: list[tuple[int, int]]) -> None:
     """The deadlock pass's order of (worker, stop) segments reaches the end of every stream, never goes
-    back, and lets no worker pass ALLREDUCE before its whole stage group reached it."""
-    plan = compile(4, dp=3, microbatches=6, failed=[(0, 1), (2, 3)], solver="greedy")
+    back, and lets no worker pass ALLREDUCE before its whole stage group reached it (also with one stage,
+    where streams hold no transfers)."""
+    plan = compile(pp, dp=dp, microbatches=6, failed=failed, solver="greedy")
     index = index_of(plan)
     assert index is not None
     at = {w: 0 for w in plan.streams}
@@ -106,3 +108,19 @@ def test_columns_lower_random_jobs_as_op_by_op(kw: dict[str, object]) -> None:
     finally:
         lowering.lower_streams = original
     assert {w: s + slow.streams[w][-2:] for w, s in fast.items()} == slow.streams
+
+
+def test_columns_refuse_op_kinds_that_are_only_equal_to_opkind() -> None:
+    """`OpKind` is a str enum: an order whose kinds are plain strings ("F") is not the op-by-op path's
+    `OpKind.F` (`is`), so the column path leaves it to that path, whose plan `check` refuses as before."""
+    from dataclasses import replace
+
+    from schedcomp.check import check
+    from schedcomp.errors import ValidationError
+
+    plan = compile(2, dp=1, microbatches=2, schedule="1f1b")
+    order = order_of(plan)
+    texts = replace(order, ops={w: [replace(op, kind=op.kind.value) for op in ops] for w, ops in order.ops.items()})
+    assert lower_streams(texts, ()) is None
+    with pytest.raises(ValidationError, match=r"instruction 0 \(F0.0\): needs LOAD\[F0.0\] earlier"):
+        check(lowering.lower(texts, plan.costs))

@@ -3,7 +3,7 @@
 `verdicts()` maps a case name to what the compiler answered: a sound plan's JSON digest and a digest of
 its `PlanIndex` transfer tables, or the exact error message. `tests/compiler/data/fast_paths.json` holds
 these answers as the code gave them before `lower`, the scan and the deadlock pass were rewritten over
-columns (session 11); `test_fast_paths.py` compares. Regenerate only for an intended change of answers:
+columns; `test_fast_paths.py` compares. Regenerate only for an intended change of answers:
 `python tests/support/fast_path_corpus.py > tests/compiler/data/fast_paths.json`.
 """
 
