@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +49,16 @@ def _ints(values: list[object]) -> NDArray[np.int64] | None:
     return column.astype(np.int64) if column.dtype.kind in "iub" and column.ndim == 1 else None
 
 
+class _Placed(NamedTuple):
+    """Per instruction of all streams in a row, its kind (a row of `_KINDS`), its op (a number in the order's
+    ops in a row) and its peer (a worker number, -1 for none); and where each worker's stream ends."""
+
+    kinds: NDArray[np.int8]
+    op_of: NDArray[np.integer[Any]]
+    peer: NDArray[np.int32]
+    ends: list[int]
+
+
 def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, tuple[Instruction, ...]] | None:
     """Every live worker's stream as `lower` places it, ending with `tail` (ALLREDUCE, STEP), or None for an
     order this plain path does not handle (see the module docstring)."""
@@ -59,16 +69,16 @@ def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, t
     who = np.empty(len(workers) + 1, object)
     who[:-1] = workers  # (index -1: None, no peer)
     ops = np.fromiter(chain.from_iterable(order.ops.values()), object)
-    count, ends = len(placed[0]), placed[3]
+    count, ends = len(placed.kinds), placed.ends
     # The fields' columns go to `_build` alone, which frees each once it is set (memory peaks here).
-    instructions = _build(count, [(_KINDS, placed[0]), (ops, placed[1]), (who, placed[2])])
+    instructions = _build(count, [(_KINDS, placed.kinds), (ops, placed.op_of), (who, placed.peer)])
     del placed
     return {w: (*instructions[a:b], *tail) for w, a, b in zip(workers, [0, *ends[:-1]], ends, strict=True)}
 
 
-def _placement(order: Order) -> tuple[NDArray[np.int8], NDArray[np.integer[Any]], NDArray[np.int32], list[int]] | None:
-    """Per instruction of all streams in a row, its kind (a row of `_KINDS`), its op (a number in the order's
-    ops in a row) and its peer (a worker number, -1 for none); and where each worker's stream ends."""
+def _placement(order: Order) -> _Placed | None:
+    """Where every instruction of `order`'s streams goes (`_Placed`), or None for an order the op-by-op path
+    must lower (it names the problem)."""
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
@@ -154,7 +164,7 @@ def _placement(order: Order) -> tuple[NDArray[np.int8], NDArray[np.integer[Any]]
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return kinds, op_of, peer, ends
+    return _Placed(kinds, op_of, peer, ends)
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:
