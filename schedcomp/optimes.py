@@ -6,6 +6,8 @@ starts after the ops it reads from, so any edit that keeps every stream sorted b
 op a time between its producers' and its consumers', leaves a plan with no wait cycle (`repair`). Timing a
 pp = 32, dp = 256 plan takes seconds, so a plan's timeline is kept while the plan lives (the runtime can
 compute it while the plan is in use, before any failure) and `repair` hands its result the edited one.
+Where a repair must time its result, only the ops its edit can move are timed again, from the kept times
+(`retimed`, `schedcomp.conetime`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schedcomp.conetime import Deps, cone_times, successors
 from schedcomp.ir import Op, Plan
 from schedcomp.semantics import InstrKind
 from schedcomp.simfast import KIND_POSITION, compute_sequences
 from schedcomp.solvers.problem import Problem
-from schedcomp.solvers.timing import time_sequences
+from schedcomp.solvers.timing import op_dependencies, time_sequences
 from schedcomp.topology import Worker
 
 __all__ = ["OpTimes", "op_times", "remember", "retimed"]
@@ -35,6 +38,7 @@ class OpTimes:
     kinds: int  # 3 (F, B, W) or 2 (F, BW)
     problem: Problem = field(repr=False, compare=False)
     seqs: dict[int, np.ndarray] = field(repr=False, compare=False)  # worker id -> its compute order (op ids)
+    exact: bool = True  # the plan's own timing, which `retimed` re-times a cone of (not `moved`'s placements)
 
     def op_id(self, op: Op) -> int:
         slot = (op.pipeline * self.microbatches + op.microbatch) * self.stages + op.stage
@@ -50,7 +54,7 @@ class OpTimes:
         for op, t in times.items():
             start[self.op_id(op)] = t
         return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
-                       self._seqs_of(plan, orders))
+                       self._seqs_of(plan, orders), exact=False)
 
     def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
         pp = plan.topology.pp
@@ -88,10 +92,16 @@ def op_times(plan: Plan) -> OpTimes | None:
 
 def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTimes | None:
     """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
-    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
+    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off, and
+    where `times` is the plan's own timing only the ops the change can move are timed (`conetime`): the same
+    floats as timing the whole plan, in a fraction of the time."""
     seqs = times._seqs_of(plan, orders)
     problem = times.problem.with_failed(plan.topology, plan.costs)
-    new = _timed(problem, seqs)
+    if times.exact:
+        start = cone_times(times.start, times.seqs, seqs, _deps(problem))
+        new = None if start is None else OpTimes(start, times.microbatches, times.stages, times.kinds, problem, seqs)
+    else:
+        new = _timed(problem, seqs)
     if new is not None:
         remember(plan, new)
     return new
@@ -104,3 +114,23 @@ def _timed(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
     start = np.full(problem.n_slots * len(problem.kinds), np.nan)
     start[timing.ops] = timing.first
     return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs)
+
+
+_DEPS: dict[tuple[int, int, int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _deps(problem: Problem) -> Deps:
+    """What `cone_times` reads besides the lanes: the op dependencies both ways (kept for the last shape
+    timed, like `op_dependencies`: built in `op_times`, before any failure) and every live worker's op times."""
+    key = (problem.stages, len(problem.kinds), problem.n_slots, problem.costs.p2p)
+    if key not in _DEPS:
+        pred, lat = op_dependencies(problem)
+        _DEPS.clear()
+        _DEPS[key] = (pred, lat, successors(pred))
+    pred, lat, succ = _DEPS[key]
+    table = np.zeros((problem.pp * problem.topology.dp, problem.stages * len(problem.kinds)))
+    rows = problem.op_times
+    if rows:
+        table[list(rows)] = np.array(list(rows.values()))
+    sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)
+    return Deps(pred, lat, succ, table, len(problem.kinds), sizes)

@@ -167,9 +167,21 @@ class _Peer:
     """A peer's compute order while slots are placed on it: each op's time on the plan's timeline (sorted:
     the peer runs its ops in that order), and the memory it holds after each op."""
 
-    def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float]) -> None:
-        self.ops, self.times, self.deltas = ops, times, deltas
-        self.levels = np.cumsum([deltas[op.kind] for op in ops]) if ops else np.zeros(0)
+    def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float], need: float,
+                 top: float) -> None:
+        self.ops, self.times, self.deltas, self.need, self.top = ops, times, deltas, need, top
+        self._levels()
+
+    def _levels(self) -> None:
+        """The memory held after each op, and for each op the first at or after it (len: none) after which
+        the memory has no room for `need` more under `top`: a slot fits from op j to op k iff none of j - 1
+        .. k - 1 is full (max(levels) + need <= top, one level at a time, as float sums are monotone)."""
+        levels = np.cumsum([self.deltas[op.kind] for op in self.ops]) if self.ops else np.zeros(0)
+        n = len(levels)
+        full = levels + self.need > self.top
+        self.full = full.tolist()
+        self.full_from = [*np.minimum.accumulate(np.where(full, np.arange(n), n)[::-1])[::-1].tolist(), n]
+        self.room_from = [*np.minimum.accumulate(np.where(full, n, np.arange(n))[::-1])[::-1].tolist(), n]
 
     def _gap(self, i: int, lo: float, hi: float) -> tuple[float, float] | None:
         """The times an op inserted before op i may take within (lo, hi), or None where they do not meet."""
@@ -177,20 +189,27 @@ class _Peer:
         b = min(hi, self.times[i] if i < len(self.times) else math.inf)
         return (a, b) if a < b else None
 
-    def window(self, slot: _Slot, f_span: tuple[float, float], b_span: tuple[float, float], need: float,
-               top: float) -> tuple[int, int, float, float] | None:
+    def window(self, slot: _Slot, f_span: tuple[float, float],
+               b_span: tuple[float, float]) -> tuple[int, int, float, float] | None:
         """Where the slot's F and backward go (before op j and before op k, j <= k) and their times. Each keeps
         its time on the failed worker where memory allows; where it does not, the F waits (later, but before
         its consumer) and the backward comes as early as its producers allow, never against the timeline.
-        None when no place within the spans has `need` to spare from the F to the backward."""
-        times, levels, n = self.times, self.levels, len(self.times)
+        None when no place within the spans has `need` to spare from the F to the backward. (The first j
+        that has a place; the scan stops early once no later j can have one: past the F's consumer, or no
+        gap left for the backward, which only shrinks as the F comes later.)"""
+        times, n, full, full_from = self.times, len(self.times), self.full, self.full_from
         f_at, b_at = slot.times[0], slot.times[1] if len(slot.times) > 1 else slot.times[0]
         j0 = bisect.bisect(times, f_at)
-        for j in range(j0, n + 1):
+        j = j0
+        while j <= n:
+            if j and full[j - 1]:  # no room from op j - 1 on: skip to the next op with room
+                j = self.room_from[j - 1] + 1
+                continue
             gap = self._gap(j, *f_span)
             if gap is None:
                 if j > j0 and times[j - 1] >= f_span[1]:
                     return None  # past the F's consumer
+                j += 1
                 continue
             f_time = f_at if gap[0] < f_at < gap[1] else _inside(gap)
             b_lo = max(b_span[0], f_time)
@@ -199,14 +218,12 @@ class _Peer:
             k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
             if k_min is None:
                 return None
+            room = full_from[max(j - 1, 0)] if j or self.need <= self.top else -1  # the last k that fits
             for k in dict.fromkeys((max(k_min, bisect.bisect(times, b_at)), k_min)):
                 gap_b = self._gap(k, b_lo, b_span[1])
-                if gap_b is None:
-                    continue
-                held = levels[max(j - 1, 0):k]
-                base = levels[j - 1] if j else 0.0
-                if max(base, float(held.max()) if len(held) else 0.0) + need <= top:
+                if gap_b is not None and k <= room:
                     return j, k, f_time, b_at if gap_b[0] < b_at < gap_b[1] else _inside(gap_b)
+            j += 1
         return None
 
     def take(self, slot: _Slot, j: int, k: int, f_time: float, b_time: float) -> dict[Op, float]:
@@ -216,7 +233,7 @@ class _Peer:
         back_times = [b_time] + [_inside((b_time, after))] * (len(backward) - 1)
         self.ops = [*self.ops[:j], f_op, *self.ops[j:k], *backward, *self.ops[k:]]
         self.times = [*self.times[:j], f_time, *self.times[j:k], *back_times, *self.times[k:]]
-        self.levels = np.cumsum([self.deltas[op.kind] for op in self.ops])
+        self._levels()
         return dict(zip(slot.ops, (f_time, *back_times), strict=True))
 
 
@@ -252,18 +269,19 @@ def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]],
     need = deltas[OpKind.F]  # the most one slot adds (F holds it; B and W only free)
     speed = costs.speed
     load = {g: len(ops) / speed.get(g, 1.0) for g, ops in computes.items()}
-    peers = {g: _Peer(list(ops), [times.of(op) for op in ops], deltas) for g, ops in computes.items()}
+    peers = {g: _Peer(list(ops), times.start[times.seqs[g.pipeline * pp + g.stage]].tolist(), deltas, need, top)
+             for g, ops in computes.items()}
     taken: set[Worker] = set()
     moved: dict[Op, float] = {}
     late = False
     for slot in slots:
         spans = _spans(slot, times, pp)
         ranked = sorted(computes, key=lambda g: (load[g], g))[:TRIALS]
-        windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+        windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans)) is not None}
         if not windows:  # every peer full while the slot's neighbours run it: the F waits for memory
             (f_lo, _), (b_lo, _) = spans
             spans = (f_lo, math.inf), (b_lo, math.inf)
-            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans)) is not None}
             late = True
         if not windows:
             raise RecoveryError(
