@@ -133,10 +133,11 @@ def _reach(seeds: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray:
     """Every node that waits for `seeds`, directly or not, and the seeds themselves: sorted."""
     seen = np.zeros(len(layout.ops), dtype=bool)
     seen[seeds] = True
+    stamp = np.zeros(len(layout.ops), dtype=np.int64)
     frontier = seeds
     while len(frontier):
         reached = _waiting(frontier, layout, succ)
-        reached = _once(reached[~seen[reached]])
+        reached = _once(reached[~seen[reached]], stamp)
         seen[reached] = True
         frontier = reached
     return np.flatnonzero(seen)
@@ -144,13 +145,14 @@ def _reach(seeds: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _ConeGraph:
-    """The cone as a graph of its own, nodes 0..m-1 (m: none, or outside the cone): each node's producers in the
-    cone (`pred`, its lane predecessor first) and their latencies (`lat`: 0 on one lane), its readers in the
-    cone (`succ`), its duration, and `base`, the latest arrival from producers outside it."""
+    """The cone as a graph of its own, nodes 0..m-1 (m: none, or outside the cone), a column per edge kind: each
+    node's producers in the cone (`pred`: its lane predecessor, then those it reads from) with their latencies
+    (`lat`, for those it reads from: 0 on one lane), its readers in the cone (`succ`: its lane successor, then
+    those that read it), its duration, and `base`, the latest arrival from outside the cone."""
 
-    pred: np.ndarray
-    lat: np.ndarray
-    succ: np.ndarray
+    pred: tuple[np.ndarray, ...]
+    lat: tuple[np.ndarray, ...]
+    succ: tuple[np.ndarray, ...]
     duration: np.ndarray
     base: np.ndarray
 
@@ -159,21 +161,31 @@ def _cone_graph(cone: np.ndarray, layout: _Layout, deps: Deps, start: np.ndarray
     n, m = len(layout.ops), len(cone)
     at = np.full(n + 2, m, dtype=np.int64)  # node -> its place in the cone (m: outside)
     at[cone] = np.arange(m)
-    prev, data = _producers(cone, layout, deps)
-    producers = np.column_stack((prev, data))
-    same = layout.owner[data] == layout.owner[cone][:, None]  # a hand-off on one lane: no latency
-    lat = np.column_stack((np.zeros(m), np.where(same, 0.0, deps.lat[layout.ops[cone]])))
-    inside = at[producers]
-    outside = (inside == m) & (producers < n)
-    arrival = np.full(producers.shape, -np.inf)
-    arrival[producers == n] = 0.0  # a lane's first op: released at 0 in the first iteration
-    known = producers[outside]
-    arrival[outside] = start[layout.ops[known]] + _durations(known, layout, deps) + lat[outside]
-    nxt = np.where(layout.last[cone], n + 1, cone + 1)
-    readers = deps.succ[layout.ops[cone]]
-    readers = np.where(readers >= 0, layout.node_of[readers], n + 1)
-    return _ConeGraph(inside, lat, at[np.column_stack((nxt, readers))], _durations(cone, layout, deps),
-                      arrival.max(axis=1))
+    ops, owner, first = layout.ops[cone], layout.owner[cone], layout.first[cone]
+
+    def arrive(nodes: np.ndarray, inside: np.ndarray, extra: np.ndarray | float) -> None:
+        """Fold the ends of producers outside the cone (real nodes, not in it) into `base`."""
+        out = (inside == m) & (nodes < n)
+        if out.any():
+            known = nodes[out]
+            late = start[layout.ops[known]] + _durations(known, layout, deps)
+            base[out] = np.maximum(base[out], late + extra[out] if isinstance(extra, np.ndarray) else late)
+
+    base = np.where(first, 0.0, -np.inf)  # a lane's first op: released at 0 in the first iteration
+    prev = np.where(first, n, cone - 1)
+    pred, lat = [at[prev]], []
+    arrive(prev, pred[0], 0.0)
+    for col in range(deps.pred.shape[1]):
+        read = deps.pred[ops, col]
+        nodes = np.where(read >= 0, layout.node_of[read], n + 1)
+        lat.append(np.where(layout.owner[nodes] == owner, 0.0, deps.lat[ops, col]))  # one lane: a hand-off
+        pred.append(at[nodes])
+        arrive(nodes, pred[-1], lat[-1])
+    succ = [at[np.where(layout.last[cone], n + 1, cone + 1)]]
+    for col in range(deps.succ.shape[1]):
+        readers = deps.succ[ops, col]
+        succ.append(at[np.where(readers >= 0, layout.node_of[readers], n + 1)])
+    return _ConeGraph(tuple(pred), tuple(lat), tuple(succ), _durations(cone, layout, deps), base)
 
 
 def _longest(graph: _ConeGraph) -> np.ndarray | None:
@@ -182,31 +194,32 @@ def _longest(graph: _ConeGraph) -> np.ndarray | None:
     m = len(graph.base)
     end = np.full(m + 1, -np.inf)  # end[m]: no producer in the cone
     begin = np.empty(m)
-    final = np.zeros(m + 1, dtype=bool)
+    final = np.zeros(m + 1, dtype=bool)  # timed (m: no producer in the cone, so never waited for)
     final[m] = True
-    frontier = np.flatnonzero((graph.pred == m).all(axis=1))
+    stamp = np.zeros(m + 1, dtype=np.int64)
+    prev, *data = graph.pred
+    frontier = np.flatnonzero(_all(final, graph.pred, np.arange(m)))
     timed = 0
     while len(frontier):
         timed += len(frontier)
-        t = graph.base[frontier]
-        producers, lat = graph.pred[frontier], graph.lat[frontier]
-        for col in range(producers.shape[1]):
-            t = np.maximum(t, end[producers[:, col]] + lat[:, col])
+        t = np.maximum(graph.base[frontier], end[prev[frontier]])  # (a lane hand-off: no latency)
+        for pred, lat in zip(data, graph.lat, strict=True):
+            np.maximum(t, end[pred[frontier]] + lat[frontier], out=t)
         begin[frontier] = t
         end[frontier] = t + graph.duration[frontier]
         final[frontier] = True
-        waiting = graph.succ[frontier].reshape(-1)
-        waiting = _once(waiting[waiting < m])  # (not timed yet: one of their producers just was)
-        frontier = waiting[final[graph.pred[waiting]].all(axis=1)]
+        waiting = np.concatenate([succ[frontier] for succ in graph.succ])
+        waiting = _once(waiting[waiting < m], stamp)  # (not timed yet: one of their producers just was)
+        frontier = waiting[_all(final, graph.pred, waiting)]
     return begin if timed == m else None
 
 
-def _producers(nodes: np.ndarray, layout: _Layout, deps: Deps) -> tuple[np.ndarray, np.ndarray]:
-    """Each node's lane predecessor (n: the lane's release) and producers (n + 1: none), as nodes."""
-    n = len(layout.ops)
-    prev = np.where(layout.first[nodes], n, nodes - 1)
-    data = deps.pred[layout.ops[nodes]]
-    return prev, np.where(data >= 0, layout.node_of[data], n + 1)
+def _all(final: np.ndarray, pred: tuple[np.ndarray, ...], nodes: np.ndarray) -> np.ndarray:
+    """Whether every producer of each node in the cone is timed."""
+    ready = final[pred[0][nodes]]
+    for column in pred[1:]:
+        ready &= final[column[nodes]]
+    return ready
 
 
 def _waiting(nodes: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray:
@@ -215,15 +228,9 @@ def _waiting(nodes: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray
     return np.concatenate((nodes[~layout.last[nodes]] + 1, layout.node_of[readers[readers >= 0]]))
 
 
-_STAMP: list[np.ndarray] = []  # one scratch array for `_once`, kept between calls
-
-
-def _once(nodes: np.ndarray) -> np.ndarray:
-    """`nodes` without repeats (a stamp per node, not a sort)."""
-    size = int(nodes.max()) + 1 if len(nodes) else 0
-    if not _STAMP or len(_STAMP[0]) < size:
-        _STAMP[:] = [np.zeros(max(size, 1 << 20), dtype=np.int64)]
-    stamp, at = _STAMP[0], np.arange(len(nodes))
+def _once(nodes: np.ndarray, stamp: np.ndarray) -> np.ndarray:
+    """`nodes` without repeats: each keeps the place whose index `stamp` (scratch, one per node) holds last."""
+    at = np.arange(len(nodes))
     stamp[nodes] = at
     return nodes[stamp[nodes] == at]
 
