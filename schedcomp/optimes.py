@@ -25,7 +25,7 @@ from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import op_dependencies, time_sequences
 from schedcomp.topology import Worker
 
-__all__ = ["OpTimes", "op_times", "remember", "retimed"]
+__all__ = ["OpTimes", "op_times", "remember", "retimed", "timeline"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,16 @@ class OpTimes:
         return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
                        self._seqs_of(plan, orders), exact=False)
 
+    def edited(self, problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
+        """The timeline of compute orders `seqs` (worker id -> op ids) under `problem` (this timeline's with
+        workers failed), which are this timeline's orders with some changed or gone; None when they cannot run
+        (a wait cycle). Where these times are the plan's own timing, only the ops the change can move are
+        timed again (`conetime`): the same floats as timing them all, in a fraction of the time."""
+        if not self.exact:
+            return timeline(problem, seqs)
+        start = cone_times(self.start, self.seqs, seqs, _deps(problem))
+        return None if start is None else OpTimes(start, self.microbatches, self.stages, self.kinds, problem, seqs)
+
     def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
         pp = plan.topology.pp
         seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) in plan.streams}
@@ -84,30 +94,25 @@ def op_times(plan: Plan) -> OpTimes | None:
     if seqs is None:
         return None
     problem, by_wid = seqs
-    times = _timed(problem, {wid: np.asarray(ops, dtype=np.int64) for wid, ops in by_wid.items()})
+    times = timeline(problem, {wid: np.asarray(ops, dtype=np.int64) for wid, ops in by_wid.items()})
     if times is not None:
         remember(plan, times)
+        _edges(problem)  # what re-timing after a repair reads, built now rather than then
     return times
 
 
 def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTimes | None:
     """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
-    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off, and
-    where `times` is the plan's own timing only the ops the change can move are timed (`conetime`): the same
-    floats as timing the whole plan, in a fraction of the time."""
-    seqs = times._seqs_of(plan, orders)
-    problem = times.problem.with_failed(plan.topology, plan.costs)
-    if times.exact:
-        start = cone_times(times.start, times.seqs, seqs, _deps(problem))
-        new = None if start is None else OpTimes(start, times.microbatches, times.stages, times.kinds, problem, seqs)
-    else:
-        new = _timed(problem, seqs)
+    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
+    new = times.edited(times.problem.with_failed(plan.topology, plan.costs), times._seqs_of(plan, orders))
     if new is not None:
         remember(plan, new)
     return new
 
 
-def _timed(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
+def timeline(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
+    """The timeline of compute orders `seqs` (worker id -> op ids) under `problem`, all of them timed; None
+    when they cannot run."""
     timing = time_sequences(problem, seqs, iterations=1)
     if not timing.ok:
         return None
@@ -116,21 +121,25 @@ def _timed(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
     return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs)
 
 
-_DEPS: dict[tuple[int, int, int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+_EDGES: dict[tuple[int, int, int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _edges(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The op dependencies both ways, kept for the last shape timed (like `op_dependencies`, whose arrays
+    they are): `op_times` builds them, before any failure, so a repair does not."""
+    key = (problem.stages, len(problem.kinds), problem.n_slots, problem.costs.p2p)
+    if key not in _EDGES:
+        pred, lat = op_dependencies(problem)
+        _EDGES.clear()
+        _EDGES[key] = (pred, lat, successors(pred))
+    return _EDGES[key]
 
 
 def _deps(problem: Problem) -> Deps:
-    """What `cone_times` reads besides the lanes: the op dependencies both ways (kept for the last shape
-    timed, like `op_dependencies`: built in `op_times`, before any failure) and every live worker's op times."""
-    key = (problem.stages, len(problem.kinds), problem.n_slots, problem.costs.p2p)
-    if key not in _DEPS:
-        pred, lat = op_dependencies(problem)
-        _DEPS.clear()
-        _DEPS[key] = (pred, lat, successors(pred))
-    pred, lat, succ = _DEPS[key]
+    """What `cone_times` reads besides the compute orders: the op dependencies and every live worker's op times."""
     table = np.zeros((problem.pp * problem.topology.dp, problem.stages * len(problem.kinds)))
     rows = problem.op_times
     if rows:
         table[list(rows)] = np.array(list(rows.values()))
     sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)
-    return Deps(pred, lat, succ, table, len(problem.kinds), sizes)
+    return Deps(*_edges(problem), table, len(problem.kinds), sizes)
