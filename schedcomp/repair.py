@@ -197,30 +197,36 @@ class _Peer:
         None when no place within the spans has `need` to spare from the F to the backward. (The first j
         that has a place; the scan stops early once no later j can have one: past the F's consumer, or no
         gap left for the backward, which only shrinks as the F comes later.)"""
-        times, n, full, full_from = self.times, len(self.times), self.full, self.full_from
+        times, n, full, full_from, room_from = self.times, len(self.times), self.full, self.full_from, self.room_from
         f_at, b_at = slot.times[0], slot.times[1] if len(slot.times) > 1 else slot.times[0]
+        (f_lo, f_hi), (b_min, b_hi) = f_span, b_span
+        inf = math.inf
         j0 = bisect.bisect(times, f_at)
         j = j0
-        while j <= n:
+        while j <= n:  # (the gaps inlined: tens of thousands of places tried at pp = 32, dp = 256)
             if j and full[j - 1]:  # no room from op j - 1 on: skip to the next op with room
-                j = self.room_from[j - 1] + 1
+                j = room_from[j - 1] + 1
                 continue
-            gap = self._gap(j, *f_span)
-            if gap is None:
-                if j > j0 and times[j - 1] >= f_span[1]:
+            a = max(f_lo, times[j - 1] if j else -inf)
+            b = min(f_hi, times[j] if j < n else inf)
+            if not a < b:
+                if j > j0 and times[j - 1] >= f_hi:
                     return None  # past the F's consumer
                 j += 1
                 continue
-            f_time = f_at if gap[0] < f_at < gap[1] else _inside(gap)
-            b_lo = max(b_span[0], f_time)
+            f_time = f_at if a < f_at < b else _inside((a, b))
+            b_lo = max(b_min, f_time)
             # (no gap before the first op after b_lo: start the scan there)
             first = max(j, bisect.bisect_right(times, b_lo))
-            k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
+            room = full_from[max(j - 1, 0)] if j or self.need <= self.top else -1  # the last k that fits
+            if room < first:  # no room up to the backward's first gap: none until op `room` either
+                j = max(j + 1, room + 1)
+                continue
+            k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_hi) is not None), None)
             if k_min is None:
                 return None
-            room = full_from[max(j - 1, 0)] if j or self.need <= self.top else -1  # the last k that fits
             for k in dict.fromkeys((max(k_min, bisect.bisect(times, b_at)), k_min)):
-                gap_b = self._gap(k, b_lo, b_span[1])
+                gap_b = self._gap(k, b_lo, b_hi)
                 if gap_b is not None and k <= room:
                     return j, k, f_time, b_at if gap_b[0] < b_at < gap_b[1] else _inside(gap_b)
             j += 1
@@ -315,18 +321,19 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
     # Who runs each slot the re-lowered streams touch, read off their own transfers (and the failed
     # worker's, whose slots then move to their new runners).
     runner: dict[int, Worker] = {}
+    offset = {**{kind: step for kind, (step, _) in _SENDS.items()}, **_RECVS}  # the peer's slot, from ours
+    computes = COMPUTE_KINDS
     for w in (*redo, worker):
-        for ins in old[w]:
+        for ins in old[w]:  # (the slot inlined: a few hundred thousand instructions at pp = 32, dp = 256)
             op, peer = ins.op, ins.peer
             if op is None:
                 continue
             if peer is not None:
-                if ins.kind in _SENDS:
-                    runner[slot(op) + _SENDS[ins.kind][0]] = peer
-                elif ins.kind in _RECVS:
-                    runner[slot(op) + _RECVS[ins.kind]] = peer
-            elif ins.kind in COMPUTE_KINDS and w != worker:
-                runner[slot(op)] = w
+                step = offset.get(ins.kind)
+                if step is not None:
+                    runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage + step] = peer
+            elif w != worker and ins.kind in computes:
+                runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage] = w
     for w, ops in redo.items():
         for op in ops:
             runner[slot(op)] = w
@@ -354,11 +361,13 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
         for sent in out:
             if sent is not None and workers[sent[1]] in inbound:
                 inbound[workers[sent[1]]].setdefault(numbers[w], []).append(sent[0])
+    kept: dict[Worker, dict[Worker, list[int]]] = {}  # sender kept as it was -> receiver -> its channels
     for w, ops in redo.items():  # channels from a sender kept as it was: its stream's order
         senders = {runner[t] for t in (_source(op, slot(op), pp) for op in ops) if t is not None}
         for x in senders - redo.keys():
-            inbound[w][numbers[x]] = [slot(ins.op) * 2 + _SENDS[ins.kind][1] for ins in old[x]
-                                      if ins.peer == w and ins.kind in _SENDS and ins.op is not None]
+            if x not in kept:
+                kept[x] = _channels(old[x], mbs, pp)
+            inbound[w][numbers[x]] = kept[x].get(w, [])
     streams = {}
     for w, stream in old.items():
         if w == worker:
@@ -368,6 +377,17 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
             stream = _stream(me, tuple(redo[w]), pp, mbs, runner_no, workers, sends[w], inbound[w])
         streams[w] = stream
     return streams
+
+
+def _channels(stream: Sequence[Instruction], mbs: int, pp: int) -> dict[Worker, list[int]]:
+    """The tensors (slot * 2 + channel) a stream sends, per receiver, in its order."""
+    out: dict[Worker, list[int]] = {}
+    for ins in stream:
+        sent = _SENDS.get(ins.kind)
+        op = ins.op
+        if sent is not None and op is not None and ins.peer is not None:
+            out.setdefault(ins.peer, []).append(((op.pipeline * mbs + op.microbatch) * pp + op.stage) * 2 + sent[1])
+    return out
 
 
 def _source(op: Op, slot: int, pp: int) -> int | None:
