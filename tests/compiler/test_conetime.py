@@ -6,11 +6,14 @@ and on every re-timed repair of the small plans of `bench/bench_repair_sweep.py`
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from solver_helpers import swap_neighbours
 
 import schedcomp.repair as repair_module
 from schedcomp.compiler import compile
@@ -23,6 +26,9 @@ from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import time_sequences
 from schedcomp.topology import PLACEMENTS, Topology, Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the sweep's plans, defined once
+from bench_repair_sweep import PLANS
 
 
 def full_times(problem: Problem, seqs: dict[int, np.ndarray]) -> np.ndarray | None:
@@ -80,13 +86,7 @@ def edits(draw):
         at = rng.randrange(0 if shuffle else after_last[peer], len(new[peer]) + 1)
         new[peer].insert(at, op)
         after_last[peer] = at + 1
-    nk = len(problem.kinds)
-    for _ in range(draw(st.integers(0, 3))):
-        lane = new[rng.choice(sorted(new))]
-        if len(lane) > 1:
-            i = rng.randrange(len(lane) - 1)
-            if lane[i] // nk != lane[i + 1] // nk:  # a slot's own ops stay in order
-                lane[i], lane[i + 1] = lane[i + 1], lane[i]
+    swap_neighbours(rng, problem, new, draw(st.integers(0, 3)))
     # Lanes the edit left alone keep their very arrays (as a repair hands them on).
     edited = {wid: seqs[wid] if lane == seqs[wid].tolist() else np.asarray(lane, dtype=np.int64)
               for wid, lane in new.items()}
@@ -139,19 +139,7 @@ def test_successors_read_every_dependency_the_other_way() -> None:
     assert succ.shape == (4, 3) and not succ.flags.writeable
 
 
-SWEEP = [  # bench/bench_repair_sweep.py's plans: each has repairs whose forwards waited (re-timed)
-    {"pp": 3, "dp": 3, "microbatches": 4, "schedule": "1f1b"},
-    {"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h2"},
-    {"pp": 4, "dp": 3, "microbatches": 8, "schedule": "zb-h1"},
-    {"pp": 4, "dp": 3, "microbatches": 6, "failed": [(0, 1)]},
-    {"pp": 4, "dp": 4, "microbatches": 8, "failed": [(0, 1), (2, 3)]},
-    {"pp": 6, "dp": 3, "microbatches": 8},
-    {"pp": 8, "dp": 4, "microbatches": 16, "failed": [(0, 3), (1, 5)]},
-    {"pp": 8, "dp": 2, "microbatches": 8, "schedule": "1f1b"},
-]
-
-
-@pytest.mark.parametrize("kw", SWEEP, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("kw", PLANS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_every_re_timed_repair_is_timed_as_timing_everything_would(kw: dict[str, object],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[bool] = []
