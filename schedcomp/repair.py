@@ -14,8 +14,10 @@ order of their times, and every op starts after the ops it reads from. So
    next stage) and the backward comes as early as its producers allow; never against the timeline. Where
    every peer (of the `TRIALS` least loaded) is full all that while (adaptive plans fill the fault-free
    limit), the F waits for memory past its consumer's time: the times are then no longer a timeline, so
-   the result is timed (`op_times`: seconds at pp = 32, dp = 256), which finds any wait cycle, and one
-   is a `RecoveryError`. Memory is thus the only reason to refuse (compile for the new failure set);
+   the result is timed, which finds any wait cycle, and one is a `RecoveryError`: only the ops the edit
+   can move, from the kept timeline (`OpTimes.edited`, `conetime`: 0.1-0.2 s at pp = 32, dp = 256, where
+   timing the whole plan took 0.5-0.7 s). Memory is thus the only reason to refuse (compile for the new
+   failure set);
 3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
    (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
    off the streams' own transfers); every other stream is the very tuple it was.
@@ -23,9 +25,10 @@ order of their times, and every op starts after the ops it reads from. So
 The work is that of the few streams touched, not of the job, once the timeline is known: timing a plan at
 pp = 32, dp = 256 takes seconds, so it is kept with the plan (the runtime can time the plan in use before
 any failure) and a repaired plan carries its own, so repairs chain with no timing unless memory made an
-F wait (2.; `bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
-unless `validate=False`; a check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its
-period is worse than a full compile's for the new failure set, which replaces it at an iteration boundary.
+F wait (2.; each repair 0.1-0.4 s, `bench/bench_compile_speed.py --scale`). The result is still checked
+(`check`, seconds at that scale) unless `validate=False`; a check that fails is a `RecoveryError`. The
+repaired plan is a stop-gap: its period is worse than a full compile's for the new failure set, which
+replaces it at an iteration boundary.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
                     None, dict(plan.meta), partition=plan.partition)
     if not late:
         remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
-    elif retimed(times, repaired, taken) is None:  # timing it is the deadlock check (and its timeline)
+    elif retimed(times, repaired, taken) is None:  # timing its cone is the deadlock check (and its timeline)
         raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
                             "consumers, and that deadlocks: compile the plan for the new failure set instead")
     if validate:
