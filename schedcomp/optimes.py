@@ -39,6 +39,7 @@ class OpTimes:
     problem: Problem = field(repr=False, compare=False)
     seqs: dict[int, np.ndarray] = field(repr=False, compare=False)  # worker id -> its compute order (op ids)
     exact: bool = True  # the plan's own timing, which `retimed` re-times a cone of (not `moved`'s placements)
+    table: np.ndarray | None = field(default=None, repr=False, compare=False)  # `_durations`, shared by edits
 
     def op_id(self, op: Op) -> int:
         slot = (op.pipeline * self.microbatches + op.microbatch) * self.stages + op.stage
@@ -54,7 +55,7 @@ class OpTimes:
         for op, t in times.items():
             start[self.op_id(op)] = t
         return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
-                       self._seqs_of(plan, orders), exact=False)
+                       self._seqs_of(plan, orders), exact=False, table=self.table)
 
     def edited(self, problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
         """The timeline of compute orders `seqs` (worker id -> op ids) under `problem` (this timeline's with
@@ -63,8 +64,10 @@ class OpTimes:
         timed again (`conetime`): the same floats as timing them all, in a fraction of the time."""
         if not self.exact:
             return timeline(problem, seqs)
-        start = cone_times(self.start, self.seqs, seqs, _deps(problem))
-        return None if start is None else OpTimes(start, self.microbatches, self.stages, self.kinds, problem, seqs)
+        table = _durations(problem) if self.table is None else self.table  # (failures keep the others' op times)
+        start = cone_times(self.start, self.seqs, seqs, Deps(*_edges(problem), table, self.kinds, _sizes(problem)))
+        return None if start is None else OpTimes(start, self.microbatches, self.stages, self.kinds, problem, seqs,
+                                                  table=table)
 
     def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
         pp = plan.topology.pp
@@ -118,7 +121,8 @@ def timeline(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
         return None
     start = np.full(problem.n_slots * len(problem.kinds), np.nan)
     start[timing.ops] = timing.first
-    return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs)
+    return OpTimes(start, problem.microbatches, problem.stages, len(problem.kinds), problem, seqs,
+                   table=_durations(problem))
 
 
 _EDGES: dict[tuple[int, int, int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -135,11 +139,14 @@ def _edges(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _EDGES[key]
 
 
-def _deps(problem: Problem) -> Deps:
-    """What `cone_times` reads besides the compute orders: the op dependencies and every live worker's op times."""
+def _durations(problem: Problem) -> np.ndarray:
+    """Every live worker's op times as a table (worker id -> stage * kinds + kind), for `cone_times`."""
     table = np.zeros((problem.pp * problem.topology.dp, problem.stages * len(problem.kinds)))
     rows = problem.op_times
     if rows:
         table[list(rows)] = np.array(list(rows.values()))
-    sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)
-    return Deps(*_edges(problem), table, len(problem.kinds), sizes)
+    return table
+
+
+def _sizes(problem: Problem) -> np.ndarray | None:
+    return None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)
