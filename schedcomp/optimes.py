@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schedcomp.conetime import Deps, cone_times, successors
+from schedcomp.costs import CostModel
 from schedcomp.ir import Op, Plan
 from schedcomp.semantics import InstrKind
 from schedcomp.simfast import KIND_POSITION, compute_sequences
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import op_dependencies, time_sequences
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
 __all__ = ["OpTimes", "op_times", "remember", "retimed", "timeline"]
 
@@ -48,14 +49,14 @@ class OpTimes:
     def of(self, op: Op) -> float:
         return float(self.start[self.op_id(op)])
 
-    def moved(self, plan: Plan, orders: dict[Worker, list[Op]], times: dict[Op, float]) -> OpTimes:
-        """These times with some ops' replaced: those of `plan`, which is the plan these are of with workers
-        failed and some compute orders changed to `orders` (a repaired plan)."""
+    def moved(self, topology: Topology, orders: dict[Worker, list[Op]], times: dict[Op, float]) -> OpTimes:
+        """These times with some ops' replaced: those of the plan these are of with workers failed (`topology`)
+        and some compute orders changed to `orders` (a repaired plan)."""
         start = self.start.copy()
         for op, t in times.items():
             start[self.op_id(op)] = t
         return OpTimes(start, self.microbatches, self.stages, self.kinds, self.problem,
-                       self._seqs_of(plan, orders), exact=False, table=self.table)
+                       self._seqs_of(topology, orders), exact=False, table=self.table)
 
     def edited(self, problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
         """The timeline of compute orders `seqs` (worker id -> op ids) under `problem` (this timeline's with
@@ -69,9 +70,9 @@ class OpTimes:
         return None if start is None else OpTimes(start, self.microbatches, self.stages, self.kinds, problem, seqs,
                                                   table=table)
 
-    def _seqs_of(self, plan: Plan, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
-        pp = plan.topology.pp
-        seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) in plan.streams}
+    def _seqs_of(self, topology: Topology, orders: dict[Worker, list[Op]]) -> dict[int, np.ndarray]:
+        pp, failed = topology.pp, topology.failed
+        seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) not in failed}
         for w, ops in orders.items():
             seqs[w.pipeline * pp + w.stage] = np.array([self.op_id(op) for op in ops], dtype=np.int64)
         return seqs
@@ -104,13 +105,11 @@ def op_times(plan: Plan) -> OpTimes | None:
     return times
 
 
-def retimed(times: OpTimes, plan: Plan, orders: dict[Worker, list[Op]]) -> OpTimes | None:
-    """The timeline of `plan`, which is the plan `times` is of with workers failed and some compute orders
-    changed to `orders`; None when it cannot run (a wait cycle). Only the changed orders are read off."""
-    new = times.edited(times.problem.with_failed(plan.topology, plan.costs), times._seqs_of(plan, orders))
-    if new is not None:
-        remember(plan, new)
-    return new
+def retimed(times: OpTimes, topology: Topology, costs: CostModel, orders: dict[Worker, list[Op]]) -> OpTimes | None:
+    """The timeline of the plan `times` is of with workers failed (`topology`, `costs`: its costs but for the
+    memory limit) and some compute orders changed to `orders`; None when it cannot run (a wait cycle). Only
+    the changed orders are read off (keep the result with the plan once it is built: `remember`)."""
+    return times.edited(times.problem.with_failed(topology, costs), times._seqs_of(topology, orders))
 
 
 def timeline(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:

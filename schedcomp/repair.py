@@ -98,13 +98,15 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
     computes = {g: _compute_ops(plan.streams[g]) for g in peers}
     taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
-    repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
-                    None, dict(plan.meta), partition=plan.partition)
-    if not late:
-        remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
-    elif retimed(times, repaired, taken) is None:  # timing its cone is the deadlock check (and its timeline)
+    # Its timeline, kept with it so a further repair needs no timing: where forwards waited, timing the cone
+    # of the edit is the deadlock check (before lowering anything).
+    timed = retimed(times, after, costs, taken) if late else times.moved(after, taken, moved)
+    if timed is None:
         raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
                             "consumers, and that deadlocks: compile the plan for the new failure set instead")
+    repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
+                    None, dict(plan.meta), partition=plan.partition)
+    remember(repaired, timed)
     if validate:
         try:
             check(repaired)

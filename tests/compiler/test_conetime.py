@@ -144,10 +144,10 @@ def test_every_re_timed_repair_is_timed_as_timing_everything_would(kw: dict[str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[bool] = []
 
-    def spied(times: OpTimes, plan, orders):  # type: ignore[no-untyped-def]
-        problem = times.problem.with_failed(plan.topology, plan.costs)
-        want = full_times(problem, times._seqs_of(plan, orders))
-        got = retimed(times, plan, orders)
+    def spied(times: OpTimes, topology, costs, orders):  # type: ignore[no-untyped-def]
+        problem = times.problem.with_failed(topology, costs)
+        want = full_times(problem, times._seqs_of(topology, orders))
+        got = retimed(times, topology, costs, orders)
         assert times.exact and same(None if got is None else got.start, want)
         checked.append(got is None)
         return got
