@@ -34,8 +34,9 @@ replaces it at an iteration boundary.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +97,8 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
         raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
                             "step): compile the plan for the new failure set instead")
     costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
-    computes = {g: _compute_ops(plan.streams[g]) for g in peers}
-    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
+    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), plan.streams, peers, costs, times,
+                                topo.pp)
     # Its timeline, kept with it so a further repair needs no timing: where forwards waited, timing the cone
     # of the edit is the deadlock check (before lowering anything).
     timed = retimed(times, after, costs, taken) if late else times.moved(after, taken, moved)
@@ -269,30 +270,38 @@ def _spans(slot: _Slot, times: OpTimes, pp: int) -> tuple[tuple[float, float], t
     return (f_lo, f_hi), (b_lo, b_hi)
 
 
-def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]], costs: CostModel,
-           times: OpTimes, pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
-    """The new compute orders of the peers that take slots (the others keep theirs), the moved ops' times on
-    the timeline, and whether an F had to wait past its consumer's time for memory (then the times are
-    not a timeline of the result: `repair` times it)."""
+def _place(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, Sequence[Instruction]],
+           candidates: Sequence[Worker], costs: CostModel, times: OpTimes,
+           pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
+    """The new compute orders of the peers (of `candidates`) that take slots (the others keep theirs), the
+    moved ops' times on the timeline, and whether an F had to wait past its consumer's time for memory (then
+    the times are not a timeline of the result: `repair` times it)."""
     deltas = stage_deltas(costs, worker.stage)
     limit = costs.limit_at(worker.stage)
     top = limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
     need = deltas[OpKind.F]  # the most one slot adds (F holds it; B and W only free)
     speed = costs.speed
-    load = {g: len(ops) / speed.get(g, 1.0) for g, ops in computes.items()}
-    peers = {g: _Peer(list(ops), times.start[times.seqs[g.pipeline * pp + g.stage]].tolist(), deltas, need, top)
-             for g, ops in computes.items()}
+    wid = {g: g.pipeline * pp + g.stage for g in candidates}
+    load = {g: len(times.seqs[wid[g]]) / speed.get(g, 1.0) for g in candidates}  # (its compute ops)
+    rank = {g: i for i, g in enumerate(sorted(candidates))}  # ties by worker, compared as ints
+    peers: dict[Worker, _Peer] = {}  # made for the peers tried only (a few of hundreds)
+
+    def peer(g: Worker) -> _Peer:
+        if g not in peers:
+            peers[g] = _Peer(_compute_ops(streams[g]), times.start[times.seqs[wid[g]]].tolist(), deltas, need, top)
+        return peers[g]
+
     taken: set[Worker] = set()
     moved: dict[Op, float] = {}
     late = False
     for slot in slots:
         spans = _spans(slot, times, pp)
-        ranked = sorted(computes, key=lambda g: (load[g], g))[:TRIALS]
-        windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans)) is not None}
+        ranked = heapq.nsmallest(TRIALS, candidates, key=lambda g: (load[g], rank[g]))
+        windows = {g: w for g in ranked if (w := peer(g).window(slot, *spans)) is not None}
         if not windows:  # every peer full while the slot's neighbours run it: the F waits for memory
             (f_lo, _), (b_lo, _) = spans
             spans = (f_lo, math.inf), (b_lo, math.inf)
-            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans)) is not None}
+            windows = {g: w for g in ranked if (w := peer(g).window(slot, *spans)) is not None}
             late = True
         if not windows:
             raise RecoveryError(
