@@ -14,8 +14,10 @@ order of their times, and every op starts after the ops it reads from. So
    next stage) and the backward comes as early as its producers allow; never against the timeline. Where
    every peer (of the `TRIALS` least loaded) is full all that while (adaptive plans fill the fault-free
    limit), the F waits for memory past its consumer's time: the times are then no longer a timeline, so
-   the result is timed (`op_times`: seconds at pp = 32, dp = 256), which finds any wait cycle, and one
-   is a `RecoveryError`. Memory is thus the only reason to refuse (compile for the new failure set);
+   the result is timed, which finds any wait cycle, and one is a `RecoveryError`: only the ops the edit
+   can move, from the kept timeline (`OpTimes.edited`, `conetime`: 0.1-0.2 s at pp = 32, dp = 256, where
+   timing the whole plan took 0.5-0.7 s). Memory is thus the only reason to refuse (compile for the new
+   failure set);
 3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
    (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
    off the streams' own transfers); every other stream is the very tuple it was.
@@ -23,16 +25,18 @@ order of their times, and every op starts after the ops it reads from. So
 The work is that of the few streams touched, not of the job, once the timeline is known: timing a plan at
 pp = 32, dp = 256 takes seconds, so it is kept with the plan (the runtime can time the plan in use before
 any failure) and a repaired plan carries its own, so repairs chain with no timing unless memory made an
-F wait (2.; `bench/bench_compile_speed.py --scale`). The result is still checked (`check`, seconds at that scale)
-unless `validate=False`; a check that fails is a `RecoveryError`. The repaired plan is a stop-gap: its
-period is worse than a full compile's for the new failure set, which replaces it at an iteration boundary.
+F wait (2.; each repair 0.1-0.4 s, `bench/bench_compile_speed.py --scale`). The result is still checked
+(`check`, seconds at that scale) unless `validate=False`; a check that fails is a `RecoveryError`. The
+repaired plan is a stop-gap: its period is worse than a full compile's for the new failure set, which
+replaces it at an iteration boundary.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,15 +97,17 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
         raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
                             "step): compile the plan for the new failure set instead")
     costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
-    computes = {g: _compute_ops(plan.streams[g]) for g in peers}
-    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), computes, costs, times, topo.pp)
-    repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
-                    None, dict(plan.meta), partition=plan.partition)
-    if not late:
-        remember(repaired, times.moved(repaired, taken, moved))  # a further repair of it needs no timing
-    elif retimed(times, repaired, taken) is None:  # timing it is the deadlock check (and its timeline)
+    taken, moved, late = _place(worker, _slots(plan.streams[worker], times), plan.streams, peers, costs, times,
+                                topo.pp)
+    # Its timeline, kept with it so a further repair needs no timing: where forwards waited, timing the cone
+    # of the edit is the deadlock check (before lowering anything).
+    timed = retimed(times, after, costs, taken) if late else times.moved(after, taken, moved)
+    if timed is None:
         raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
                             "consumers, and that deadlocks: compile the plan for the new failure set instead")
+    repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
+                    None, dict(plan.meta), partition=plan.partition)
+    remember(repaired, timed)
     if validate:
         try:
             check(repaired)
@@ -167,9 +173,21 @@ class _Peer:
     """A peer's compute order while slots are placed on it: each op's time on the plan's timeline (sorted:
     the peer runs its ops in that order), and the memory it holds after each op."""
 
-    def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float]) -> None:
-        self.ops, self.times, self.deltas = ops, times, deltas
-        self.levels = np.cumsum([deltas[op.kind] for op in ops]) if ops else np.zeros(0)
+    def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float], need: float,
+                 top: float) -> None:
+        self.ops, self.times, self.deltas, self.need, self.top = ops, times, deltas, need, top
+        self._levels()
+
+    def _levels(self) -> None:
+        """The memory held after each op, and for each op the first at or after it (len: none) after which
+        the memory has no room for `need` more under `top`: a slot fits from op j to op k iff none of j - 1
+        .. k - 1 is full (max(levels) + need <= top, one level at a time, as float sums are monotone)."""
+        levels = np.cumsum([self.deltas[op.kind] for op in self.ops]) if self.ops else np.zeros(0)
+        n = len(levels)
+        full = levels + self.need > self.top
+        self.full = full.tolist()
+        self.full_from = [*np.minimum.accumulate(np.where(full, np.arange(n), n)[::-1])[::-1].tolist(), n]
+        self.room_from = [*np.minimum.accumulate(np.where(full, n, np.arange(n))[::-1])[::-1].tolist(), n]
 
     def _gap(self, i: int, lo: float, hi: float) -> tuple[float, float] | None:
         """The times an op inserted before op i may take within (lo, hi), or None where they do not meet."""
@@ -177,36 +195,47 @@ class _Peer:
         b = min(hi, self.times[i] if i < len(self.times) else math.inf)
         return (a, b) if a < b else None
 
-    def window(self, slot: _Slot, f_span: tuple[float, float], b_span: tuple[float, float], need: float,
-               top: float) -> tuple[int, int, float, float] | None:
+    def window(self, slot: _Slot, f_span: tuple[float, float],
+               b_span: tuple[float, float]) -> tuple[int, int, float, float] | None:
         """Where the slot's F and backward go (before op j and before op k, j <= k) and their times. Each keeps
         its time on the failed worker where memory allows; where it does not, the F waits (later, but before
         its consumer) and the backward comes as early as its producers allow, never against the timeline.
-        None when no place within the spans has `need` to spare from the F to the backward."""
-        times, levels, n = self.times, self.levels, len(self.times)
+        None when no place within the spans has `need` to spare from the F to the backward. (The first j
+        that has a place; the scan stops early once no later j can have one: past the F's consumer, or no
+        gap left for the backward, which only shrinks as the F comes later.)"""
+        times, n, full, full_from, room_from = self.times, len(self.times), self.full, self.full_from, self.room_from
         f_at, b_at = slot.times[0], slot.times[1] if len(slot.times) > 1 else slot.times[0]
+        (f_lo, f_hi), (b_min, b_hi) = f_span, b_span
+        inf = math.inf
         j0 = bisect.bisect(times, f_at)
-        for j in range(j0, n + 1):
-            gap = self._gap(j, *f_span)
-            if gap is None:
-                if j > j0 and times[j - 1] >= f_span[1]:
-                    return None  # past the F's consumer
+        j = j0
+        while j <= n:  # (the gaps inlined: tens of thousands of places tried at pp = 32, dp = 256)
+            if j and full[j - 1]:  # no room from op j - 1 on: skip to the next op with room
+                j = room_from[j - 1] + 1
                 continue
-            f_time = f_at if gap[0] < f_at < gap[1] else _inside(gap)
-            b_lo = max(b_span[0], f_time)
+            a = max(f_lo, times[j - 1] if j else -inf)
+            b = min(f_hi, times[j] if j < n else inf)
+            if not a < b:
+                if j > j0 and times[j - 1] >= f_hi:
+                    return None  # past the F's consumer
+                j += 1
+                continue
+            f_time = f_at if a < f_at < b else _inside((a, b))
+            b_lo = max(b_min, f_time)
             # (no gap before the first op after b_lo: start the scan there)
             first = max(j, bisect.bisect_right(times, b_lo))
-            k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_span[1]) is not None), None)
+            room = full_from[max(j - 1, 0)] if j or self.need <= self.top else -1  # the last k that fits
+            if room < first:  # no room up to the backward's first gap: none until op `room` either
+                j = max(j + 1, room + 1)
+                continue
+            k_min = next((k for k in range(first, n + 1) if self._gap(k, b_lo, b_hi) is not None), None)
             if k_min is None:
                 return None
             for k in dict.fromkeys((max(k_min, bisect.bisect(times, b_at)), k_min)):
-                gap_b = self._gap(k, b_lo, b_span[1])
-                if gap_b is None:
-                    continue
-                held = levels[max(j - 1, 0):k]
-                base = levels[j - 1] if j else 0.0
-                if max(base, float(held.max()) if len(held) else 0.0) + need <= top:
+                gap_b = self._gap(k, b_lo, b_hi)
+                if gap_b is not None and k <= room:
                     return j, k, f_time, b_at if gap_b[0] < b_at < gap_b[1] else _inside(gap_b)
+            j += 1
         return None
 
     def take(self, slot: _Slot, j: int, k: int, f_time: float, b_time: float) -> dict[Op, float]:
@@ -216,7 +245,7 @@ class _Peer:
         back_times = [b_time] + [_inside((b_time, after))] * (len(backward) - 1)
         self.ops = [*self.ops[:j], f_op, *self.ops[j:k], *backward, *self.ops[k:]]
         self.times = [*self.times[:j], f_time, *self.times[j:k], *back_times, *self.times[k:]]
-        self.levels = np.cumsum([self.deltas[op.kind] for op in self.ops])
+        self._levels()
         return dict(zip(slot.ops, (f_time, *back_times), strict=True))
 
 
@@ -241,29 +270,38 @@ def _spans(slot: _Slot, times: OpTimes, pp: int) -> tuple[tuple[float, float], t
     return (f_lo, f_hi), (b_lo, b_hi)
 
 
-def _place(worker: Worker, slots: list[_Slot], computes: dict[Worker, list[Op]], costs: CostModel,
-           times: OpTimes, pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
-    """The new compute orders of the peers that take slots (the others keep theirs), the moved ops' times on
-    the timeline, and whether an F had to wait past its consumer's time for memory (then the times are
-    not a timeline of the result: `repair` times it)."""
+def _place(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, Sequence[Instruction]],
+           candidates: Sequence[Worker], costs: CostModel, times: OpTimes,
+           pp: int) -> tuple[dict[Worker, list[Op]], dict[Op, float], bool]:
+    """The new compute orders of the peers (of `candidates`) that take slots (the others keep theirs), the
+    moved ops' times on the timeline, and whether an F had to wait past its consumer's time for memory (then
+    the times are not a timeline of the result: `repair` times it)."""
     deltas = stage_deltas(costs, worker.stage)
     limit = costs.limit_at(worker.stage)
     top = limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
     need = deltas[OpKind.F]  # the most one slot adds (F holds it; B and W only free)
     speed = costs.speed
-    load = {g: len(ops) / speed.get(g, 1.0) for g, ops in computes.items()}
-    peers = {g: _Peer(list(ops), [times.of(op) for op in ops], deltas) for g, ops in computes.items()}
+    wid = {g: g.pipeline * pp + g.stage for g in candidates}
+    load = {g: len(times.seqs[wid[g]]) / speed.get(g, 1.0) for g in candidates}  # (its compute ops)
+    rank = {g: i for i, g in enumerate(sorted(candidates))}  # ties by worker, compared as ints
+    peers: dict[Worker, _Peer] = {}  # made for the peers tried only (a few of hundreds)
+
+    def peer(g: Worker) -> _Peer:
+        if g not in peers:
+            peers[g] = _Peer(_compute_ops(streams[g]), times.start[times.seqs[wid[g]]].tolist(), deltas, need, top)
+        return peers[g]
+
     taken: set[Worker] = set()
     moved: dict[Op, float] = {}
     late = False
     for slot in slots:
         spans = _spans(slot, times, pp)
-        ranked = sorted(computes, key=lambda g: (load[g], g))[:TRIALS]
-        windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+        ranked = heapq.nsmallest(TRIALS, candidates, key=lambda g: (load[g], rank[g]))
+        windows = {g: w for g in ranked if (w := peer(g).window(slot, *spans)) is not None}
         if not windows:  # every peer full while the slot's neighbours run it: the F waits for memory
             (f_lo, _), (b_lo, _) = spans
             spans = (f_lo, math.inf), (b_lo, math.inf)
-            windows = {g: w for g in ranked if (w := peers[g].window(slot, *spans, need, top)) is not None}
+            windows = {g: w for g in ranked if (w := peer(g).window(slot, *spans)) is not None}
             late = True
         if not windows:
             raise RecoveryError(
@@ -297,18 +335,19 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
     # Who runs each slot the re-lowered streams touch, read off their own transfers (and the failed
     # worker's, whose slots then move to their new runners).
     runner: dict[int, Worker] = {}
+    offset = {**{kind: step for kind, (step, _) in _SENDS.items()}, **_RECVS}  # the peer's slot, from ours
+    computes = COMPUTE_KINDS
     for w in (*redo, worker):
-        for ins in old[w]:
+        for ins in old[w]:  # (the slot inlined: a few hundred thousand instructions at pp = 32, dp = 256)
             op, peer = ins.op, ins.peer
             if op is None:
                 continue
             if peer is not None:
-                if ins.kind in _SENDS:
-                    runner[slot(op) + _SENDS[ins.kind][0]] = peer
-                elif ins.kind in _RECVS:
-                    runner[slot(op) + _RECVS[ins.kind]] = peer
-            elif ins.kind in COMPUTE_KINDS and w != worker:
-                runner[slot(op)] = w
+                step = offset.get(ins.kind)
+                if step is not None:
+                    runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage + step] = peer
+            elif w != worker and ins.kind in computes:
+                runner[(op.pipeline * mbs + op.microbatch) * pp + op.stage] = w
     for w, ops in redo.items():
         for op in ops:
             runner[slot(op)] = w
@@ -336,11 +375,13 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
         for sent in out:
             if sent is not None and workers[sent[1]] in inbound:
                 inbound[workers[sent[1]]].setdefault(numbers[w], []).append(sent[0])
+    kept: dict[Worker, dict[Worker, list[int]]] = {}  # sender kept as it was -> receiver -> its channels
     for w, ops in redo.items():  # channels from a sender kept as it was: its stream's order
         senders = {runner[t] for t in (_source(op, slot(op), pp) for op in ops) if t is not None}
         for x in senders - redo.keys():
-            inbound[w][numbers[x]] = [slot(ins.op) * 2 + _SENDS[ins.kind][1] for ins in old[x]
-                                      if ins.peer == w and ins.kind in _SENDS and ins.op is not None]
+            if x not in kept:
+                kept[x] = _channels(old[x], mbs, pp)
+            inbound[w][numbers[x]] = kept[x].get(w, [])
     streams = {}
     for w, stream in old.items():
         if w == worker:
@@ -350,6 +391,17 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
             stream = _stream(me, tuple(redo[w]), pp, mbs, runner_no, workers, sends[w], inbound[w])
         streams[w] = stream
     return streams
+
+
+def _channels(stream: Sequence[Instruction], mbs: int, pp: int) -> dict[Worker, list[int]]:
+    """The tensors (slot * 2 + channel) a stream sends, per receiver, in its order."""
+    out: dict[Worker, list[int]] = {}
+    for ins in stream:
+        sent = _SENDS.get(ins.kind)
+        op = ins.op
+        if sent is not None and op is not None and ins.peer is not None:
+            out.setdefault(ins.peer, []).append(((op.pipeline * mbs + op.microbatch) * pp + op.stage) * 2 + sent[1])
+    return out
 
 
 def _source(op: Op, slot: int, pp: int) -> int | None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from solver_helpers import swap_neighbours
 
 from schedcomp.adaptive import Solution
 from schedcomp.check import check
@@ -77,15 +78,7 @@ def chunked_orders(draw):
 
 def _swap_neighbours(draw, problem: Problem, seqs: dict[int, list[int]]) -> dict[int, list[int]]:
     """`seqs` after up to 12 random swaps of neighbouring ops of different slots (which may deadlock it)."""
-    rng = random.Random(draw(st.integers(0, 2**16)))
-    nk = len(problem.kinds)
-    for _ in range(draw(st.integers(0, 12))):
-        seq = seqs[rng.choice(sorted(seqs))]
-        if len(seq) > 1:
-            i = rng.randrange(len(seq) - 1)
-            if seq[i] // nk != seq[i + 1] // nk:  # a slot's own ops stay in order
-                seq[i], seq[i + 1] = seq[i + 1], seq[i]
-    return seqs
+    return swap_neighbours(random.Random(draw(st.integers(0, 2**16))), problem, seqs, draw(st.integers(0, 12)))
 
 
 @given(st.one_of(orders(), chunked_orders()), st.integers(1, 5), st.booleans())

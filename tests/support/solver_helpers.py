@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Iterator, Mapping, Sequence
 
 from schedcomp.solvers.problem import Problem
@@ -140,3 +141,16 @@ def memory_ok(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> bool:
 
     timer = FastTimer(problem)
     return all(timer.memory_ok(wid, seq) for wid, seq in seqs.items())
+
+
+def swap_neighbours(rng: random.Random, problem: Problem, seqs: dict[int, list[int]],
+                    swaps: int) -> dict[int, list[int]]:
+    """`seqs` after up to `swaps` random swaps of neighbouring ops of different slots (which may deadlock it)."""
+    nk = len(problem.kinds)
+    for _ in range(swaps):
+        seq = seqs[rng.choice(sorted(seqs))]
+        if len(seq) > 1:
+            i = rng.randrange(len(seq) - 1)
+            if seq[i] // nk != seq[i + 1] // nk:  # a slot's own ops stay in order
+                seq[i], seq[i + 1] = seq[i + 1], seq[i]
+    return seqs
