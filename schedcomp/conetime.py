@@ -62,6 +62,8 @@ def cone_times(start: np.ndarray, old: Mapping[int, np.ndarray], new: Mapping[in
     id -> first-iteration start, NaN for ops not run) with some lanes edited and those missing from `new` gone
     (their ops moved to edited ones); None when the new lanes cannot run (a wait cycle, an op missing or run
     twice). A lane is edited where its array is not `old`'s very array and differs from it."""
+    if any(len(ops) and (np.min(ops) < 0 or np.max(ops) >= len(start)) for ops in new.values()):
+        return None  # an op id this plan does not have
     layout = _layout(new, len(start))
     n = len(layout.ops)
     present = int(np.count_nonzero(~np.isnan(start)))

@@ -13,7 +13,7 @@ Where a repair must time its result, only the ops its edit can move are timed ag
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,8 +63,9 @@ class OpTimes:
         workers failed), which are this timeline's orders with some changed or gone; None when they cannot run
         (a wait cycle). Where these times are the plan's own timing, only the ops the change can move are
         timed again (`conetime`): the same floats as timing them all, in a fraction of the time."""
-        if not self.exact:
-            return timeline(problem, seqs)
+        _freeze(seqs)
+        if not self.exact or not _same_job(self.problem, problem, seqs):
+            return timeline(problem, seqs)  # (another job's costs or lanes: nothing of these times holds)
         table = _durations(problem) if self.table is None else self.table  # (failures keep the others' op times)
         start = cone_times(self.start, self.seqs, seqs, Deps(*_edges(problem), table, self.kinds, _sizes(problem)))
         return None if start is None else OpTimes(start, self.microbatches, self.stages, self.kinds, problem, seqs,
@@ -75,7 +76,30 @@ class OpTimes:
         seqs = {wid: ops for wid, ops in self.seqs.items() if Worker(*divmod(wid, pp)) not in failed}
         for w, ops in orders.items():
             seqs[w.pipeline * pp + w.stage] = np.array([self.op_id(op) for op in ops], dtype=np.int64)
-        return seqs
+        return _freeze(seqs)
+
+
+def _freeze(seqs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Make the lanes read-only: a timeline shares them with every edit of it, and an edit is found by the
+    lane not being the very array it was (`conetime`), which an in-place change would hide."""
+    for ops in seqs.values():
+        if isinstance(ops, np.ndarray):
+            ops.flags.writeable = False
+    return seqs
+
+
+def _same_job(was: Problem, now: Problem, seqs: dict[int, np.ndarray]) -> bool:
+    """Whether `now` is `was` with more workers failed (the same costs but for the memory limit, the same
+    micro-batches and cut) and `seqs` names only its live workers: what re-timing a cone assumes."""
+    a, b = was.topology, now.topology
+    if (a.pp, a.dp, a.chunks, a.placement) != (b.pp, b.dp, b.chunks, b.placement) or not a.failed <= b.failed:
+        return False
+    if (was.microbatches, was.cut, was.split) != (now.microbatches, now.cut, now.split):
+        return False
+    if replace(was.costs, memory_limit=None) != replace(now.costs, memory_limit=None):
+        return False
+    live = {now.worker_id(w) for w in b.live_workers}
+    return set(seqs) <= live
 
 
 _KEPT: dict[int, OpTimes] = {}  # id(plan) -> its timeline, while the plan lives
@@ -115,6 +139,7 @@ def retimed(times: OpTimes, topology: Topology, costs: CostModel, orders: dict[W
 def timeline(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
     """The timeline of compute orders `seqs` (worker id -> op ids) under `problem`, all of them timed; None
     when they cannot run."""
+    _freeze(seqs)
     timing = time_sequences(problem, seqs, iterations=1)
     if not timing.ok:
         return None

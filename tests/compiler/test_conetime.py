@@ -161,3 +161,63 @@ def test_every_re_timed_repair_is_timed_as_timing_everything_would(kw: dict[str,
             except RecoveryError as exc:
                 assert "memory" in str(exc)
     assert checked  # some forwards waited, so repair re-timed (and some of those deadlocked: refused)
+
+
+def _moved(seqs: dict[int, np.ndarray], dead: int, peer: int) -> dict[int, np.ndarray]:
+    """`seqs` with lane `dead` gone, its ops appended to lane `peer` (in their order: it runs)."""
+    edited = {wid: seq for wid, seq in seqs.items() if wid != dead}
+    edited[peer] = np.concatenate((seqs[peer], seqs[dead]))
+    return edited
+
+
+def test_other_costs_or_a_dead_lane_are_timed_whole() -> None:
+    """A problem that is not this timeline's with more failures (other speeds, another latency), or lanes that
+    still name a failed worker: nothing of the kept times holds, so everything is timed (as it would be)."""
+    from dataclasses import replace
+
+    problem = Problem(Topology.of(2, 2, set()), 2, CostModel.uniform(2, p2p=0.5))
+    seqs = {wid: np.asarray(seq, dtype=np.int64) for wid, seq in plain_sequences(problem).items()}
+    base = timeline(problem, seqs)
+    assert base is not None
+    after = problem.with_failed(Topology.of(2, 2, {Worker(1, 1)}), problem.costs)
+    assert base.edited(after, dict(seqs)) is None and full_times(after, dict(seqs)) is None
+    edited = _moved(seqs, problem.worker_id(Worker(1, 1)), problem.worker_id(Worker(0, 1)))
+    for costs in (replace(problem.costs, speed={Worker(0, 0): 0.5}), replace(problem.costs, p2p=0.1)):
+        other = Problem(Topology.of(2, 2, {Worker(1, 1)}), 2, costs)
+        got = base.edited(other, edited)
+        assert got is not None and same(got.start, full_times(other, edited))
+
+
+def test_lanes_are_read_only_and_unknown_op_ids_are_refused() -> None:
+    problem = Problem(Topology.of(2, 2, set()), 2, CostModel.uniform(2))
+    base = timeline(problem, {wid: np.asarray(seq, dtype=np.int64) for wid, seq in plain_sequences(problem).items()})
+    assert base is not None
+    with pytest.raises(ValueError):  # an in-place edit would look unchanged to the cone (the very array)
+        base.seqs[0][0] = base.seqs[0][1]
+    assert base.edited(problem, {**base.seqs, 0: np.append(base.seqs[0], len(base.start))}) is None
+
+
+def test_a_chain_of_edits_and_re_cut_sizes_are_timed_as_timing_everything_would() -> None:
+    """An edit of a cone-timed timeline (a repair of a repaired plan), on a job whose failed pipeline is re-cut
+    into micro-batches of several sizes (ops' durations scale with them)."""
+    from dataclasses import replace
+
+    from schedcomp.adaptive import greedy
+    from schedcomp.recut import recut
+
+    costs = CostModel(forward=[1.0, 1.5], backward_input=[1.0, 2.0], backward_weight=[0.5, 1.0], p2p=0.2)
+    problem = Problem(Topology.of(2, 4, {Worker(3, 1)}), 4, costs)
+    cut, _ = recut(problem, 0.5)
+    problem = replace(problem, cut=cut)
+    assert problem.slot_sizes is not None and len(set(problem.slot_sizes)) > 1
+    seqs = {wid: np.asarray(seq, dtype=np.int64) for wid, seq in greedy(problem).seqs.items()}
+    times = timeline(problem, seqs)
+    assert times is not None
+    failed = {Worker(3, 1)}
+    for dead, peer in ((Worker(2, 1), Worker(0, 1)), (Worker(1, 0), Worker(0, 0))):
+        failed.add(dead)
+        after = problem.with_failed(Topology.of(2, 4, set(failed)), costs)
+        edited = _moved(times.seqs, problem.worker_id(dead), problem.worker_id(peer))
+        got = times.edited(after, edited)
+        assert got is not None and got.exact and same(got.start, full_times(after, edited))
+        times, problem = got, after
