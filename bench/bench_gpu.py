@@ -9,8 +9,8 @@ for a GPT stage in bf16 and fp32, and planned vs measured peak memory.
    `PipelineTrainer.step` with a 1f1b (fused backward) and a zb-h1 (split backward) plan. The
    variants run in rotation, `--warmup` steps first, then the median of `--reps` steps, each timed
    from one `cuda.synchronize` to the next.
-3. Planned vs measured peak memory per worker: `bench/bench_memory.py`'s `planned_vs_measured(device)`
-   when that file is present (it is the memory work's; this run prints that it is absent otherwise).
+3. Planned vs measured peak memory per worker: `bench/bench_memory.py`'s `planned_vs_measured("cuda")`
+   (one worker at world size 1, bf16; the first iteration, which allocates cuBLAS's workspace, left out).
 
 Reproduce:  python bench/bench_gpu.py            (needs CUDA; prints one line and exits 0 without it)
             python bench/bench_gpu.py --quick    (fewer steps, smaller GPT)

@@ -140,14 +140,12 @@ def adaptive_solution(
 
 
 def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
-    """The best schedule over whole micro-batches and the cuts of `recut.PIECES` (`recut.LIMITED_PIECES` under
-    a memory limit, up to `PLAIN_MAX_OPS` ops; ties to the fewer pieces, tried first): a re-cut is kept only
-    where it schedules faster."""
-    from schedcomp.recut import LIMITED_PIECES, PIECES, recut
+    """The best schedule over whole micro-batches and the cuts of `recut.PIECES` (ties to the fewer pieces,
+    tried first): a re-cut is kept only where it schedules faster."""
+    from schedcomp.recut import PIECES, recut
 
-    small = problem.n_slots * len(problem.kinds) <= PLAIN_MAX_OPS
     problems = []
-    for piece in LIMITED_PIECES if problem.costs.memory_limit is not None and small else PIECES:
+    for piece in PIECES:
         cut, routing = recut(problem, piece)
         if all(cut != p.cut for p in problems):
             cut_problem = replace(problem, cut=cut)

@@ -62,9 +62,9 @@ def cone_times(start: np.ndarray, old: Mapping[int, np.ndarray], new: Mapping[in
     id -> first-iteration start, NaN for ops not run) with some lanes edited and those missing from `new` gone
     (their ops moved to edited ones); None when the new lanes cannot run (a wait cycle, an op missing or run
     twice). A lane is edited where its array is not `old`'s very array and differs from it."""
-    if any(len(ops) and (np.min(ops) < 0 or np.max(ops) >= len(start)) for ops in new.values()):
-        return None  # an op id this plan does not have
     layout = _layout(new, len(start))
+    if layout is None:
+        return None  # an op id this plan does not have
     n = len(layout.ops)
     present = int(np.count_nonzero(~np.isnan(start)))
     if n != present or (n and ((layout.node_of[layout.ops] != np.arange(n)).any()
@@ -96,12 +96,15 @@ def successors(pred: np.ndarray) -> np.ndarray:
     return out
 
 
-def _layout(new: Mapping[int, np.ndarray], n_ops: int) -> _Layout:
+def _layout(new: Mapping[int, np.ndarray], n_ops: int) -> _Layout | None:
+    """The lanes `new` end to end, or None where one names an op id outside 0..n_ops - 1."""
     lanes = sorted(new)
     arrays = [np.asarray(new[lane], dtype=np.int64) for lane in lanes]
     lens = np.array([len(a) for a in arrays], dtype=np.int64)
     ops = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     n = len(ops)
+    if n and (ops.min() < 0 or ops.max() >= n_ops):
+        return None
     node_of = np.full(n_ops, -1, dtype=np.int64)
     node_of[ops] = np.arange(n)
     owner = np.full(n + 2, -1, dtype=np.int64)

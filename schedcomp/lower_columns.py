@@ -35,7 +35,7 @@ _CODE = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
 # Looked up by identity: `OpKind` is a str enum, so a plain "F" would equal OpKind.F where the op-by-op
 # path (`op.kind is F`) refuses it.
 _CODE_BY_ID = {id(kind): code for kind, code in _CODE.items()}
-_F, _B, _BW = 0, 1, 3
+_F, _B, _BW = _CODE[OpKind.F], _CODE[OpKind.B], _CODE[OpKind.BW]
 # An instruction's kind by code: 0..3 the compute ops (as `_CODE`), then LOAD, the sends and the receives
 # (activation, gradient: a tensor's low bit).
 _KINDS = np.array([InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW, InstrKind.LOAD, InstrKind.SEND_ACT,

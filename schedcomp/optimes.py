@@ -62,7 +62,8 @@ class OpTimes:
         """The timeline of compute orders `seqs` (worker id -> op ids) under `problem` (this timeline's with
         workers failed), which are this timeline's orders with some changed or gone; None when they cannot run
         (a wait cycle). Where these times are the plan's own timing, only the ops the change can move are
-        timed again (`conetime`): the same floats as timing them all, in a fraction of the time."""
+        timed again (`conetime`): the same floats as timing them all, in a fraction of the time. The arrays
+        of `seqs` are made read-only (the result keeps them, and so will its edits)."""
         _freeze(seqs)
         if not self.exact or not _same_job(self.problem, problem, seqs):
             return timeline(problem, seqs)  # (another job's costs or lanes: nothing of these times holds)
@@ -138,7 +139,7 @@ def retimed(times: OpTimes, topology: Topology, costs: CostModel, orders: dict[W
 
 def timeline(problem: Problem, seqs: dict[int, np.ndarray]) -> OpTimes | None:
     """The timeline of compute orders `seqs` (worker id -> op ids) under `problem`, all of them timed; None
-    when they cannot run."""
+    when they cannot run. The arrays of `seqs` are made read-only (the timeline keeps them)."""
     _freeze(seqs)
     timing = time_sequences(problem, seqs, iterations=1)
     if not timing.ok:

@@ -188,10 +188,22 @@ def activation_bytes(spans: Iterable[Span], pp: int) -> tuple[tuple[float, ...],
 def measured_peaks(spans: Iterable[Span]) -> dict[Worker, float]:
     """The most activation memory each worker held in the traces (bytes), where they carry memory.
 
-    A trace of several iterations is read from its second on: on CUDA the first also allocates
-    cuBLAS's persistent workspace (`runtime.memory`), which is not activation memory."""
+    A worker's first iteration, and the first after each gap in its iterations (a replacement process that
+    joined), are left out where it ran others: on CUDA a process's first iteration also allocates cuBLAS's
+    persistent workspace (`runtime.memory`), which is not activation memory."""
+    spans = [s for s in spans if s.memory_peak is not None or s.memory is not None]
+    iterations: dict[Worker, set[int]] = defaultdict(set)
+    for s in spans:
+        iterations[s.worker].add(s.iteration)
+    starts: dict[Worker, set[int]] = {}
+    for w, its in iterations.items():
+        firsts = {i for i in its if i - 1 not in its}
+        if len(firsts) < len(its):
+            starts[w] = firsts
     peaks: dict[Worker, float] = {}
-    for s in _steady(list(spans), 1):
+    for s in spans:
+        if s.iteration in starts.get(s.worker, ()):
+            continue
         value = s.memory_peak if s.memory_peak is not None else s.memory
         if value is not None:
             peaks[s.worker] = max(peaks.get(s.worker, 0.0), value)

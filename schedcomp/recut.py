@@ -34,11 +34,10 @@ _TOL = 1e-9
 PIECES = (2.0, 0.5)
 """The largest piece, in micro-batches, of the cuts `adaptive_order` tries. Smaller pieces hold less
 activation, so under a memory limit they fill a peer's bubbles better; larger ones keep fewer ops."""
-LIMITED_PIECES = (*PIECES, 0.25)
-"""The cuts tried under a memory limit on small problems (`adaptive.recut_solution`): quarter pieces gain
-there (pp = 4, dp = 8, M = 8 with 3:1 failed, under ZB-H1's per-stage peaks: 31.67 -> 31.29; pp = 8,
-dp = 8, M = 16 with 1:1 and 5:1 failed: 70.24 -> 68.91) and never without a limit in the bench's cases,
-for one more schedule to solve."""
+# Quarter pieces would schedule better under a memory limit (pp = 4, dp = 8, M = 8 with 3:1 failed, under
+# ZB-H1's per-stage peaks: 31.67 -> 31.29), but a piece must get at least one row of its micro-batch at run
+# time (`runtime.data`), and that case's quarter cut needs 5 rows per micro-batch where the half cut needs 3:
+# a plan that a failure switches to must not be refused then, so they are not tried.
 
 
 def recut(problem: Problem, piece: float = PIECES[0]) -> tuple[Cut, dict[tuple[int, int, int], int]]:

@@ -15,6 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from solver_helpers import swap_neighbours
 
+import schedcomp.optimes as optimes_module
 import schedcomp.repair as repair_module
 from schedcomp.compiler import compile
 from schedcomp.conetime import successors
@@ -143,11 +144,16 @@ def test_successors_read_every_dependency_the_other_way() -> None:
 def test_every_re_timed_repair_is_timed_as_timing_everything_would(kw: dict[str, object],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[bool] = []
+    whole: list[int] = []  # timings of a whole plan: a repair's re-timing must do none (only its cone)
+    real_timeline = optimes_module.timeline
+    monkeypatch.setattr(optimes_module, "timeline", lambda *a, **k: whole.append(1) or real_timeline(*a, **k))
 
     def spied(times: OpTimes, topology, costs, orders):  # type: ignore[no-untyped-def]
         problem = times.problem.with_failed(topology, costs)
         want = full_times(problem, times._seqs_of(topology, orders))
+        before = len(whole)
         got = retimed(times, topology, costs, orders)
+        assert len(whole) == before, "re-timed the whole plan, not the cone of the edit"
         assert times.exact and same(None if got is None else got.start, want)
         checked.append(got is None)
         return got

@@ -110,8 +110,8 @@ def test_profile_costs_each_chunk_of_virtual_stages(schedule: str, pp: int) -> N
 
 
 def test_measured_peaks_leave_out_the_first_iteration_of_several() -> None:
-    """On CUDA the first iteration's first matmul also allocates cuBLAS's workspace (tens of MiB): a trace
-    of several iterations is read from its second; a trace of one is read whole."""
+    """On CUDA a process's first matmul also allocates cuBLAS's workspace (tens of MiB): each worker is read
+    from its second iteration (and a replacement from its own second); a trace of one iteration is read whole."""
     from schedcomp.profile import measured_peaks
     from schedcomp.timeline import Span
 
@@ -124,3 +124,9 @@ def test_measured_peaks_leave_out_the_first_iteration_of_several() -> None:
 
     assert measured_peaks([span(0, 70e6), span(1, 1.8e6), span(2, 1.7e6)]) == {worker: 1.8e6}
     assert measured_peaks([span(0, 70e6)]) == {worker: 70e6}
+    # A replacement (its iterations resume after a gap) starts a new process: its first is left out too; a
+    # worker that joins late is read from its own second iteration.
+    late = Worker(1, 0)
+    spans = [span(0, 1e6), span(1, 1.5e6), span(4, 70e6), span(5, 1.6e6)]
+    spans += [Span(late, i, 0, forward, 0.0, 1.0, memory_peak=p) for i, p in ((3, 70e6), (4, 1.2e6))]
+    assert measured_peaks(spans) == {worker: 1.6e6, late: 1.2e6}

@@ -155,8 +155,7 @@ def test_re_cut_pieces_and_moved_layers_compose_and_beat_either_alone() -> None:
     recut_only = compile(2, 3, 3, failed=["1:1"], recut=True, solver="greedy")
     assert both.partition == (4, 2) and both.cut and 1 in both.cut.pipelines
     check(both)
-    # (13.33 against 14.67 with layers alone and 14.0 re-cut alone, whose quarter pieces fit the limit best)
-    assert simulate(both).period < min(simulate(layers_only).period, simulate(recut_only).period) - 0.5
+    assert simulate(both).period < min(simulate(layers_only).period, simulate(recut_only).period) - 1
     text = Plan.from_json(both.to_json())
     assert text.partition == both.partition and text.cut == both.cut
 

@@ -45,7 +45,7 @@ def assert_matches_reference(results: list[dict], families: list[str], device: s
         assert [r["family"] for r in result["runs"]] == families
         for run in result["runs"]:
             assert run["device"].startswith(device), run
-            assert device == "cpu" or "cuda:nccl" in run["backend"], run
+            assert ("cuda:nccl" if device == "cuda" else "cpu:gloo") in run["backend"], run
             assert run["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE, rel=0), run["family"]
             if not run["active"]:
                 continue

@@ -25,7 +25,8 @@ CACHE = PLANS / "cache-pp1-dp2-m4"
 
 
 def write_plans(folder: Path = PLANS) -> None:
-    """Write the plans into `folder` (tests/test_gpu_plans.py compares a fresh copy with the shipped one)."""
+    """Write the plans into `folder` (tests/compiler/test_gpu_plans_current.py compares a fresh copy with the
+    shipped one)."""
     folder.mkdir(exist_ok=True)
     (folder / REROUTED.name).write_text(compile(2, 2, 4, failed=[(1, 1)], schedule="zb-h1").to_json())
     (folder / REROUTED_LOST1.name).write_text(compile(2, 2, 4, failed=[(1, 0), (1, 1)], schedule="zb-h1").to_json())

@@ -8,12 +8,16 @@
 # Needs python with torch (CUDA), numpy, networkx and pytest. No OR-tools: the plans that need the
 # adaptive compiler are shipped in tests/gpu/plans/ (tests/gpu/make_plans.py writes them).
 set -uo pipefail
+# PYTHON and OUT as the caller gave them, from the caller's folder; made absolute (links kept: a venv's
+# python is a link) because the script then runs from the repository and Python from a shim's folder.
+PY=${PYTHON:-python3}
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
+if [[ -n ${OUT:-} ]]; then
+  mkdir -p "$OUT" && RESULTS_DIR=$(cd "$OUT" && pwd) || exit 2
+fi
 cd "$(dirname "$0")/../.."
 REPO=$PWD
-PY=${PYTHON:-python3}
-# absolute (links kept: a venv's python is a link) so that a relative path still works after the `cd` below
-[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
-RESULTS_DIR=${OUT:-$REPO/bench/results}
+RESULTS_DIR=${RESULTS_DIR:-$REPO/bench/results}
 mkdir -p "$RESULTS_DIR"
 RESULTS=$RESULTS_DIR/gpu-results.txt
 

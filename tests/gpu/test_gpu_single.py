@@ -71,9 +71,10 @@ def test_cuda_autocast_keeps_float32_weights_and_follows_a_plain_autocast_loop(t
     assert update.norm() > 0
     for run in result["runs"]:
         assert run["param_dtypes"] == ["torch.float32"] and run["devices"] == ["cuda"], run
-        if run["dtype"] == "torch.float16":
-            assert run["losses"][-1] < run["losses"][0], run
+        if run["dtype"] == "torch.float16":  # (an overflow may skip a step and halve the scale, not every step)
+            assert run["losses"][-1] < run["losses"][0] and not all(run["skipped"]), run
             continue
+        assert not any(run["skipped"]), run  # bfloat16: no loss scale, nothing to skip
         exact = run["family"] == "1f1b"
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5 if exact else 1e-2), run["family"]
         off = (_flat_state(run["state"]) - initial - update).norm() / update.norm()
