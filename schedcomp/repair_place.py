@@ -59,9 +59,9 @@ class _Peer:
     def __init__(self, ops: list[Op], times: list[float], deltas: dict[object, float], need: float,
                  top: float) -> None:
         self.ops, self.times, self.deltas, self.need, self.top = ops, times, deltas, need, top
-        self._levels()
+        self._mark_full()
 
-    def _levels(self) -> None:
+    def _mark_full(self) -> None:
         """The memory held after each op, and for each op the first at or after it (len: none) after which
         the memory has no room for `need` more under `top`: a slot fits from op j to op k iff none of j - 1
         .. k - 1 is full (max(levels) + need <= top, one level at a time, as float sums are monotone)."""
@@ -128,7 +128,7 @@ class _Peer:
         back_times = [b_time] + [_inside((b_time, after))] * (len(backward) - 1)
         self.ops = [*self.ops[:j], f_op, *self.ops[j:k], *backward, *self.ops[k:]]
         self.times = [*self.times[:j], f_time, *self.times[j:k], *back_times, *self.times[k:]]
-        self._levels()
+        self._mark_full()
         return dict(zip(slot.ops, (f_time, *back_times), strict=True))
 
 
