@@ -18,7 +18,7 @@ import random
 
 import pytest
 from chaos_job import DP, ITERATIONS, MICROBATCHES, PP, launch, precompile_chaos_plans, precompile_plan, seeds
-from resilient_procs import ROWS, chaos_reference, lossy_reference
+from resilient_procs import ROWS, chaos_reference, flat, lossy_reference
 
 from schedcomp.runtime.fault.residual import lost_microbatches, skipped_chunks
 from schedcomp.topology import Worker
@@ -75,18 +75,14 @@ def check_lossy(results: dict[str, dict], victims: set[Worker], may_roll_back: b
     for r in results.values():
         stage = Worker.parse(r["worker"]).stage
         for name, value in reference[stage].items():
-            diff = max(abs(a - b) for a, b in zip(_flat(r["state"][name]), _flat(value), strict=True))
+            diff = max(abs(a - b) for a, b in zip(flat(r["state"][name]), flat(value), strict=True))
             assert diff <= TOLERANCE, (r["worker"], name, diff)
-            differs = max(differs, max(abs(a - b) for a, b in zip(_flat(value), _flat(fault_free[stage][name]),
+            differs = max(differs, max(abs(a - b) for a, b in zip(flat(value), flat(fault_free[stage][name]),
                                                                  strict=True)))
     if any(skipped.values()):
         assert differs > 1e-6  # the lossy path really ran: the model is not the fault-free one
     assert len({r["generation"] for r in results.values()}) == 1
     return skipped
-
-
-def _flat(x) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
 
 
 @pytest.mark.parametrize("seed", seeds(3))

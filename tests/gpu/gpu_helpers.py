@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from resilient_procs import flat
 
 from schedcomp import CostModel, Topology
 from schedcomp.lower import lower
@@ -74,9 +75,5 @@ def assert_moves_match(results: list[dict], cut: tuple[int, ...], device: str = 
         assert sorted(map(int, r["layers"])) == list(range(sum(cut[:stage]), sum(cut[: stage + 1])))
         for layer, state in r["layers"].items():
             for name, value in want[int(layer)].items():
-                got, expected = _flat(state[name]), _flat(value)
+                got, expected = flat(state[name]), flat(value)
                 assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= TOLERANCE, (stage, layer, name)
-
-
-def _flat(x: object) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]  # type: ignore[list-item]

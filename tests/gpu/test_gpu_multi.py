@@ -63,7 +63,7 @@ def test_sigkill_recovery_aborts_and_rebuilds_nccl_groups(monkeypatch: pytest.Mo
     before its ALLREDUCE, while 0:0 waits in it. 0:0 must give the wait up, abort the generation's NCCL
     communicators, regroup, re-run iteration 1 alone and end on the fault-free model."""
     from fault_procs import run_job
-    from resilient_procs import HERE, chaos_reference
+    from resilient_procs import HERE, chaos_reference, flat
 
     from schedcomp.cache import PlanCache
 
@@ -84,9 +84,5 @@ def test_sigkill_recovery_aborts_and_rebuilds_nccl_groups(monkeypatch: pytest.Mo
     reference = chaos_reference(1, 2 * microbatches, iterations)[0]
     for name, want in reference.items():
         got = survivor["state"][name]
-        diff = max(abs(a - b) for a, b in zip(_flat(got), _flat(want), strict=True))
+        diff = max(abs(a - b) for a, b in zip(flat(got), flat(want), strict=True))
         assert diff <= TOLERANCE, (name, diff)
-
-
-def _flat(x) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]

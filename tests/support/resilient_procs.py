@@ -119,12 +119,13 @@ def assert_state_matches(result: dict, reference: list[dict], tolerance: float =
     held = result.get("states") or {result["worker"].split(":")[1]: result["state"]}
     for stage, state in held.items():
         for name, value in reference[int(stage)].items():
-            diff = max(abs(a - b) for a, b in zip(_flat(state[name]), _flat(value), strict=True))
+            diff = max(abs(a - b) for a, b in zip(flat(state[name]), flat(value), strict=True))
             assert diff <= tolerance, (result["worker"], stage, name, diff)
 
 
-def _flat(x) -> list[float]:
-    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+def flat(x) -> list[float]:
+    """The numbers of a nested list (a tensor's `tolist()`), in order."""
+    return [v for item in x for v in flat(item)] if isinstance(x, list) else [x]
 
 
 def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[int, set[int]]]) -> list[dict]:
@@ -172,7 +173,7 @@ def held_layers(trainer, iterations: int) -> dict[str, float]:
 
 
 def _largest_difference(a, b) -> float:
-    return max(abs(x - y) for x, y in zip(_flat(a), _flat(b), strict=True))
+    return max(abs(x - y) for x, y in zip(flat(a), flat(b), strict=True))
 
 
 def parse_victims(spec: str) -> tuple[dict, dict]:
