@@ -1,7 +1,7 @@
 """The GPU benchmark, in one run on one GPU: split vs fused backward, trainer step vs a plain PyTorch loop
 for a GPT stage in bf16 and fp32, and planned vs measured peak memory.
 
-1. Split backward: `bench_split_backward.measure` at its GPU shapes (hidden 1024-4096, bf16): ours/fused
+1. Split backward: `bench_split_backward.table` at its GPU shapes (hidden 1024-4096, bf16): ours/fused
    and PyTorch's split/fused (issue 4's target: ours/fused <= 1.03).
 2. Trainer vs plain loop: one GPT (`runtime.gpt`, hidden 2048, 8 blocks, context 1024) as the only
    stage of a world-size-1 NCCL job; a step is 8 micro-batches of 4 x 1024 tokens and AdamW.
@@ -32,20 +32,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_split_backward import GPU_SHAPES, measure  # noqa: E402  (bench/ is not a package)
+from bench_split_backward import GPU_SHAPES, table  # noqa: E402  (bench/ is not a package)
 
 
 def split_vs_fused(reps: int, warmup: int, shapes: list[tuple[int, int, int]]) -> None:
-    device = torch.device("cuda")
     print(f"\n1. split vs fused backward (forward + backward), bf16; median of {reps}")
-    print("   (host ms: the call's own wall time, launching without waiting; near the fused ms, the GPU waits for it)")
-    print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'fused ms':>9} {'ours/fused':>10} {'torch/fused':>11} "
-          f"{'fused host ms':>13} {'ours host ms':>12}")
-    for hidden, layers, tokens in shapes:
-        t = measure(hidden, layers, tokens, device, torch.bfloat16, reps, warmup)
-        theirs = f"{t['torch'] / t['fused']:11.3f}" if "torch" in t else f"{'n/a':>11}"
-        print(f"{hidden:6d} {layers:6d} {tokens:6d} {t['fused'] * 1e3:9.2f} {t['ours'] / t['fused']:10.3f} {theirs} "
-              f"{t['fused host'] * 1e3:13.2f} {t['ours host'] * 1e3:12.2f}", flush=True)
+    table(shapes, torch.device("cuda"), torch.bfloat16, reps, warmup)
 
 
 def _join_world_of_one() -> None:

@@ -139,12 +139,21 @@ def main() -> None:
         GPU_SHAPES if gpu else CPU_SHAPES)
     name = torch.cuda.get_device_name() if gpu else "CPU, 1 thread"
     print(f"forward + backward of a stack of transformer blocks on {name}, {dtype}, torch {torch.__version__}")
-    print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'fused ms':>9} {'ours/fused':>10} {'torch/fused':>11}")
+    table(shapes, device, dtype, args.reps, args.warmup)
+
+
+def table(shapes: list[tuple[int, ...]], device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> None:
+    """Print one row per (hidden, layers, tokens) shape: the fused time, ours and torch's over it, and each
+    variant's host time (`timer`)."""
+    if device.type == "cuda":
+        print("   (host ms: the call's own wall time, launching without waiting; near the fused ms, the GPU waits)")
+    print(f"{'hidden':>6} {'layers':>6} {'tokens':>6} {'fused ms':>9} {'ours/fused':>10} {'torch/fused':>11} "
+          f"{'fused host ms':>13} {'ours host ms':>12}")
     for hidden, layers, tokens in shapes:
-        t = measure(hidden, layers, tokens, device, dtype, args.reps, args.warmup)
+        t = measure(hidden, layers, tokens, device, dtype, reps, warmup)
         theirs = f"{t['torch'] / t['fused']:11.3f}" if "torch" in t else f"{'n/a':>11}"
-        print(f"{hidden:6d} {layers:6d} {tokens:6d} {t['fused'] * 1e3:9.2f} {t['ours'] / t['fused']:10.3f} {theirs}",
-              flush=True)
+        print(f"{hidden:6d} {layers:6d} {tokens:6d} {t['fused'] * 1e3:9.2f} {t['ours'] / t['fused']:10.3f} {theirs} "
+              f"{t['fused host'] * 1e3:13.2f} {t['ours host'] * 1e3:12.2f}", flush=True)
 
 
 if __name__ == "__main__":
