@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedcomp.timecore import once
+
 __all__ = ["Deps", "cone_times", "successors"]
 
 
@@ -142,7 +144,7 @@ def _reach(seeds: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray:
     frontier = seeds
     while len(frontier):
         reached = _waiting(frontier, layout, succ)
-        reached = _once(reached[~seen[reached]], stamp)
+        reached = once(reached[~seen[reached]], stamp)
         seen[reached] = True
         frontier = reached
     return np.flatnonzero(seen)
@@ -214,7 +216,7 @@ def _longest(graph: _ConeGraph) -> np.ndarray | None:
         end[frontier] = t + graph.duration[frontier]
         final[frontier] = True
         waiting = np.concatenate([succ[frontier] for succ in graph.succ])
-        waiting = _once(waiting[waiting < m], stamp)  # (not timed yet: one of their producers just was)
+        waiting = once(waiting[waiting < m], stamp)  # (not timed yet: one of their producers just was)
         frontier = waiting[_all(final, graph.pred, waiting)]
     return begin if timed == m else None
 
@@ -231,13 +233,6 @@ def _waiting(nodes: np.ndarray, layout: _Layout, succ: np.ndarray) -> np.ndarray
     """The nodes that wait for `nodes`: each one's lane successor and its readers (repeats kept)."""
     readers = succ[layout.ops[nodes]].reshape(-1)
     return np.concatenate((nodes[~layout.last[nodes]] + 1, layout.node_of[readers[readers >= 0]]))
-
-
-def _once(nodes: np.ndarray, stamp: np.ndarray) -> np.ndarray:
-    """`nodes` without repeats: each keeps the place whose index `stamp` (scratch, one per node) holds last."""
-    at = np.arange(len(nodes))
-    stamp[nodes] = at
-    return nodes[stamp[nodes] == at]
 
 
 def _durations(nodes: np.ndarray, layout: _Layout, deps: Deps) -> np.ndarray:

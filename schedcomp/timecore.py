@@ -349,7 +349,12 @@ def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:
         idx = np.repeat(lo - np.cumsum(np.concatenate(([0], counts[:-1]))), counts) + np.arange(counts.sum())
         targets = succ[idx]
         np.subtract.at(indeg, targets, 1)
-        ready = targets[indeg[targets] == 0]
-        stamp[ready] = np.arange(len(ready))  # a node freed by two producers at once: keep it once
-        frontier = ready[stamp[ready] == np.arange(len(ready))]
+        frontier = once(targets[indeg[targets] == 0], stamp)  # a node freed by two producers at once: keep it once
     return levels if done == n else None
+
+
+def once(nodes: np.ndarray, stamp: np.ndarray) -> np.ndarray:
+    """`nodes` without repeats: each keeps the place whose index `stamp` (scratch, one per node) holds last."""
+    at = np.arange(len(nodes))
+    stamp[nodes] = at
+    return nodes[stamp[nodes] == at]
