@@ -11,7 +11,7 @@ micro-batch's activations, B frees all but what W needs, W frees the rest.
   allocated (the first W or B of an iteration creates `.grad`): everything else the op keeps, and
   its transient workspace in the peak. The first matmul on a stream also allocates cuBLAS's persistent
   workspace (32 MiB on Hopper), which no plan counts: each iteration starts from zero (`forget`) and
-  `schedcomp.profile.measured_peaks` leaves out a trace's first iteration.
+  `schedcomp.profile.measured_peaks` leaves out each process's first iteration.
 """
 
 from __future__ import annotations

@@ -202,10 +202,8 @@ def measured_peaks(spans: Iterable[Span]) -> dict[Worker, float]:
             starts[w] = firsts
     peaks: dict[Worker, float] = {}
     for s in spans:
-        if s.iteration in starts.get(s.worker, ()):
-            continue
-        value = s.memory_peak if s.memory_peak is not None else s.memory
-        if value is not None:
+        if s.iteration not in starts.get(s.worker, ()):
+            value = s.memory_peak if s.memory_peak is not None else s.memory
             peaks[s.worker] = max(peaks.get(s.worker, 0.0), value)
     return peaks
 
