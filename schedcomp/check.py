@@ -6,8 +6,11 @@ micro-batch, stage), on one worker, in dependency order; loads; transfers (each 
 producer, each receive before its consumer, right peers, matched one to one); FIFO order per
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
-The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run; places packed as `rank << 32 | index`), and
+A plan `lower` made keeps the columns its streams were built from (`schedcomp.streamcolumns`): its scan
+is array tests over those (`schedcomp.check_columns`), which leave only a plan that breaks one of the
+scan's rules to the walk, for its message. The walk is one pass over the streams into plain dicts keyed
+by integers (op, slot, tensor and channel ids: hashing dataclasses dominated the run; places packed as
+`rank << 32 | index`), and
 per-worker tables are lists indexed by rank; the transfer rules are numpy expressions over columns of
 all sends and all receives (`schedcomp.check_transfers`); the checks that hold for every sound plan
 (every output sent, every send received, FIFO per channel) compare counts or whole sequences first and
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from schedcomp import limits
+from schedcomp.check_columns import scan_columns
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
 from schedcomp.cut import Cut
@@ -53,6 +57,7 @@ from schedcomp.semantics import (
     roles,
     semantics_of,
 )
+from schedcomp.streamcolumns import columns_of
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -209,7 +214,6 @@ class _Checker(TransferRules, OrderRules):
         dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
         failed = topo.failed
         chunked = ns != pp
-        place = [topo.place_of(s) for s in range(ns)] if chunked else []
         if chunked and isinstance(plan.costs.memory_limit, tuple):
             self.fail(None, None, "a memory limit per stage is not defined with virtual stages yet: give one number "
                                   "for every worker, or none")
@@ -244,6 +248,17 @@ class _Checker(TransferRules, OrderRules):
         self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
+        columns = columns_of(plan.streams)
+        if columns is None or not scan_columns(self, columns):  # (a lowered plan's columns settle the sound case)
+            self.walk()
+
+    def walk(self) -> None:
+        """The scan's per-instruction part: every rule that reads one instruction at a time, and the tables."""
+        plan, topo = self.plan, self.plan.topology
+        dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
+        chunked = ns != pp
+        place = [topo.place_of(s) for s in range(ns)] if chunked else []
+        stream_of = self.stream_of
         comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
         loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         send_kinds, recv_kinds = self.send_kinds, self.recv_kinds

@@ -25,22 +25,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, OpKind, Order
-from schedcomp.topology import Worker
+from schedcomp.ir import INSTRUCTION_SETTERS, Instruction, Op, OpKind, Order
+from schedcomp.streamcolumns import LOAD, OP_CODES, RECV, ROW_KINDS, SEND, LoweredStreams, StreamColumns
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-_CODE = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
+_CODE = {kind: code for code, kind in enumerate(OP_CODES)}
 # Looked up by identity: `OpKind` is a str enum, so a plain "F" would equal OpKind.F where the op-by-op
 # path (`op.kind is F`) refuses it.
 _CODE_BY_ID = {id(kind): code for kind, code in _CODE.items()}
 _F, _B, _BW = _CODE[OpKind.F], _CODE[OpKind.B], _CODE[OpKind.BW]
-# An instruction's kind by code: 0..3 the compute ops (as `_CODE`), then LOAD, the sends and the receives
-# (activation, gradient: a tensor's low bit).
-_KINDS = np.array([InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW, InstrKind.LOAD, InstrKind.SEND_ACT,
-                   InstrKind.SEND_GRAD, InstrKind.RECV_ACT, InstrKind.RECV_GRAD], dtype=object)
-_LOAD, _SEND, _RECV = 4, 5, 7
 
 
 def _ints(values: list[object]) -> NDArray[np.int64] | None:
@@ -50,18 +45,21 @@ def _ints(values: list[object]) -> NDArray[np.int64] | None:
 
 
 class _Placed(NamedTuple):
-    """Per instruction of all streams in a row, its kind (a row of `_KINDS`), its op (a number in the order's
+    """Per instruction of all streams in a row, its kind (a row of `ROW_KINDS`), its op (a number in the order's
     ops in a row) and its peer (a worker number, -1 for none); and where each worker's stream ends."""
 
     kinds: NDArray[np.int8]
     op_of: NDArray[np.integer[Any]]
     peer: NDArray[np.int32]
     ends: list[int]
+    ops: tuple[NDArray[np.int64], ...]
+    """Per op of the order (in a row): its kind's code, pipeline, micro-batch and stage."""
 
 
-def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, tuple[Instruction, ...]] | None:
+def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> LoweredStreams | None:
     """Every live worker's stream as `lower` places it, ending with `tail` (ALLREDUCE, STEP), or None for an
-    order this plain path does not handle (see the module docstring)."""
+    order this plain path does not handle (see the module docstring); the streams keep the columns they are
+    made of (`schedcomp.streamcolumns`), for `check`."""
     placed = _placement(order)
     if placed is None:
         return None
@@ -70,10 +68,14 @@ def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, t
     who[:-1] = workers  # (index -1: None, no peer)
     ops = np.fromiter(chain.from_iterable(order.ops.values()), object)
     count, ends = len(placed.kinds), placed.ends
-    # The fields' columns go to `_build` alone, which frees each once it is set (memory peaks here).
-    instructions = _build(count, [(_KINDS, placed.kinds), (ops, placed.op_of), (who, placed.peer)])
-    del placed
-    return {w: (*instructions[a:b], *tail) for w, a, b in zip(workers, [0, *ends[:-1]], ends, strict=True)}
+    # `_build` makes the objects (memory peaks there); the streams keep the columns too, for `check`.
+    instructions = _build(count, [(ROW_KINDS, placed.kinds), (ops, placed.op_of), (who, placed.peer)])
+    code, d, m, s = placed.ops
+    columns = StreamColumns(tuple(workers), np.array(ends, np.int64), placed.kinds, placed.op_of, placed.peer,
+                            code.astype(np.int8), d.astype(np.int32), m.astype(np.int32), s.astype(np.int32), tail)
+    del placed, code, d, m, s
+    return LoweredStreams(((w, (*instructions[a:b], *tail)) for w, a, b in zip(workers, [0, *ends[:-1]], ends,
+                                                                                strict=True)), columns)
 
 
 def _placement(order: Order) -> _Placed | None:
@@ -156,15 +158,15 @@ def _placement(order: Order) -> _Placed | None:
                             at_op[sends] + 1])
     total = int(size.sum())
     kinds = np.empty(total, np.int8)
-    kinds[where] = np.concatenate([_RECV + (out_tensor[along] & 1), np.full(np.count_nonzero(loads), _LOAD), code,
-                                   _SEND + (out_tensor[sends] & 1)])
+    kinds[where] = np.concatenate([RECV + (out_tensor[along] & 1), np.full(np.count_nonzero(loads), LOAD), code,
+                                   SEND + (out_tensor[sends] & 1)])
     op_of = np.empty(total, np.int32 if n < 2**31 else np.int64)
     op_of[where] = np.concatenate([consumer[along], np.flatnonzero(loads), np.arange(n), np.flatnonzero(sends)])
     peer = np.full(total, -1, np.int32)  # (index -1 of `who`: None)
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return _Placed(kinds, op_of, peer, ends)
+    return _Placed(kinds, op_of, peer, ends, (code, d, m, s))
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:

@@ -9,7 +9,10 @@ message. The rewrite must give every one of them again.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +22,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schedcomp import lower as lowering
-from schedcomp.check import index_of
+from schedcomp.check import _Checker, check, index_of
 from schedcomp.compiler import compile
+from schedcomp.errors import ValidationError
+from schedcomp.ir import Plan
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
 from schedcomp.schedules import FAMILIES
+from schedcomp.streamcolumns import LoweredStreams, columns_of
+from schedcomp.topology import Worker
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
 
@@ -124,3 +131,69 @@ def test_columns_refuse_op_kinds_that_are_only_equal_to_opkind() -> None:
     assert lower_streams(texts, ()) is None
     with pytest.raises(ValidationError, match=r"instruction 0 \(F0.0\): needs LOAD\[F0.0\] earlier"):
         check(lowering.lower(texts, plan.costs))
+
+
+def _index_facts(plan: Plan) -> tuple[object, ...]:
+    index = index_of(plan)
+    assert index is not None
+    return (sorted(index.sent.items()), sorted(index.received.items()), sorted(index.consumed.items()),
+            list(index.order))
+
+
+def _walked(plan: Plan) -> Plan:
+    """`plan` with its streams as a plain dict: `check` walks its instructions."""
+    walked = dataclasses.replace(plan, streams=dict(plan.streams))
+    assert columns_of(walked.streams) is None
+    check(walked)
+    return walked
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PLANS])
+def test_sound_plans_are_scanned_over_their_columns(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lowered plan's scan is settled by its columns, with the walk's tables (and so its index)."""
+    plan = compiled(name)
+    walked = _walked(plan)
+    fresh = dataclasses.replace(plan)  # (not yet checked; its streams keep their columns)
+    assert columns_of(fresh.streams) is not None
+
+    def walk(self: object) -> None:
+        raise AssertionError("the walk ran on a sound lowered plan")
+
+    monkeypatch.setattr(_Checker, "walk", walk)
+    check(fresh)
+    assert _index_facts(fresh) == _index_facts(walked)
+
+
+@given(jobs())
+def test_columns_scan_random_jobs_as_the_walk(kw: dict[str, object]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    assert columns_of(plan.streams) is not None
+    assert _index_facts(plan) == _index_facts(_walked(plan))
+
+
+def test_columns_leave_with_any_change_to_the_streams() -> None:
+    """The columns are the streams' only while the mapping is unchanged; a copy or a pickle is a plain dict."""
+    plan = compile(3, dp=2, microbatches=4, schedule="1f1b")
+    streams = plan.streams
+    assert isinstance(streams, LoweredStreams) and columns_of(streams) is not None
+    assert type(pickle.loads(pickle.dumps(plan)).streams) is dict
+    assert type(copy.deepcopy(plan).streams) is dict and type(streams.copy()) is dict
+    w = next(iter(streams))
+    for change in (lambda s: s.__setitem__(w, s[w]), lambda s: s.update({w: s[w]}), lambda s: s.pop(w),
+                   lambda s: s.setdefault(Worker(9, 9), ()), lambda s: s.__delitem__(w), lambda s: s.popitem(),
+                   lambda s: s.clear(), lambda s: s.__ior__({w: ()})):
+        fresh = compile(3, dp=2, microbatches=4, schedule="1f1b").streams
+        assert columns_of(fresh) is not None
+        change(fresh)
+        assert columns_of(fresh) is None
+
+
+def test_a_broken_lowered_plan_is_named_by_the_walk() -> None:
+    """A rule of the scan broken in a plan that keeps its columns (a memory limit below its peak): the column
+    scan leaves it to the walk, whose message names the worker and instruction."""
+    plan = compile(4, dp=1, microbatches=8, schedule="1f1b")
+    tight = dataclasses.replace(plan, costs=plan.costs.with_memory_limit(2.0))
+    assert columns_of(tight.streams) is not None
+    message = r"worker 0:0, instruction 7 \(F2.0\): holds 3 activation units, above memory_limit 2"
+    with pytest.raises(ValidationError, match=message):
+        check(tight)
