@@ -169,6 +169,10 @@ def _instruction_text(kind: Any, op_text: str | None, peer: Worker | None) -> st
     return f"{_TEXT[kind]}[{op_text}]"
 
 
+instruction_text = _instruction_text
+"""`instruction_text(kind, op_text, peer)`: the text of an instruction given its op's, the one format."""
+
+
 def stream_texts(stream: Sequence[Instruction]) -> list[str]:
     """`[str(ins) for ins in stream]`, for writers of whole plans: a lowered stream names an op in neighbouring
     instructions (LOAD, compute, SEND), so each run of them formats the op's text once."""

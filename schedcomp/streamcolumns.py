@@ -11,12 +11,14 @@ caller who edits `plan.streams` in place only loses the fast path). A copy or a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from schedcomp.ir import InstrKind, Instruction, OpKind
+from schedcomp.ir import InstrKind, Instruction, Op, OpKind, instruction_text, stream_texts
+from schedcomp.semantics import semantics_of
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -97,6 +99,47 @@ class LoweredStreams(dict):  # type: ignore[type-arg]
     def clear(self) -> None:
         self.columns = None
         super().clear()
+
+
+def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[Worker, list[str]]]:
+    """Each worker's stream as texts (`str` of each instruction, the tail included), workers in order: what
+    `ir.stream_texts` gives, made per batch of `batch` workers with array operations. The op texts are made
+    once per distinct op name and every other text from the one format (`ir.instruction_text`) of each kind
+    with each peer, so the two cannot differ (`tests/compiler/test_fast_paths.py` holds them to it)."""
+    workers, ends = columns.workers, columns.ends
+    if not workers:
+        return
+    starts = ends - np.diff(ends, prepend=0)
+    # Op texts (`F3.1`: kind, micro-batch, pipeline), one per distinct name, shared by every row naming it.
+    d, m, code = (c.astype(np.int64) for c in (columns.op_pipeline, columns.op_microbatch, columns.op_code))
+    dp, width = int(d.max(initial=0)) + 1, int(m.max(initial=0)) + 1
+    names, which = np.unique((code * width + m) * dp + d, return_inverse=True)
+    op_text = np.array([str(Op(OP_CODES[n // (width * dp)], n % dp, n // dp % width, 0)) for n in names.tolist()],
+                       object)[which]
+    # Per row kind, the text before its op's and after it; transfers: after it, per peer.
+    before = np.empty(len(ROW_KINDS), object)
+    after = np.empty((len(ROW_KINDS), len(workers) + 1), object)
+    for k, kind in enumerate(ROW_KINDS):
+        transfer = semantics_of(kind).is_transfer
+        before[k] = instruction_text(kind, "\0", workers[0] if transfer else None).split("\0")[0]
+        after[k] = [instruction_text(kind, "\0", w if transfer else None).split("\0")[1] for w in (*workers, None)] \
+            if transfer else instruction_text(kind, "\0", None).split("\0")[1]
+    tail = stream_texts(columns.tail)
+    order = sorted(range(len(workers)), key=workers.__getitem__)
+    for b in range(0, len(order), batch):
+        xs = np.array(order[b:b + batch], np.int64)
+        lengths = ends[xs] - starts[xs]
+        rows = np.repeat(starts[xs] - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        kinds = columns.kinds[rows].astype(np.int64)
+        texts = op_text[columns.op_of[rows]]
+        wrapped = kinds >= len(OP_CODES)  # (compute rows are their op's text alone)
+        k = kinds[wrapped]
+        texts[wrapped] = before[k] + texts[wrapped] + after[k, columns.peer[rows[wrapped]]]
+        out = texts.tolist()
+        at = 0
+        for x, n in zip(xs.tolist(), lengths.tolist(), strict=True):
+            yield workers[x], [*out[at:at + n], *tail]
+            at += n
 
 
 def columns_of(streams: object) -> StreamColumns | None:

@@ -25,10 +25,10 @@ from schedcomp import lower as lowering
 from schedcomp.check import _Checker, check, index_of
 from schedcomp.compiler import compile
 from schedcomp.errors import ValidationError
-from schedcomp.ir import Plan
+from schedcomp.ir import Plan, stream_texts
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
 from schedcomp.schedules import FAMILIES
-from schedcomp.streamcolumns import LoweredStreams, columns_of
+from schedcomp.streamcolumns import LoweredStreams, columns_of, texts_by_worker
 from schedcomp.topology import Worker
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
@@ -168,7 +168,20 @@ def test_sound_plans_are_scanned_over_their_columns(name: str, monkeypatch: pyte
 def test_columns_scan_random_jobs_as_the_walk(kw: dict[str, object]) -> None:
     plan = compile(**kw)  # type: ignore[arg-type]
     assert columns_of(plan.streams) is not None
-    assert _index_facts(plan) == _index_facts(_walked(plan))
+    walked = _walked(plan)
+    assert _index_facts(plan) == _index_facts(walked)
+    assert plan.to_json() == walked.to_json()  # (a plan with one chunk per worker: texts from the columns)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PLANS])
+def test_texts_from_columns_are_the_instructions_texts(name: str) -> None:
+    plan = compiled(name)
+    columns = columns_of(plan.streams)
+    assert columns is not None
+    texts = dict(texts_by_worker(columns, batch=3))  # (batches that split the workers unevenly)
+    assert list(texts) == sorted(plan.streams)
+    assert texts == {w: stream_texts(stream) for w, stream in plan.streams.items()}
+    assert plan.to_json() == dataclasses.replace(plan, streams=dict(plan.streams)).to_json()
 
 
 def test_columns_leave_with_any_change_to_the_streams() -> None:
