@@ -167,7 +167,7 @@ class _Checker(TransferRules, OrderRules):
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
-        self.stream_of: list[tuple[Instruction, ...]] = []  # the streams by rank, () for failed ones
+        self.lengths: list[int] = []  # the streams' lengths by rank, 0 for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -237,14 +237,12 @@ class _Checker(TransferRules, OrderRules):
             for w in topo.live_workers:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
-        # Workers and streams by rank, in one pass over the items: rank order is the workers' sorted order,
-        # and neither sorting nor `plan.streams[w]` hashes a `Worker` (a Python call each, 200k of them).
+        # Workers by rank: rank order is the workers' sorted order, and sorting would compare `Worker`s (a
+        # Python call each, 200k of them). (Keys only: a lowered plan's streams are made when read.)
         by_rank: list[Worker | None] = [None] * self.nw
-        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
-        for w, stream in plan.streams.items():
-            r = w.pipeline * pp + w.stage
-            by_rank[r], stream_of[r] = w, stream
-        self.by_rank, self.stream_of = by_rank, stream_of
+        for w in plan.streams:
+            by_rank[w.pipeline * pp + w.stage] = w
+        self.by_rank = by_rank
         self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
@@ -258,7 +256,11 @@ class _Checker(TransferRules, OrderRules):
         dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
         chunked = ns != pp
         place = [topo.place_of(s) for s in range(ns)] if chunked else []
-        stream_of = self.stream_of
+        # Streams by rank, in one pass over the items (`plan.streams[w]` would hash each `Worker` once more).
+        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
+        for w, stream in plan.streams.items():
+            stream_of[w.pipeline * pp + w.stage] = stream
+        self.lengths = list(map(len, stream_of))
         comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
         loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
         send_kinds, recv_kinds = self.send_kinds, self.recv_kinds

@@ -23,8 +23,9 @@ import numpy as np
 from schedcomp.check_transfers import TRANSFER_ROWS, TransferColumns
 from schedcomp.ir import OpKind
 from schedcomp.memory import stage_deltas
+from schedcomp.opcolumns import OP_CODES
 from schedcomp.semantics import ROLE_ALLREDUCE, ROLE_STEP, semantics_of
-from schedcomp.streamcolumns import LOAD, OP_CODES, RECV, ROW_KINDS, SEND, StreamColumns
+from schedcomp.streamcolumns import LOAD, RECV, ROW_KINDS, SEND, StreamColumns
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -46,9 +47,6 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
         return False
     ends = columns.ends
     lengths = np.diff(ends, prepend=0)
-    if any(streams.get(w) is None or len(streams[w]) != n + len(columns.tail)
-           for w, n in zip(workers, lengths.tolist(), strict=True)):
-        return False
     cut = plan.cut
     if cut and any(type(x) not in (int, float) for _, bounds in cut.bounds for x in bounds):
         return False  # exact bounds (fractions): the walk's arithmetic, not float64's
@@ -60,8 +58,8 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     here = (rank << 32) | index
     kinds = columns.kinds.astype(np.int64)
     op = columns.op_of
-    code, d, m, s = (c[op].astype(np.int64) for c in (columns.op_code, columns.op_pipeline, columns.op_microbatch,
-                                                       columns.op_stage))
+    ops = columns.ops
+    code, d, m, s = (c[op] for c in (ops.code, ops.pipeline, ops.microbatch, ops.stage))
     place = rank % pp
     # Each op names a stage its worker holds and a micro-batch of the job.
     if ns != pp:
@@ -99,10 +97,12 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     checker.sends = _transfers(columns, (kinds >= SEND) & (kinds < RECV), by_place, here, slot, s, kinds, code)
     checker.recvs = _transfers(columns, kinds >= RECV, by_place, here, slot, s, kinds, code)
     checker.send_kinds, checker.recv_kinds = [], []
+    checker.lengths = [0] * checker.nw
     for w, n_rows in zip(workers, lengths.tolist(), strict=True):
         reduce = [n_rows + k for k, role in enumerate(tail_roles) if role == ROLE_ALLREDUCE]
         step = [n_rows + k for k, role in enumerate(tail_roles) if role == ROLE_STEP]
         checker.tail[w.pipeline * pp + w.stage] = (reduce, step)
+        checker.lengths[w.pipeline * pp + w.stage] = n_rows + len(tail_roles)
     return True
 
 

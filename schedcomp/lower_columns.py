@@ -18,15 +18,15 @@ names the first problem (`tests/compiler/test_fast_paths.py` holds both to the s
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from schedcomp.ir import INSTRUCTION_SETTERS, Instruction, Op, OpKind, Order
-from schedcomp.streamcolumns import LOAD, OP_CODES, RECV, ROW_KINDS, SEND, LoweredStreams, StreamColumns
+from schedcomp.ir import Instruction, Op, OpKind, Order
+from schedcomp.opcolumns import OP_CODES, OpColumns, op_columns_of
+from schedcomp.streamcolumns import LOAD, RECV, SEND, LoweredStreams, StreamColumns
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -52,30 +52,37 @@ class _Placed(NamedTuple):
     op_of: NDArray[np.integer[Any]]
     peer: NDArray[np.int32]
     ends: list[int]
-    ops: tuple[NDArray[np.int64], ...]
-    """Per op of the order (in a row): its kind's code, pipeline, micro-batch and stage."""
+    ops: OpColumns
+    """The order's ops."""
 
 
 def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> LoweredStreams | None:
     """Every live worker's stream as `lower` places it, ending with `tail` (ALLREDUCE, STEP), or None for an
-    order this plain path does not handle (see the module docstring); the streams keep the columns they are
-    made of (`schedcomp.streamcolumns`), for `check`."""
+    order this plain path does not handle (see the module docstring). The streams are the placed columns,
+    whose instruction objects are made when read (`schedcomp.streamcolumns`)."""
     placed = _placement(order)
     if placed is None:
         return None
-    workers = list(order.ops)
-    who = np.empty(len(workers) + 1, object)
-    who[:-1] = workers  # (index -1: None, no peer)
-    ops = np.fromiter(chain.from_iterable(order.ops.values()), object)
-    count, ends = len(placed.kinds), placed.ends
-    # `_build` makes the objects (memory peaks there); the streams keep the columns too, for `check`.
-    instructions = _build(count, [(ROW_KINDS, placed.kinds), (ops, placed.op_of), (who, placed.peer)])
-    code, d, m, s = placed.ops
-    columns = StreamColumns(tuple(workers), np.array(ends, np.int64), placed.kinds, placed.op_of, placed.peer,
-                            code.astype(np.int8), d.astype(np.int32), m.astype(np.int32), s.astype(np.int32), tail)
-    del placed, code, d, m, s
-    return LoweredStreams(((w, (*instructions[a:b], *tail)) for w, a, b in zip(workers, [0, *ends[:-1]], ends,
-                                                                                strict=True)), columns)
+    columns = StreamColumns(placed.ops.workers, np.array(placed.ends, np.int64), placed.kinds,
+                            placed.op_of, placed.peer, placed.ops, tail)
+    return LoweredStreams(columns, order.ops)
+
+
+def _op_columns(order: Order) -> OpColumns | None:
+    """The order's ops as columns (a solver's own, else read off its `Op` objects), or None where a field is
+    not a whole number or a kind is not an `OpKind` (the op-by-op path names the problem)."""
+    given = op_columns_of(order.ops)
+    if given is not None:
+        return given
+    workers = tuple(order.ops)
+    lengths = np.fromiter(map(len, order.ops.values()), np.int64, len(workers))
+    flat: list[Op] = list(chain.from_iterable(order.ops.values()))
+    n = len(flat)
+    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), flat)), repeat(-1)), np.int64, n)
+    d, m, s = (_ints(list(map(attrgetter(f), flat))) for f in ("pipeline", "microbatch", "stage"))
+    if d is None or m is None or s is None or (code < 0).any():
+        return None
+    return OpColumns(workers, np.cumsum(lengths), code, d, m, s)
 
 
 def _placement(order: Order) -> _Placed | None:
@@ -84,16 +91,12 @@ def _placement(order: Order) -> _Placed | None:
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
-    workers = list(order.ops)
-    lengths = np.fromiter(map(len, order.ops.values()), np.int64, len(workers))
-    flat: list[Op] = list(chain.from_iterable(order.ops.values()))
-    n = len(flat)
-    if not n:
+    ops = _op_columns(order)
+    if ops is None or not len(ops.code):
         return None
-    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), flat)), repeat(-1)), np.int64, n)
-    d, m, s = (_ints(list(map(attrgetter(f), flat))) for f in ("pipeline", "microbatch", "stage"))
-    if d is None or m is None or s is None or (code < 0).any():
-        return None
+    workers, code, d, m, s = ops.workers, ops.code, ops.pipeline, ops.microbatch, ops.stage
+    n = len(code)
+    lengths = np.diff(ops.ends, prepend=0)
     if order.cut:
         counts = np.array([order.cut.count(p, order.microbatches) for p in range(dp)], np.int64)
     else:
@@ -166,7 +169,7 @@ def _placement(order: Order) -> _Placed | None:
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return _Placed(kinds, op_of, peer, ends, (code, d, m, s))
+    return _Placed(kinds, op_of, peer, ends, ops)
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -180,16 +183,3 @@ def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -
     lifted = values + group_no * span
     out = np.minimum.accumulate(lifted[::-1])[::-1]
     return out - group_no * span
-
-
-def _build(count: int, fields: list[tuple[NDArray[Any], NDArray[np.integer[Any]]]]) -> list[Instruction]:
-    """`count` instructions, each field given as (its values, which value each instruction takes), set in C
-    (`map`), not a Python step each: what `Instruction.trusted` does, for millions (the fields are right by
-    construction). One field's list of values at a time, each column freed once used: each is as long as the
-    plan."""
-    made = list(map(object.__new__, repeat(Instruction, count)))
-    for setter in INSTRUCTION_SETTERS:
-        values, which = fields.pop(0)
-        deque(map(setter, made, values[which].tolist()), maxlen=0)
-        del values, which
-    return made

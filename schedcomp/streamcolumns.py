@@ -1,31 +1,33 @@
-"""A lowered plan's streams together with the columns `lower` built them from.
+"""A lowered plan's streams as the columns `lower` placed them in, instruction objects made when read.
 
-`lower` places every instruction of every stream as numpy columns (`schedcomp.lower_columns`) and then
-makes an `Instruction` object of each row; at pp = 32, dp = 256 that is 3.6 million objects, and the
-validator's scan read them back one by one (most of `check`'s time). `LoweredStreams` is the streams
-mapping a lowered plan holds (a `dict`, as any plan's), which also keeps those columns, so `check` reads
-the same facts as arrays (`schedcomp.check_columns`). The two cannot disagree: instructions and ops are
-immutable, and any change to the mapping itself drops the columns (a plan is immutable by contract, but a
-caller who edits `plan.streams` in place only loses the fast path). A copy or a pickle is a plain dict.
+`lower` places every instruction of every stream as numpy columns (`schedcomp.lower_columns`). At pp = 32,
+dp = 256 that is 3.6 million instructions; making an `Instruction` object of each, and then reading them
+back one by one in `check` and in the JSON writer, was most of their time. `LoweredStreams` is the
+streams mapping of a lowered plan: its keys are the live workers, `columns` the placed instructions, and
+a worker's stream is made (once) when it is read, all streams at once when all are (`items`, `values`).
+`check` reads the columns (`schedcomp.check_columns`) and the JSON writer makes the texts from them
+(`texts_by_worker`). It is read-only, as a plan is by contract (copy it to `dict` to edit a plan); a
+copy or a pickle is a dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from schedcomp.ir import InstrKind, Instruction, Op, OpKind, instruction_text, stream_texts
+from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, instruction_text, stream_texts
+from schedcomp.opcolumns import OP_CODES, OpColumns
 from schedcomp.semantics import semantics_of
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-OP_CODES = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW)
-"""An op's kind by code (0..3), as the validator numbers op ids (`slot * 4 + code`)."""
 ROW_KINDS = np.array([InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW, InstrKind.LOAD, InstrKind.SEND_ACT,
                       InstrKind.SEND_GRAD, InstrKind.RECV_ACT, InstrKind.RECV_GRAD], dtype=object)
 """An instruction's kind by code: 0..3 the compute ops (as `OP_CODES`), then LOAD, the sends and the receives
@@ -35,70 +37,80 @@ LOAD, SEND, RECV = 4, 5, 7
 
 @dataclass(frozen=True, eq=False)
 class StreamColumns:
-    """Every live worker's stream but its tail, rows of all workers in a row (`workers` order), as columns.
-
-    Per row: `kinds` (a code of `ROW_KINDS`), `op_of` (which op: a row of the op columns) and `peer` (a
-    number in `workers`, -1 for none); `ends[x]` is where worker x's rows end. Per op: `op_code` (of
-    `OP_CODES`), `op_pipeline`, `op_microbatch`, `op_stage`. Each stream then ends with `tail`."""
+    """Every live worker's stream but its tail, rows of all workers in a row (`workers` order, the order's
+    workers), as columns. Per row: `kinds` (a code of `ROW_KINDS`), `op_of` (which op of `ops`: always one
+    of the row's worker's) and `peer` (a number in `workers`, -1 for none); `ends[x]` is where worker x's
+    rows end. Each stream then ends with `tail`."""
 
     workers: tuple[Worker, ...]
     ends: NDArray[np.int64]
     kinds: NDArray[np.int8]
     op_of: NDArray[np.integer[Any]]
     peer: NDArray[np.int32]
-    op_code: NDArray[np.int8]
-    op_pipeline: NDArray[np.int32]
-    op_microbatch: NDArray[np.int32]
-    op_stage: NDArray[np.int32]
+    ops: OpColumns
     tail: tuple[Instruction, ...]
 
 
-class LoweredStreams(dict):  # type: ignore[type-arg]
-    """`{worker: stream}` as `lower` made it, with `columns` (see the module docstring) until it is changed."""
+class LoweredStreams(Mapping[Worker, tuple[Instruction, ...]]):
+    """`{worker: stream}` over `StreamColumns`, each stream made when first read (see the module docstring);
+    `ops` is the order's mapping, whose `Op` objects the instructions name."""
 
-    columns: StreamColumns | None
-
-    def __init__(self, items: Any, columns: StreamColumns) -> None:
-        super().__init__(items)
+    def __init__(self, columns: StreamColumns, ops: Mapping[Worker, tuple[Op, ...]]) -> None:
         self.columns = columns
+        self._ops = ops
+        self._number = {w: x for x, w in enumerate(columns.workers)}
+        self._made: dict[Worker, tuple[Instruction, ...]] = {}
+        self._complete = False  # `_made` holds every stream, in the workers' order
+        self._who = np.empty(len(columns.workers) + 1, object)
+        self._who[:-1] = columns.workers  # each peer number's worker (index -1: None, no peer)
+
+    def __getitem__(self, worker: Worker) -> tuple[Instruction, ...]:
+        stream = self._made.get(worker)
+        if stream is None:
+            stream = self._made[worker] = self._make(self._number[worker])
+        return stream
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._number)
+
+    def __len__(self) -> int:
+        return len(self._number)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._number
+
+    def items(self) -> ItemsView[Worker, tuple[Instruction, ...]]:
+        return self._all().items()
+
+    def values(self) -> ValuesView[tuple[Instruction, ...]]:
+        return self._all().values()
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self),))
+        return (dict, (dict(self._all()),))
 
-    def copy(self) -> dict[Worker, tuple[Instruction, ...]]:  # type: ignore[override]
-        return dict(self)
+    def _all(self) -> dict[Worker, tuple[Instruction, ...]]:
+        """Every stream, in the workers' order (a dict: its views are C's, as a plain plan's)."""
+        if not self._complete:  # (also where every stream was read, in another order)
+            self._made = {w: self[w] for w in self._number}
+            self._complete = True
+        return self._made
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.columns = None
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        self.columns = None
-        super().__delitem__(key)
-
-    def __ior__(self, other: Any) -> LoweredStreams:  # type: ignore[override,misc]
-        self.columns = None
-        return super().__ior__(other)  # type: ignore[no-any-return]
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        self.columns = None
-        super().update(*args, **kwargs)
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        self.columns = None
-        return super().setdefault(key, default)
-
-    def pop(self, *args: Any) -> Any:
-        self.columns = None
-        return super().pop(*args)
-
-    def popitem(self) -> Any:
-        self.columns = None
-        return super().popitem()
-
-    def clear(self) -> None:
-        self.columns = None
-        super().clear()
+    def _make(self, x: int) -> tuple[Instruction, ...]:
+        c = self.columns
+        start, end = (int(c.ends[x - 1]) if x else 0), int(c.ends[x])
+        ops = self._ops[c.workers[x]]
+        first_op = int(c.ops.ends[x - 1]) if x else 0  # (a row names an op of its own worker: `lower_columns`)
+        own = np.empty(len(ops), object)
+        own[:] = ops
+        made = list(map(object.__new__, repeat(Instruction, end - start)))
+        fields = (ROW_KINDS[c.kinds[start:end]], own[c.op_of[start:end] - first_op], self._who[c.peer[start:end]])
+        # The fields are right by construction: set in C (`map`), as `Instruction.trusted` would one by one.
+        for setter, values in zip(INSTRUCTION_SETTERS, fields, strict=True):
+            deque(map(setter, made, values.tolist()), maxlen=0)
+        return (*made, *c.tail)
 
 
 def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[Worker, list[str]]]:
@@ -111,7 +123,7 @@ def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[
         return
     starts = ends - np.diff(ends, prepend=0)
     # Op texts (`F3.1`: kind, micro-batch, pipeline), one per distinct name, shared by every row naming it.
-    d, m, code = (c.astype(np.int64) for c in (columns.op_pipeline, columns.op_microbatch, columns.op_code))
+    d, m, code = columns.ops.pipeline, columns.ops.microbatch, columns.ops.code
     dp, width = int(d.max(initial=0)) + 1, int(m.max(initial=0)) + 1
     names, which = np.unique((code * width + m) * dp + d, return_inverse=True)
     op_text = np.array([str(Op(OP_CODES[n // (width * dp)], n % dp, n // dp % width, 0)) for n in names.tolist()],
@@ -142,6 +154,14 @@ def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[
             at += n
 
 
+def instruction_count(streams: Mapping[Worker, Sequence[Instruction]]) -> int:
+    """How many instructions the streams hold (of a lowered plan's: without making them)."""
+    columns = columns_of(streams)
+    if columns is None:
+        return sum(map(len, streams.values()))
+    return len(columns.kinds) + len(columns.tail) * len(columns.workers)
+
+
 def columns_of(streams: object) -> StreamColumns | None:
-    """The columns of a plan's streams, when `lower` built them and nobody changed them since."""
+    """The columns of a plan's streams, when `lower` placed them as columns."""
     return streams.columns if type(streams) is LoweredStreams else None

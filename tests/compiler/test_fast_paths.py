@@ -184,21 +184,21 @@ def test_texts_from_columns_are_the_instructions_texts(name: str) -> None:
     assert plan.to_json() == dataclasses.replace(plan, streams=dict(plan.streams)).to_json()
 
 
-def test_columns_leave_with_any_change_to_the_streams() -> None:
-    """The columns are the streams' only while the mapping is unchanged; a copy or a pickle is a plain dict."""
-    plan = compile(3, dp=2, microbatches=4, schedule="1f1b")
+def test_lowered_streams_are_read_only_and_copy_to_dicts() -> None:
+    """A lowered plan's streams are made from its columns when read, one worker's or all at once, the same
+    either way; the mapping cannot be changed, and a copy or a pickle of the plan holds a plain dict."""
+    plan = compile(3, dp=2, microbatches=4, failed=[(1, 1)], solver="greedy")
     streams = plan.streams
     assert isinstance(streams, LoweredStreams) and columns_of(streams) is not None
-    assert type(pickle.loads(pickle.dumps(plan)).streams) is dict
-    assert type(copy.deepcopy(plan).streams) is dict and type(streams.copy()) is dict
-    w = next(iter(streams))
-    for change in (lambda s: s.__setitem__(w, s[w]), lambda s: s.update({w: s[w]}), lambda s: s.pop(w),
-                   lambda s: s.setdefault(Worker(9, 9), ()), lambda s: s.__delitem__(w), lambda s: s.popitem(),
-                   lambda s: s.clear(), lambda s: s.__ior__({w: ()})):
-        fresh = compile(3, dp=2, microbatches=4, schedule="1f1b").streams
-        assert columns_of(fresh) is not None
-        change(fresh)
-        assert columns_of(fresh) is None
+    one_by_one = {w: streams[w] for w in reversed(list(streams))}  # each made alone, in another order
+    again = compile(3, dp=2, microbatches=4, failed=[(1, 1)], solver="greedy").streams
+    assert dict(again.items()) == one_by_one and list(again) == list(streams)  # all at once: the same
+    assert all(streams[w] is one_by_one[w] for w in streams)  # made once
+    for copied in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert type(copied.streams) is dict and copied.streams == streams and list(copied.streams) == list(streams)
+    with pytest.raises(TypeError):
+        streams[Worker(0, 0)] = ()  # type: ignore[index]
+    assert type(plan.streams) is LoweredStreams and len(streams) == 5 and Worker(1, 1) not in streams
 
 
 def test_a_broken_lowered_plan_is_named_by_the_walk() -> None:
