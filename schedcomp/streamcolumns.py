@@ -128,6 +128,51 @@ class LoweredStreams(Mapping[Worker, tuple[Instruction, ...]]):
         return (*made, *c.tail)
 
 
+class EditedStreams(Mapping[Worker, tuple[Instruction, ...]]):
+    """The streams of a plan edited from another (`repair`): `base`'s, less the `dropped` worker's, with
+    `changed` ones in their place. The others are read from `base` when read, so an edit of a few streams of
+    a lowered plan makes no others (a lowered plan makes its streams only when read)."""
+
+    def __init__(self, base: Mapping[Worker, tuple[Instruction, ...]],
+                 changed: Mapping[Worker, tuple[Instruction, ...]], dropped: Worker) -> None:
+        self._base, self._changed = base, changed
+        self._keys = dict.fromkeys(w for w in base if w != dropped)
+        self._all_made: dict[Worker, tuple[Instruction, ...]] | None = None
+
+    def __getitem__(self, worker: Worker) -> tuple[Instruction, ...]:
+        if worker not in self._keys:
+            raise KeyError(worker)
+        stream = self._changed.get(worker)
+        return self._base[worker] if stream is None else stream
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._keys
+
+    def items(self) -> ItemsView[Worker, tuple[Instruction, ...]]:
+        return self._all().items()
+
+    def values(self) -> ValuesView[tuple[Instruction, ...]]:
+        return self._all().values()
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self._all()),))
+
+    def _all(self) -> dict[Worker, tuple[Instruction, ...]]:
+        if self._all_made is None:
+            base, changed = dict(self._base.items()), self._changed  # (all of the base's at once)
+            self._all_made = {w: changed[w] if w in changed else base[w] for w in self._keys}
+        return self._all_made
+
+
 def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[Worker, list[str]]]:
     """Each worker's stream as texts (`str` of each instruction, the tail included), workers in order: what
     `ir.stream_texts` gives, made per batch of `batch` workers with array operations. The op texts are made

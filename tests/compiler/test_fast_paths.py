@@ -27,8 +27,10 @@ from schedcomp.compiler import compile
 from schedcomp.errors import ValidationError
 from schedcomp.ir import Plan, stream_texts
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
+from schedcomp.repair import repair
 from schedcomp.schedules import FAMILIES
-from schedcomp.streamcolumns import LoweredStreams, columns_of, texts_by_worker
+from schedcomp.simfast import compute_sequences
+from schedcomp.streamcolumns import EditedStreams, LoweredStreams, columns_of, texts_by_worker
 from schedcomp.topology import Worker
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
@@ -171,6 +173,9 @@ def test_columns_scan_random_jobs_as_the_walk(kw: dict[str, object]) -> None:
     walked = _walked(plan)
     assert _index_facts(plan) == _index_facts(walked)
     assert plan.to_json() == walked.to_json()  # (a plan with one chunk per worker: texts from the columns)
+    ours, theirs = compute_sequences(plan), compute_sequences(walked)  # (the simulator's op ids: off the columns)
+    assert ours == theirs if ours is None or theirs is None else (ours[0] == theirs[0] and ours[1] == theirs[1]
+                                                                  and list(ours[1]) == list(theirs[1]))
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PLANS])
@@ -210,3 +215,21 @@ def test_a_broken_lowered_plan_is_named_by_the_walk() -> None:
     message = r"worker 0:0, instruction 7 \(F2.0\): holds 3 activation units, above memory_limit 2"
     with pytest.raises(ValidationError, match=message):
         check(tight)
+
+
+def test_repair_of_a_lowered_plan_makes_only_the_streams_it_touches() -> None:
+    """`repair` of a lowered plan reads the streams of the failed worker, its neighbours and the peers that
+    take its slots; its result reads every other stream from the plan when read: the same streams as
+    repairing the plan with its streams in a dict."""
+    plan = compile(8, dp=4, microbatches=6, failed=[(0, 1)], solver="greedy")
+    other = compile(8, dp=4, microbatches=6, failed=[(0, 1)], solver="greedy")
+    plain = dataclasses.replace(other, streams=dict(other.streams))  # (reads every stream of the other)
+    repaired, expected = repair(plan, (2, 2), validate=False), repair(plain, (2, 2))
+    made = plan.streams._made  # type: ignore[attr-defined]
+    assert 0 < len(made) <= len(plan.streams) // 2  # (14 of the 31 live workers' streams, not all)
+    check(repaired)  # (the walk: it reads them all)
+    assert isinstance(repaired.streams, EditedStreams) and Worker(2, 2) not in repaired.streams
+    assert list(repaired.streams) == list(expected.streams) and repaired.streams == expected.streams
+    assert repaired.to_json() == expected.to_json()
+    again = repair(repaired, (3, 3))  # a repair of a repaired plan: its streams over the edited ones
+    assert again.streams == repair(dataclasses.replace(expected, streams=dict(expected.streams)), (3, 3)).streams
