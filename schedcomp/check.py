@@ -6,13 +6,13 @@ micro-batch, stage), on one worker, in dependency order; loads; transfers (each 
 producer, each receive before its consumer, right peers, matched one to one); FIFO order per
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
-A plan `lower` made keeps the columns its streams were built from (`schedcomp.streamcolumns`): its scan
-is array tests over those (`schedcomp.check_columns`), which leave only a plan that breaks one of the
-scan's rules to the walk, for its message. The walk is one pass over the streams into plain dicts keyed
-by integers (op, slot, tensor and channel ids: hashing dataclasses dominated the run; places packed as
-`rank << 32 | index`), and
-per-worker tables are lists indexed by rank; the transfer rules are numpy expressions over columns of
-all sends and all receives (`schedcomp.check_transfers`); the checks that hold for every sound plan
+The scan reads every instruction into tables keyed by integers (op, slot, tensor and channel ids: hashing
+dataclasses dominated the run; places packed as `rank << 32 | index`): for a plan `lower` made, as array
+tests over the columns its streams are made from (`schedcomp.check_columns`), which leave a plan that breaks
+one of the scan's rules (or ends its streams otherwise) to the walk, instruction by instruction, which names
+the first problem (`schedcomp.check_walk`). Per-worker tables are lists indexed by rank; the transfer rules
+are numpy expressions over columns of all sends and all receives (`schedcomp.check_transfers`); the checks
+that hold for every sound plan
 (every output sent, every send received, FIFO per channel) compare counts or whole sequences first and
 only walk item by item to name the first failure.
 
@@ -31,7 +31,6 @@ never earlier than its producer.
 from __future__ import annotations
 
 from array import array
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -40,23 +39,14 @@ from schedcomp import limits
 from schedcomp.check_columns import scan_columns
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
+from schedcomp.check_walk import walk
 from schedcomp.cut import Cut
 from schedcomp.errors import PlanFormatError, SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Instruction, OpKind, Plan
-from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
+from schedcomp.ir import Plan
+from schedcomp.memory import memory_levels, show_memory, stream_deltas
 from schedcomp.partition import as_partition
 from schedcomp.planindex import PlanIndex, TensorTable
-from schedcomp.semantics import (
-    ROLE_ALLREDUCE,
-    ROLE_COMPUTE,
-    ROLE_LOAD,
-    ROLE_RECV,
-    ROLE_SEND,
-    ROLE_STEP,
-    roles,
-    semantics_of,
-)
 from schedcomp.streamcolumns import columns_of
 from schedcomp.topology import Worker
 
@@ -69,10 +59,6 @@ Where = tuple[Worker, int]  # (worker, instruction index)
 
 __all__ = ["check", "index_of", "is_checked", "memory_profile", "peak_memory"]
 
-_EPS = 1e-9
-_KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
-_NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
-_INF = float("inf")
 _LOW = (1 << 32) - 1  # the index part of a packed place
 
 
@@ -116,19 +102,12 @@ def peak_memory(plan: Plan) -> dict[Worker, float]:
     return {w: max((0.0, *memory_profile(plan, w))) for w in plan.workers}
 
 
-class _Roles(dict):  # type: ignore[type-arg]
-    """kind -> role, -1 for a kind the table does not know (a subscript is cheaper than `.get` per instruction)."""
-
-    def __missing__(self, kind: object) -> int:
-        return -1
-
-
 class _Checker(TransferRules, OrderRules):
     """One validation run: the scan's indexes, then one method per rule.
 
     Ops and tensors are keyed by integers, not by dataclasses (hashing those in Python dominated the
     run): a slot (pipeline d, micro-batch m, stage s) is `(d * M + m) * pp + s`, an op of it
-    `slot * 4 + _KIND_ID[kind]`, and a tensor `producing slot * 2 + (0 activation | 1 gradient)`.
+    `slot * 4 + code` (`opcolumns.OP_CODES`), and a tensor `producing slot * 2 + (0 activation | 1 gradient)`.
     """
 
     def __init__(self, plan: Plan) -> None:
@@ -248,91 +227,7 @@ class _Checker(TransferRules, OrderRules):
         limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
         columns = columns_of(plan.streams)
         if columns is None or not scan_columns(self, columns):  # (a lowered plan's columns settle the sound case)
-            self.walk()
-
-    def walk(self) -> None:
-        """The scan's per-instruction part: every rule that reads one instruction at a time, and the tables."""
-        plan, topo = self.plan, self.plan.topology
-        dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
-        chunked = ns != pp
-        place = [topo.place_of(s) for s in range(ns)] if chunked else []
-        # Streams by rank, in one pass over the items (`plan.streams[w]` would hash each `Worker` once more).
-        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
-        for w, stream in plan.streams.items():
-            stream_of[w.pipeline * pp + w.stage] = stream
-        self.lengths = list(map(len, stream_of))
-        comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
-        loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
-        send_kinds, recv_kinds = self.send_kinds, self.recv_kinds
-        tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
-        role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
-        cut = plan.cut or None  # re-cut micro-batches hold their activation times their size (None: a
-        # plain truth test per instruction, not Cut.__bool__)
-        for w in self.workers:
-            ws = w.stage
-            rank = w.pipeline * pp + ws
-            top = tops[ws]
-            limited = top != _INF  # memory is tracked only under a limit
-            deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
-            # With virtual stages each chunk has its own activation size: its deltas, by its stage.
-            chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
-            reduce: list[int] = []
-            step: list[int] = []
-            self.tail[rank] = (reduce, step)
-            base = rank << 32
-            last = None  # the op of the previous instruction: a lowered stream names one in a row (LOAD, op, SEND)
-            for i, ins in enumerate(stream_of[rank]):
-                op, kind = ins.op, ins.kind
-                role = role_of[kind]
-                if op is None:
-                    if role == ROLE_ALLREDUCE:
-                        reduce.append(i)
-                    elif role == ROLE_STEP:
-                        step.append(i)
-                    elif role < 0:
-                        self.unknown(w, i, kind)
-                    continue
-                if op is not last:  # the same op object again passed these already, on this worker
-                    last = op
-                    d, m, os = op.pipeline, op.microbatch, op.stage
-                    if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
-                        held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
-                        self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
-                    if not (0 <= d < dp and 0 <= m < (mbs if not cut else cut.count(d, plan.microbatches))):
-                        count = mbs if not cut or not 0 <= d < dp else cut.count(d, plan.microbatches)
-                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{count - 1}")
-                    slot = (d * mbs + m) * ns + os
-                    if type(slot) is not int:  # hand-made fields such as 1.0 (== a stage): the tables are typed
-                        if any(not isinstance(f, (int, float)) or f != int(f) for f in (d, m, os)):
-                            self.fail(w, i, f"names op fields {d!r}, {m!r}, {os!r}: pipeline, micro-batch and stage "
-                                      "must be whole numbers")
-                        slot, os = int(slot), int(os)
-                if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
-                    sends.extend((base | i, slot, os))
-                    send_kinds.extend((kind, op.kind, ins.peer))
-                elif role == ROLE_RECV:
-                    recvs.extend((base | i, slot, os))
-                    recv_kinds.extend((kind, op.kind, ins.peer))
-                elif role == ROLE_COMPUTE:
-                    cid = slot * 4 + kid[op.kind]
-                    first = comp[cid]
-                    if first >= 0:
-                        fw, fi = self.where(first)
-                        self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
-                    comp[cid] = base | i
-                    if limited:
-                        delta = chunk_deltas[os][kind] if chunked else deltas[kind]
-                        held += delta * cut.size(d, m) if cut else delta
-                        if held > top and w not in self.over:
-                            self.over[w] = (i, held)
-                elif role == ROLE_LOAD:
-                    if op.kind is not OpKind.F or 0 < os < ns - 1:
-                        self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
-                    if slot in loads:
-                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot] & _LOW})")
-                    loads[slot] = base | i
-                elif role < 0:
-                    self.unknown(w, i, kind)
+            walk(self)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 

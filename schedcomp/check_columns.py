@@ -41,15 +41,13 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     `checker` is a `check._Checker` whose plan-wide part of the scan ran (`by_rank`, `workers`)."""
     plan = checker.plan
     topo, pp, ns, mbs, dp = plan.topology, checker.pp, checker.ns, checker.mbs, plan.topology.dp
-    workers, streams = columns.workers, plan.streams
+    workers = columns.workers
     tail_roles = [semantics_of(ins.kind).role if ins.op is None else -1 for ins in columns.tail]
-    if any(role not in (ROLE_ALLREDUCE, ROLE_STEP) for role in tail_roles) or len(workers) != len(streams):
+    if any(role not in (ROLE_ALLREDUCE, ROLE_STEP) for role in tail_roles):
         return False
     ends = columns.ends
     lengths = np.diff(ends, prepend=0)
     cut = plan.cut
-    if cut and any(type(x) not in (int, float) for _, bounds in cut.bounds for x in bounds):
-        return False  # exact bounds (fractions): the walk's arithmetic, not float64's
     ranks = np.array([w.pipeline * pp + w.stage for w in workers], np.int64)
     n = len(columns.kinds)
     x = np.repeat(np.arange(len(workers)), lengths)  # each row's worker (a number in `workers`)
@@ -147,7 +145,5 @@ def _transfers(columns: StreamColumns, rows: NDArray[np.bool_], by_place: NDArra
     """One side's transfers (the rows `rows` picks), in the walk's order."""
     order = by_place[rows[by_place]] if by_place is not None else np.flatnonzero(rows)
     row_of = np.array([TRANSFER_ROWS.index(k) if k in TRANSFER_ROWS else -1 for k in ROW_KINDS], np.int64)
-    who = np.empty(len(columns.workers) + 1, object)
-    who[:-1] = columns.workers  # (index -1: None, no peer)
     return TransferColumns(here[order], slot[order], stage[order], row_of[kinds[order]], code[order],
-                           who[columns.peer[order]].tolist())
+                           columns.peer_workers[columns.peer[order]].tolist())

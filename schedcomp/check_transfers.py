@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.ir import Instruction, Plan
+from schedcomp.opcolumns import OP_CODES
 from schedcomp.planindex import TensorTable
 from schedcomp.semantics import SEMANTICS
 from schedcomp.topology import Worker
@@ -30,7 +31,7 @@ from schedcomp.topology import Worker
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-_KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}  # an op id is `slot * 4 + _KIND_ID[kind]`
+_KIND_ID = {kind: code for code, kind in enumerate(OP_CODES)}  # an op id is `slot * 4 + _KIND_ID[kind]`
 _LOW = (1 << 32) - 1
 _FIELDS = 3  # ints (objects) per transfer in the scan's flat arrays (lists): see `check._Checker.sends`
 

@@ -3,7 +3,8 @@
 `lower` places receives, loads, compute ops and sends by the rules in `schedcomp.lower`'s docstring, which a
 loop follows op by op; at pp = 32, dp = 256 that is 3.6 million instructions, and the loop's bookkeeping (dicts
 of tensors, per-channel lists) cost more than building the instructions. Here every rule is an array
-expression over the order's ops:
+expression over the order's ops, and no instruction is built: the streams are the placed columns, made into
+`Instruction` objects only when read (`schedcomp.streamcolumns.LoweredStreams`):
 
 - a slot's runner, each op's send (tensor, receiver) and need (tensor, sender), by slot arithmetic;
 - FIFO per channel: a receive is posted before the first op (in stream order) that needs it or any tensor
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from schedcomp.ir import Instruction, Op, OpKind, Order
-from schedcomp.opcolumns import OP_CODES, OpColumns, op_columns_of
+from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns, op_columns_of
 from schedcomp.streamcolumns import LOAD, RECV, SEND, LoweredStreams, StreamColumns
 
 if TYPE_CHECKING:
@@ -39,9 +40,12 @@ _F, _B, _BW = _CODE[OpKind.F], _CODE[OpKind.B], _CODE[OpKind.BW]
 
 
 def _ints(values: list[object]) -> NDArray[np.int64] | None:
-    """`values` as an int64 column, or None unless every one is a whole number (an int or a bool)."""
+    """`values` as an int64 column, or None unless every one is an `int` (not a bool, which an op's text
+    would print as `False`, nor an int subclass with a text of its own)."""
+    if not set(map(type, values)) <= {int}:
+        return None
     column = np.array(values)
-    return column.astype(np.int64) if column.dtype.kind in "iub" and column.ndim == 1 else None
+    return column if column.dtype.kind == "i" and column.ndim == 1 else None
 
 
 class _Placed(NamedTuple):
@@ -54,6 +58,8 @@ class _Placed(NamedTuple):
     ends: list[int]
     ops: OpColumns
     """The order's ops."""
+    op_objects: ColumnOps | NDArray[np.object_]
+    """Where their `Op` objects come from (see `LoweredStreams`)."""
 
 
 def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> LoweredStreams | None:
@@ -65,24 +71,30 @@ def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> LoweredStreams
         return None
     columns = StreamColumns(placed.ops.workers, np.array(placed.ends, np.int64), placed.kinds,
                             placed.op_of, placed.peer, placed.ops, tail)
-    return LoweredStreams(columns, order.ops)
+    return LoweredStreams(columns, placed.op_objects)
 
 
-def _op_columns(order: Order) -> OpColumns | None:
-    """The order's ops as columns (a solver's own, else read off its `Op` objects), or None where a field is
-    not a whole number or a kind is not an `OpKind` (the op-by-op path names the problem)."""
+def _op_columns(order: Order) -> tuple[OpColumns, ColumnOps | NDArray[np.object_]] | None:
+    """The order's ops as columns and where their objects come from: a solver's own columns, else the fields
+    read off its `Op` objects, which are kept in a row (the order's mapping may change once lowered). None
+    where an op is not exactly an `Op`, a field not an int or a kind not an `OpKind` (the op-by-op path
+    names the problem, or keeps what such ops print)."""
     given = op_columns_of(order.ops)
     if given is not None:
-        return given
+        return given, order.ops  # type: ignore[return-value]
     workers = tuple(order.ops)
     lengths = np.fromiter(map(len, order.ops.values()), np.int64, len(workers))
-    flat: list[Op] = list(chain.from_iterable(order.ops.values()))
-    n = len(flat)
-    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), flat)), repeat(-1)), np.int64, n)
-    d, m, s = (_ints(list(map(attrgetter(f), flat))) for f in ("pipeline", "microbatch", "stage"))
+    items: list[Op] = list(chain.from_iterable(order.ops.values()))
+    if not set(map(type, items)) <= {Op}:
+        return None
+    n = len(items)
+    flat = np.empty(n, object)
+    flat[:] = items
+    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), items)), repeat(-1)), np.int64, n)
+    d, m, s = (_ints(list(map(attrgetter(f), items))) for f in ("pipeline", "microbatch", "stage"))
     if d is None or m is None or s is None or (code < 0).any():
         return None
-    return OpColumns(workers, np.cumsum(lengths), code, d, m, s)
+    return OpColumns(workers, np.cumsum(lengths), code, d, m, s), flat
 
 
 def _placement(order: Order) -> _Placed | None:
@@ -91,9 +103,10 @@ def _placement(order: Order) -> _Placed | None:
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
-    ops = _op_columns(order)
-    if ops is None or not len(ops.code):
+    given = _op_columns(order)
+    if given is None or not len(given[0].code):
         return None
+    ops, op_objects = given
     workers, code, d, m, s = ops.workers, ops.code, ops.pipeline, ops.microbatch, ops.stage
     n = len(code)
     lengths = np.diff(ops.ends, prepend=0)
@@ -169,7 +182,7 @@ def _placement(order: Order) -> _Placed | None:
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return _Placed(kinds, op_of, peer, ends, ops)
+    return _Placed(kinds, op_of, peer, ends, ops, op_objects)
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:

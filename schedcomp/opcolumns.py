@@ -5,18 +5,20 @@ numpy columns, and the CLI's compile writes the plan from those too, so making a
 (and reading its fields back) was seconds spent for nobody. `ColumnOps` is the `Order.ops` mapping such
 a solver returns: its keys are the workers, `columns` the ops' fields, and a worker's tuple of ops is
 made (once) when it is read. It is read-only, as an order is by contract; a copy or a pickle is a dict.
+`LazyMapping` is what it shares with the plan's lazy streams (`schedcomp.streamcolumns`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import OP_SETTERS, Op, OpKind
 from schedcomp.topology import Worker
 
@@ -24,8 +26,62 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 OP_CODES = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW)
-"""An op's kind by code (0..3), as the validator numbers op ids (`slot * 4 + code`)."""
+"""An op's kind by code (0..3): the validator's op ids (`slot * 4 + code`) and every column of kinds."""
 _KIND_OBJECTS = np.array(OP_CODES, dtype=object)
+
+V = TypeVar("V")
+
+
+class LazyMapping(Mapping[Worker, V]):
+    """A read-only `{worker: value}` whose values are made when read (`_make`, once each) or all at once
+    (`_make_all`, for `items` and `values`, whose views are then a dict's); a copy or a pickle is a dict."""
+
+    def __init__(self, workers: Iterable[Worker]) -> None:
+        self._number = {w: x for x, w in enumerate(workers)}  # each key's place, in the keys' order
+        self._made: dict[Worker, V] = {}
+        self._complete = False  # `_made` holds every value, in the keys' order
+
+    def _make(self, worker: Worker) -> V:
+        raise NotImplementedError
+
+    def _make_all(self) -> dict[Worker, V]:
+        """Every value, in the keys' order (what one call can do faster than a call per key)."""
+        return {w: self[w] for w in self._number}
+
+    def __getitem__(self, worker: Worker) -> V:
+        value = self._made.get(worker)
+        if value is None:
+            if worker not in self._number:
+                raise KeyError(worker)
+            value = self._made[worker] = self._make(worker)
+        return value
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._number)
+
+    def __len__(self) -> int:
+        return len(self._number)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._number
+
+    def items(self) -> ItemsView[Worker, V]:
+        return self._all().items()
+
+    def values(self) -> ValuesView[V]:
+        return self._all().values()
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self._all()),))
+
+    def _all(self) -> dict[Worker, V]:
+        if not self._complete:  # (also where every value was read, in another order)
+            self._made = {w: self[w] for w in self._number} if self._made else self._make_all()
+            self._complete = True
+        return self._made
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,49 +96,27 @@ class OpColumns:
     microbatch: NDArray[np.int64]
     stage: NDArray[np.int64]
 
-    def starts(self) -> NDArray[np.int64]:
-        return self.ends - np.diff(self.ends, prepend=0)
-
     def make(self, start: int, end: int) -> list[Op]:
         """The `Op` objects of ops `start`..`end` (their fields right by construction: set in C, `map`)."""
-        made = list(map(object.__new__, repeat(Op, end - start)))
-        fields = (_KIND_OBJECTS[self.code[start:end]], self.pipeline[start:end], self.microbatch[start:end],
-                  self.stage[start:end])
-        for setter, values in zip(OP_SETTERS, fields, strict=True):
-            deque(map(setter, made, values.tolist()), maxlen=0)
+        with paused_gc():  # (many small acyclic objects: see `schedcomp.gcpause`)
+            made = list(map(object.__new__, repeat(Op, end - start)))
+            fields = (_KIND_OBJECTS[self.code[start:end]], self.pipeline[start:end], self.microbatch[start:end],
+                      self.stage[start:end])
+            for setter, values in zip(OP_SETTERS, fields, strict=True):
+                deque(map(setter, made, values.tolist()), maxlen=0)
         return made
 
 
-class ColumnOps(Mapping[Worker, tuple[Op, ...]]):
+class ColumnOps(LazyMapping[tuple[Op, ...]]):
     """`{worker: ops}` over `OpColumns`, each worker's tuple made when first read (see the module docstring)."""
 
     def __init__(self, columns: OpColumns) -> None:
+        super().__init__(columns.workers)
         self.columns = columns
-        self._number = {w: x for x, w in enumerate(columns.workers)}
-        self._made: dict[Worker, tuple[Op, ...]] = {}
 
-    def __getitem__(self, worker: Worker) -> tuple[Op, ...]:
-        ops = self._made.get(worker)
-        if ops is None:
-            x = self._number[worker]
-            start = int(self.columns.ends[x - 1]) if x else 0
-            ops = self._made[worker] = tuple(self.columns.make(start, int(self.columns.ends[x])))
-        return ops
-
-    def __iter__(self) -> Iterator[Worker]:
-        return iter(self._number)
-
-    def __len__(self) -> int:
-        return len(self._number)
-
-    def __contains__(self, worker: object) -> bool:
-        return worker in self._number
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self),))
+    def _make(self, worker: Worker) -> tuple[Op, ...]:
+        x = self._number[worker]
+        return tuple(self.columns.make(int(self.columns.ends[x - 1]) if x else 0, int(self.columns.ends[x])))
 
 
 def op_columns_of(ops: object) -> OpColumns | None:

@@ -13,15 +13,17 @@ copy or a pickle is a dict.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, instruction_text, stream_texts
-from schedcomp.opcolumns import OP_CODES, OpColumns
+from schedcomp.opcolumns import OP_CODES, ColumnOps, LazyMapping, OpColumns
 from schedcomp.semantics import semantics_of
 from schedcomp.topology import Worker
 
@@ -50,127 +52,84 @@ class StreamColumns:
     ops: OpColumns
     tail: tuple[Instruction, ...]
 
+    @cached_property
+    def peer_workers(self) -> NDArray[np.object_]:
+        """Each peer number's worker, and None at index -1 (no peer): `peer_workers[peer]` per row."""
+        who = np.empty(len(self.workers) + 1, object)
+        who[:-1] = self.workers
+        return who
 
-class LoweredStreams(Mapping[Worker, tuple[Instruction, ...]]):
-    """`{worker: stream}` over `StreamColumns`, each stream made when first read (see the module docstring);
-    `ops` is the order's mapping, whose `Op` objects the instructions name."""
 
-    def __init__(self, columns: StreamColumns, ops: Mapping[Worker, tuple[Op, ...]]) -> None:
+class LoweredStreams(LazyMapping[tuple[Instruction, ...]]):
+    """`{worker: stream}` over `StreamColumns`, each stream made when first read (see the module docstring).
+    `ops` gives the `Op` objects the instructions name: the order's `ColumnOps` (read-only, so shared), or
+    the order's ops in a row (a snapshot: the order's own mapping may be a dict its maker changes later)."""
+
+    def __init__(self, columns: StreamColumns, ops: ColumnOps | NDArray[np.object_]) -> None:
+        super().__init__(columns.workers)
         self.columns = columns
         self._ops = ops
-        self._number = {w: x for x, w in enumerate(columns.workers)}
-        self._made: dict[Worker, tuple[Instruction, ...]] = {}
-        self._complete = False  # `_made` holds every stream, in the workers' order
-        self._who = np.empty(len(columns.workers) + 1, object)
-        self._who[:-1] = columns.workers  # each peer number's worker (index -1: None, no peer)
 
-    def __getitem__(self, worker: Worker) -> tuple[Instruction, ...]:
-        stream = self._made.get(worker)
-        if stream is None:
-            stream = self._made[worker] = self._make(self._number[worker])
-        return stream
+    def _ops_of(self, x: int) -> NDArray[np.object_]:
+        """Worker x's ops, in a row (the rows' `op_of` minus its first op's number indexes them)."""
+        ends = self.columns.ops.ends
+        if isinstance(self._ops, np.ndarray):
+            return self._ops[(int(ends[x - 1]) if x else 0):int(ends[x])]
+        ops = self._ops[self.columns.workers[x]]
+        own = np.empty(len(ops), object)
+        own[:] = ops
+        return own
 
-    def __iter__(self) -> Iterator[Worker]:
-        return iter(self._number)
-
-    def __len__(self) -> int:
-        return len(self._number)
-
-    def __contains__(self, worker: object) -> bool:
-        return worker in self._number
-
-    def items(self) -> ItemsView[Worker, tuple[Instruction, ...]]:
-        return self._all().items()
-
-    def values(self) -> ValuesView[tuple[Instruction, ...]]:
-        return self._all().values()
-
-    def __repr__(self) -> str:
-        return repr(self._all())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self._all()),))
-
-    def _all(self) -> dict[Worker, tuple[Instruction, ...]]:
-        """Every stream, in the workers' order (a dict: its views are C's, as a plain plan's)."""
-        if not self._complete:  # (also where every stream was read, in another order)
-            self._made = {w: self[w] for w in self._number} if self._made else self._make_all()
-            self._complete = True
-        return self._made
+    def _make(self, worker: Worker) -> tuple[Instruction, ...]:
+        c, x = self.columns, self._number[worker]
+        start, end = (int(c.ends[x - 1]) if x else 0), int(c.ends[x])
+        first_op = int(c.ops.ends[x - 1]) if x else 0  # (a row names an op of its own worker: `lower_columns`)
+        return (*_instructions([(ROW_KINDS, c.kinds[start:end]), (self._ops_of(x), c.op_of[start:end] - first_op),
+                                (c.peer_workers, c.peer[start:end])]), *c.tail)
 
     def _make_all(self) -> dict[Worker, tuple[Instruction, ...]]:
-        """Every stream, made at once: each field of all rows set in C, one field at a time (`_make` does one
-        worker's; one call for all saves a Python step per worker, 8,000 of them at pp = 32, dp = 256)."""
+        """Every stream at once: each field of all rows set in one C loop (`_make` does one worker's; one call
+        for all saves a Python step per worker, 8,000 of them at pp = 32, dp = 256)."""
         c = self.columns
-        if not c.workers:
-            return {}
-        ops = np.fromiter(chain.from_iterable(self._ops[w] for w in c.workers), object, int(c.ops.ends[-1]))
-        made = list(map(object.__new__, repeat(Instruction, len(c.kinds))))
-        fields = ((ROW_KINDS, c.kinds), (ops, c.op_of), (self._who, c.peer))  # (values, which one each row takes)
-        for setter, (values, which) in zip(INSTRUCTION_SETTERS, fields, strict=True):
-            deque(map(setter, made, values[which].tolist()), maxlen=0)
+        if isinstance(self._ops, np.ndarray):
+            ops = self._ops
+        else:
+            count = int(c.ops.ends[-1]) if c.workers else 0
+            ops = np.fromiter(chain.from_iterable(self._ops[w] for w in c.workers), object, count)
+        made = _instructions([(ROW_KINDS, c.kinds), (ops, c.op_of), (c.peer_workers, c.peer)])
         tail = c.tail
         return {w: (*made[a:b], *tail) for w, a, b in zip(c.workers, [0, *c.ends[:-1].tolist()], c.ends.tolist(),
                                                             strict=True)}
 
-    def _make(self, x: int) -> tuple[Instruction, ...]:
-        c = self.columns
-        start, end = (int(c.ends[x - 1]) if x else 0), int(c.ends[x])
-        ops = self._ops[c.workers[x]]
-        first_op = int(c.ops.ends[x - 1]) if x else 0  # (a row names an op of its own worker: `lower_columns`)
-        own = np.empty(len(ops), object)
-        own[:] = ops
-        made = list(map(object.__new__, repeat(Instruction, end - start)))
-        fields = (ROW_KINDS[c.kinds[start:end]], own[c.op_of[start:end] - first_op], self._who[c.peer[start:end]])
-        # The fields are right by construction: set in C (`map`), as `Instruction.trusted` would one by one.
-        for setter, values in zip(INSTRUCTION_SETTERS, fields, strict=True):
-            deque(map(setter, made, values.tolist()), maxlen=0)
-        return (*made, *c.tail)
+
+def _instructions(fields: list[tuple[NDArray[np.object_], NDArray[np.integer[Any]]]]) -> list[Instruction]:
+    """Instructions whose kind, op and peer are given as (values, which value each takes): set in C (`map`)
+    as `Instruction.trusted` would one by one (the fields are right by construction), with the collector
+    paused (millions of small acyclic objects: `schedcomp.gcpause`)."""
+    with paused_gc():
+        made = list(map(object.__new__, repeat(Instruction, len(fields[0][1]))))
+        for setter, (values, which) in zip(INSTRUCTION_SETTERS, fields, strict=True):
+            deque(map(setter, made, values[which].tolist()), maxlen=0)
+    return made
 
 
-class EditedStreams(Mapping[Worker, tuple[Instruction, ...]]):
+class EditedStreams(LazyMapping[tuple[Instruction, ...]]):
     """The streams of a plan edited from another (`repair`): `base`'s, less the `dropped` worker's, with
     `changed` ones in their place. The others are read from `base` when read, so an edit of a few streams of
-    a lowered plan makes no others (a lowered plan makes its streams only when read)."""
+    a lowered plan makes no others. (Each repair of a repaired plan adds a level, which keeps its base.)"""
 
     def __init__(self, base: Mapping[Worker, tuple[Instruction, ...]],
                  changed: Mapping[Worker, tuple[Instruction, ...]], dropped: Worker) -> None:
+        super().__init__(w for w in base if w != dropped)
         self._base, self._changed = base, changed
-        self._keys = dict.fromkeys(w for w in base if w != dropped)
-        self._all_made: dict[Worker, tuple[Instruction, ...]] | None = None
 
-    def __getitem__(self, worker: Worker) -> tuple[Instruction, ...]:
-        if worker not in self._keys:
-            raise KeyError(worker)
+    def _make(self, worker: Worker) -> tuple[Instruction, ...]:
         stream = self._changed.get(worker)
         return self._base[worker] if stream is None else stream
 
-    def __iter__(self) -> Iterator[Worker]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, worker: object) -> bool:
-        return worker in self._keys
-
-    def items(self) -> ItemsView[Worker, tuple[Instruction, ...]]:
-        return self._all().items()
-
-    def values(self) -> ValuesView[tuple[Instruction, ...]]:
-        return self._all().values()
-
-    def __repr__(self) -> str:
-        return repr(self._all())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self._all()),))
-
-    def _all(self) -> dict[Worker, tuple[Instruction, ...]]:
-        if self._all_made is None:
-            base, changed = dict(self._base.items()), self._changed  # (all of the base's at once)
-            self._all_made = {w: changed[w] if w in changed else base[w] for w in self._keys}
-        return self._all_made
+    def _make_all(self) -> dict[Worker, tuple[Instruction, ...]]:
+        base, changed = dict(self._base.items()), self._changed  # (all of the base's at once)
+        return {w: changed[w] if w in changed else base[w] for w in self._number}
 
 
 def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[Worker, list[str]]]:

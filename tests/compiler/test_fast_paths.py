@@ -21,11 +21,12 @@ from fast_path_corpus import PLANS, compiled, order_of, verdicts
 from hypothesis import given
 from hypothesis import strategies as st
 
+from schedcomp import check as checking
 from schedcomp import lower as lowering
-from schedcomp.check import _Checker, check, index_of
+from schedcomp.check import check, index_of
 from schedcomp.compiler import compile
 from schedcomp.errors import ValidationError
-from schedcomp.ir import Plan, stream_texts
+from schedcomp.ir import Op, Plan, stream_texts
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
 from schedcomp.repair import repair
 from schedcomp.schedules import FAMILIES
@@ -158,10 +159,10 @@ def test_sound_plans_are_scanned_over_their_columns(name: str, monkeypatch: pyte
     fresh = dataclasses.replace(plan)  # (not yet checked; its streams keep their columns)
     assert columns_of(fresh.streams) is not None
 
-    def walk(self: object) -> None:
+    def walk(checker: object) -> None:
         raise AssertionError("the walk ran on a sound lowered plan")
 
-    monkeypatch.setattr(_Checker, "walk", walk)
+    monkeypatch.setattr(checking, "walk", walk)
     check(fresh)
     assert _index_facts(fresh) == _index_facts(walked)
 
@@ -233,3 +234,34 @@ def test_repair_of_a_lowered_plan_makes_only_the_streams_it_touches() -> None:
     assert repaired.to_json() == expected.to_json()
     again = repair(repaired, (3, 3))  # a repair of a repaired plan: its streams over the edited ones
     assert again.streams == repair(dataclasses.replace(expected, streams=dict(expected.streams)), (3, 3)).streams
+
+
+def test_a_lowered_plan_keeps_its_ops_when_the_order_changes() -> None:
+    """The streams are made when read, from the ops the order held when it was lowered: a change to the
+    order's mapping afterwards changes nothing of the plan."""
+    plan = compile(2, dp=2, microbatches=2, schedule="1f1b")
+    order = order_of(plan)
+    ops = dict(order.ops)
+    lowered = lowering.lower(dataclasses.replace(order, ops=ops), plan.costs)
+    w = next(iter(ops))
+    ops[w] = tuple(reversed(ops[w]))
+    assert dict(lowered.streams.items()) == dict(plan.streams.items())
+
+
+def test_ops_that_print_otherwise_keep_their_text() -> None:
+    """An op whose fields are bools, or of an `Op` subclass with a text of its own, takes the op-by-op path,
+    whose plan prints each op as the op prints itself (the column path prints the fields)."""
+
+    class Named(Op):
+        __slots__ = ()
+
+        def __str__(self) -> str:
+            return f"X{Op.__str__(self)}"
+
+    plan = compile(2, dp=1, microbatches=2, schedule="1f1b")
+    order = order_of(plan)
+    for make in (lambda op: Op(op.kind, False, op.microbatch, op.stage), lambda op: Named(*dataclasses.astuple(op))):
+        odd = dataclasses.replace(order, ops={w: tuple(map(make, ops)) for w, ops in order.ops.items()})
+        assert lower_streams(odd, ()) is None
+        texts = lowering.lower(odd, plan.costs).to_json()
+        assert ("F0.False" in texts) if make(order.ops[Worker(0, 0)][0]).pipeline is False else ("XF0.0" in texts)
