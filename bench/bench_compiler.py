@@ -32,6 +32,7 @@ from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.ir import Plan
 from schedcomp.simulator import simulate
+from schedcomp.streamcolumns import instruction_count
 
 FAMILIES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SHAPES = ((4, 8), (4, 16), (8, 16), (8, 32), (16, 64), (32, 128))
@@ -96,7 +97,7 @@ def timing_table(shapes: tuple[tuple[int, int], ...], repeat: int) -> list[str]:
             t_check, _ = best_of(repeat, lambda plan=plan: check(plan))
             t_sim, _ = best_of(repeat, lambda plan=plan: simulate(plan, iterations=4))
             t_json, _ = best_of(repeat, lambda plan=plan: Plan.from_json(plan.to_json()))
-            size = sum(len(s) for s in plan.streams.values())
+            size = instruction_count(plan.streams)
             ok = "yes" if max(t_compile, t_check, t_sim) < 1.0 else "NO"
             rows.append(f"{family:<6} {pp:>3} {m:>4} {size:>7} | {t_compile:>8.3f} {t_check:>8.3f} {t_sim:>9.3f} "
                         f"{t_json:>8.3f} | {ok:>9}")

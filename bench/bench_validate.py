@@ -35,6 +35,7 @@ from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.lower import lower
 from schedcomp.serialize import order_from_torch_csv
+from schedcomp.streamcolumns import instruction_count
 
 
 def gpipe_csv(rows: int) -> str:
@@ -57,7 +58,7 @@ def sweep(label: str, sizes: list[int], build: Callable[[int], object], repeat: 
     last = None
     for n in sizes:
         plan = build(n)
-        count = sum(len(s) for s in plan.streams.values())
+        count = instruction_count(plan.streams)
         seconds = best(lambda plan=plan: check(plan), repeat)
         ratio = f"{seconds / last:6.2f}" if last else f"{'':>6}"
         print(f"  {n:>8} {count:>13} {seconds:9.3f} {seconds / count * 1e6:9.2f} {ratio}")

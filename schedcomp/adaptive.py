@@ -43,14 +43,15 @@ import numpy as np
 from schedcomp.costs import CostModel
 from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import OP_SETTERS, Op, Order
+from schedcomp.ir import Order
+from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
 from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences
-from schedcomp.solvers.problem import Problem, order_from_sequences
+from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import Timing, peak_memory, time_sequences, within_limits
 from schedcomp.topology import Topology
 
@@ -84,29 +85,21 @@ class Solution:
     synchronous: bool = False
 
     def order(self) -> Order:
+        """The compute order, as columns decoded from the op ids (`schedcomp.opcolumns`: 1.6 million ops at
+        pp = 32, dp = 256, whose `Op` objects are made only if someone reads them)."""
         problem = self.problem
         family = "adaptive" if problem.split else "adaptive-no-split"
-        kinds, nk, mbs, stages = problem.kinds, len(problem.kinds), problem.width, problem.stages
-        # `Op.trusted` inlined (the fields come from op ids of this problem: in range by construction).
-        new, set_kind, set_pipeline, set_microbatch, set_stage = object.__new__, *OP_SETTERS
-        ops = {}
-        for wid, seq in self.seqs.items():
-            # Decoded as columns (a million ops at pp = 32, dp = 256: per-op divmods cost seconds).
-            slot, kind = np.divmod(np.asarray(seq, dtype=np.int64), nk)
-            rest, stage = np.divmod(slot, stages)
-            pipeline, microbatch = np.divmod(rest, mbs)
-            columns = (kind.tolist(), pipeline.tolist(), microbatch.tolist(), stage.tolist())
-            decoded = []
-            append = decoded.append
-            for k, d, m, st in zip(*columns, strict=True):
-                op = new(Op)
-                set_kind(op, kinds[k])
-                set_pipeline(op, d)
-                set_microbatch(op, m)
-                set_stage(op, st)
-                append(op)
-            ops[problem.worker_of(wid)] = decoded
-        return order_from_sequences(problem, ops, family)
+        nk, mbs, stages = len(problem.kinds), problem.width, problem.stages
+        workers = problem.topology.live_workers  # every live worker has an entry, possibly empty
+        empty = np.zeros(0, np.int64)
+        seqs = [np.asarray(self.seqs.get(problem.worker_id(w), empty), dtype=np.int64) for w in workers]
+        slot, kind = np.divmod(np.concatenate([empty, *seqs]), nk)
+        rest, stage = np.divmod(slot, stages)
+        pipeline, microbatch = np.divmod(rest, mbs)
+        code = np.array([OP_CODES.index(k) for k in problem.kinds], np.int64)[kind]
+        ends = np.cumsum([len(seq) for seq in seqs], dtype=np.int64)
+        ops = ColumnOps(OpColumns(tuple(workers), ends, code, pipeline, microbatch, stage))
+        return Order(problem.topology, problem.microbatches, ops, family, problem.cut)
 
 
 def adaptive_order(topology: Topology, microbatches: int, costs: CostModel,

@@ -6,10 +6,13 @@ micro-batch, stage), on one worker, in dependency order; loads; transfers (each 
 producer, each receive before its consumer, right peers, matched one to one); FIFO order per
 channel; ALLREDUCE then STEP at the end; no deadlock; memory within the limit.
 
-The scan is one pass over the streams into plain dicts keyed by integers (op, slot, tensor and
-channel ids: hashing dataclasses dominated the run; places packed as `rank << 32 | index`), and
-per-worker tables are lists indexed by rank; the transfer rules are numpy expressions over columns of
-all sends and all receives (`schedcomp.check_transfers`); the checks that hold for every sound plan
+The scan reads every instruction into tables keyed by integers (op, slot, tensor and channel ids: hashing
+dataclasses dominated the run; places packed as `rank << 32 | index`): for a plan `lower` made, as array
+tests over the columns its streams are made from (`schedcomp.check_columns`), which leave a plan that breaks
+one of the scan's rules (or ends its streams otherwise) to the walk, instruction by instruction, which names
+the first problem (`schedcomp.check_walk`). Per-worker tables are lists indexed by rank; the transfer rules
+are numpy expressions over columns of all sends and all receives (`schedcomp.check_transfers`); the checks
+that hold for every sound plan
 (every output sent, every send received, FIFO per channel) compare counts or whole sequences first and
 only walk item by item to name the first failure.
 
@@ -28,31 +31,23 @@ never earlier than its producer.
 from __future__ import annotations
 
 from array import array
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from schedcomp import limits
+from schedcomp.check_columns import scan_columns
 from schedcomp.check_order import OrderRules, error_grid, text_of
 from schedcomp.check_transfers import TransferRules
+from schedcomp.check_walk import walk
 from schedcomp.cut import Cut
 from schedcomp.errors import PlanFormatError, SchedcompTypeError, ValidationError
 from schedcomp.gcpause import paused_gc
-from schedcomp.ir import Instruction, OpKind, Plan
-from schedcomp.memory import memory_levels, show_memory, stage_deltas, stream_deltas
+from schedcomp.ir import Plan
+from schedcomp.memory import memory_levels, show_memory, stream_deltas
 from schedcomp.partition import as_partition
 from schedcomp.planindex import PlanIndex, TensorTable
-from schedcomp.semantics import (
-    ROLE_ALLREDUCE,
-    ROLE_COMPUTE,
-    ROLE_LOAD,
-    ROLE_RECV,
-    ROLE_SEND,
-    ROLE_STEP,
-    roles,
-    semantics_of,
-)
+from schedcomp.streamcolumns import columns_of
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -64,10 +59,6 @@ Where = tuple[Worker, int]  # (worker, instruction index)
 
 __all__ = ["check", "index_of", "is_checked", "memory_profile", "peak_memory"]
 
-_EPS = 1e-9
-_KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
-_NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
-_INF = float("inf")
 _LOW = (1 << 32) - 1  # the index part of a packed place
 
 
@@ -111,19 +102,12 @@ def peak_memory(plan: Plan) -> dict[Worker, float]:
     return {w: max((0.0, *memory_profile(plan, w))) for w in plan.workers}
 
 
-class _Roles(dict):  # type: ignore[type-arg]
-    """kind -> role, -1 for a kind the table does not know (a subscript is cheaper than `.get` per instruction)."""
-
-    def __missing__(self, kind: object) -> int:
-        return -1
-
-
 class _Checker(TransferRules, OrderRules):
     """One validation run: the scan's indexes, then one method per rule.
 
     Ops and tensors are keyed by integers, not by dataclasses (hashing those in Python dominated the
     run): a slot (pipeline d, micro-batch m, stage s) is `(d * M + m) * pp + s`, an op of it
-    `slot * 4 + _KIND_ID[kind]`, and a tensor `producing slot * 2 + (0 activation | 1 gradient)`.
+    `slot * 4 + code` (`opcolumns.OP_CODES`), and a tensor `producing slot * 2 + (0 activation | 1 gradient)`.
     """
 
     def __init__(self, plan: Plan) -> None:
@@ -162,7 +146,7 @@ class _Checker(TransferRules, OrderRules):
         self.order_ranks = array("q")  # the deadlock pass's walk, in order: which rank advanced ...
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
-        self.stream_of: list[tuple[Instruction, ...]] = []  # the streams by rank, () for failed ones
+        self.lengths: list[int] = []  # the streams' lengths by rank, 0 for failed ones
 
     def run(self) -> None:
         self.scan()
@@ -209,7 +193,6 @@ class _Checker(TransferRules, OrderRules):
         dp, mbs, pp, ns = topo.dp, self.mbs, self.pp, self.ns
         failed = topo.failed
         chunked = ns != pp
-        place = [topo.place_of(s) for s in range(ns)] if chunked else []
         if chunked and isinstance(plan.costs.memory_limit, tuple):
             self.fail(None, None, "a memory limit per stage is not defined with virtual stages yet: give one number "
                                   "for every worker, or none")
@@ -233,89 +216,18 @@ class _Checker(TransferRules, OrderRules):
             for w in topo.live_workers:
                 if w not in plan.streams:
                     self.fail(w, None, "live worker has no stream: give it one (at least ALLREDUCE then STEP)")
-        # Workers and streams by rank, in one pass over the items: rank order is the workers' sorted order,
-        # and neither sorting nor `plan.streams[w]` hashes a `Worker` (a Python call each, 200k of them).
+        # Workers by rank: rank order is the workers' sorted order, and sorting would compare `Worker`s (a
+        # Python call each, 200k of them). (Keys only: a lowered plan's streams are made when read.)
         by_rank: list[Worker | None] = [None] * self.nw
-        stream_of: list[tuple[Instruction, ...]] = [()] * self.nw
-        for w, stream in plan.streams.items():
-            r = w.pipeline * pp + w.stage
-            by_rank[r], stream_of[r] = w, stream
-        self.by_rank, self.stream_of = by_rank, stream_of
+        for w in plan.streams:
+            by_rank[w.pipeline * pp + w.stage] = w
+        self.by_rank = by_rank
         self.workers = [w for w in by_rank if w is not None]
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
-        comp = self.comp = array("q", [-1]) * (dp * mbs * ns * 4)
-        loads, sends, recvs, kid = self.loads, self.sends, self.recvs, _KIND_ID
-        send_kinds, recv_kinds = self.send_kinds, self.recv_kinds
-        tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
-        role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
-        cut = plan.cut or None  # re-cut micro-batches hold their activation times their size (None: a
-        # plain truth test per instruction, not Cut.__bool__)
-        for w in self.workers:
-            ws = w.stage
-            rank = w.pipeline * pp + ws
-            top = tops[ws]
-            limited = top != _INF  # memory is tracked only under a limit
-            deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
-            # With virtual stages each chunk has its own activation size: its deltas, by its stage.
-            chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
-            reduce: list[int] = []
-            step: list[int] = []
-            self.tail[rank] = (reduce, step)
-            base = rank << 32
-            last = None  # the op of the previous instruction: a lowered stream names one in a row (LOAD, op, SEND)
-            for i, ins in enumerate(stream_of[rank]):
-                op, kind = ins.op, ins.kind
-                role = role_of[kind]
-                if op is None:
-                    if role == ROLE_ALLREDUCE:
-                        reduce.append(i)
-                    elif role == ROLE_STEP:
-                        step.append(i)
-                    elif role < 0:
-                        self.unknown(w, i, kind)
-                    continue
-                if op is not last:  # the same op object again passed these already, on this worker
-                    last = op
-                    d, m, os = op.pipeline, op.microbatch, op.stage
-                    if os != ws and not (chunked and type(os) is int and 0 <= os < ns and place[os] == ws):
-                        held_here = ", ".join(map(str, topo.chunks_of(ws))) if chunked else str(ws)
-                        self.fail(w, i, f"names stage {os} but {w} runs stage{'s' if chunked else ''} {held_here}")
-                    if not (0 <= d < dp and 0 <= m < (mbs if not cut else cut.count(d, plan.microbatches))):
-                        count = mbs if not cut or not 0 <= d < dp else cut.count(d, plan.microbatches)
-                        self.fail(w, i, f"no such micro-batch: pipelines are 0..{dp - 1}, micro-batches 0..{count - 1}")
-                    slot = (d * mbs + m) * ns + os
-                    if type(slot) is not int:  # hand-made fields such as 1.0 (== a stage): the tables are typed
-                        if any(not isinstance(f, (int, float)) or f != int(f) for f in (d, m, os)):
-                            self.fail(w, i, f"names op fields {d!r}, {m!r}, {os!r}: pipeline, micro-batch and stage "
-                                      "must be whole numbers")
-                        slot, os = int(slot), int(os)
-                if role == ROLE_SEND:  # what the transfer rules read, taken while the instruction is at hand
-                    sends.extend((base | i, slot, os))
-                    send_kinds.extend((kind, op.kind, ins.peer))
-                elif role == ROLE_RECV:
-                    recvs.extend((base | i, slot, os))
-                    recv_kinds.extend((kind, op.kind, ins.peer))
-                elif role == ROLE_COMPUTE:
-                    cid = slot * 4 + kid[op.kind]
-                    first = comp[cid]
-                    if first >= 0:
-                        fw, fi = self.where(first)
-                        self.fail(w, i, f"{op} runs twice (first on {fw} at instruction {fi}): keep one")
-                    comp[cid] = base | i
-                    if limited:
-                        delta = chunk_deltas[os][kind] if chunked else deltas[kind]
-                        held += delta * cut.size(d, m) if cut else delta
-                        if held > top and w not in self.over:
-                            self.over[w] = (i, held)
-                elif role == ROLE_LOAD:
-                    if op.kind is not OpKind.F or 0 < os < ns - 1:
-                        self.fail(w, i, f"{semantics_of(kind).rule}: drop it")
-                    if slot in loads:
-                        self.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot] & _LOW})")
-                    loads[slot] = base | i
-                elif role < 0:
-                    self.unknown(w, i, kind)
+        columns = columns_of(plan.streams)
+        if columns is None or not scan_columns(self, columns):  # (a lowered plan's columns settle the sound case)
+            walk(self)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
 

@@ -5,7 +5,7 @@ instructions: local hand-offs between two chunks of one worker (the producer fir
 channel (NCCL pairs a channel's messages in posting order), the ALLREDUCE
 then STEP tail, and the deadlock pass (how far each stream runs, in rounds over columns, which also
 records the deadlock-free order the `PlanIndex` keeps). It reads the tables the scan and the transfer rules
-built (`plan`, `pp`, `nw`, `workers`, `stream_of`, `tail`, `channels`, `transfer_events`, `sent`,
+built (`plan`, `pp`, `nw`, `workers`, `lengths`, `tail`, `channels`, `transfer_events`, `sent`,
 `received`, `consumer`, `order_ranks`, `order_stops`, `comp`, `ns`, `local`) and reports through `fail`
 and `where`.
 """
@@ -46,7 +46,7 @@ class OrderRules:
     consumer: Mapping[int, int]
     order_ranks: Any
     order_stops: Any
-    stream_of: list[tuple[Instruction, ...]]  # the streams by rank
+    lengths: list[int]  # the streams' lengths by rank
     by_rank: list[Worker | None]  # the streams' workers by rank, None for failed ones
     comp: Any  # op id -> where it runs, packed as rank << 32 | index, -1 for none (see `check._Checker`)
     ns: int  # virtual stages per pipeline
@@ -116,10 +116,10 @@ class OrderRules:
                                     "post receives in the order the peer sends")
 
     def tails(self) -> None:
-        tail, pp, stream_of = self.tail, self.pp, self.stream_of
+        tail, pp, lengths = self.tail, self.pp, self.lengths
         for w in self.workers:
             rank = w.pipeline * pp + w.stage
-            n = len(stream_of[rank])
+            n = lengths[rank]
             reduce, step = tail[rank]
             rule = "a stream ends with exactly one ALLREDUCE then one STEP, after all its other instructions"
             if not reduce or not step:

@@ -18,11 +18,12 @@ plan's peers are those very keys) and by equality where identity does not settle
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from schedcomp.ir import Instruction, OpKind, Plan
+from schedcomp.ir import Instruction, Plan
+from schedcomp.opcolumns import OP_CODES
 from schedcomp.planindex import TensorTable
 from schedcomp.semantics import SEMANTICS
 from schedcomp.topology import Worker
@@ -30,7 +31,7 @@ from schedcomp.topology import Worker
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-_KIND_ID = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}  # an op id is `slot * 4 + _KIND_ID[kind]`
+_KIND_ID = {kind: code for code, kind in enumerate(OP_CODES)}  # an op id is `slot * 4 + _KIND_ID[kind]`
 _LOW = (1 << 32) - 1
 _FIELDS = 3  # ints (objects) per transfer in the scan's flat arrays (lists): see `check._Checker.sends`
 
@@ -42,26 +43,51 @@ class _Codes(dict):  # type: ignore[type-arg]
         return -1
 
 
-class _Columns:
-    """One side's transfers (all sends, or all receives) as columns, in stream order."""
+TRANSFER_ROWS = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
+"""The transfer kinds, numbered by their place here (`TransferColumns.kind`)."""
 
-    def __init__(self, ints: Any, objects: list[Any], ns: int, comp: NDArray[np.int64], plan: Plan,
+
+class TransferColumns(NamedTuple):
+    """One side's transfers (all sends, or all receives) in stream order, as the scan found them: per
+    transfer its packed place, slot, its op's stage, its kind (a row of `TRANSFER_ROWS`), its op's kind
+    (`_KIND_ID`, -1 for another) and its peer."""
+
+    here: NDArray[np.int64]
+    slot: NDArray[np.int64]
+    stage: NDArray[np.int64]
+    kind: NDArray[np.int64]
+    op_kind: NDArray[np.int64]
+    peers: list[Any]
+
+
+def _scanned(ints: Any, objects: list[Any] | None) -> TransferColumns:
+    """The walk's flat tables (`check._Checker.sends`: three ints and three objects per transfer) as columns;
+    the column scan (`schedcomp.check_columns`) gives them ready."""
+    if isinstance(ints, TransferColumns):
+        return ints
+    assert objects is not None
+    n = len(objects) // _FIELDS
+    flat = np.frombuffer(ints, dtype=np.int64) if n else np.zeros(0, np.int64)
+    code = {k: c for c, k in enumerate(TRANSFER_ROWS)}  # the scan gave transfer kinds only
+    return TransferColumns(flat[0::_FIELDS].copy(), flat[1::_FIELDS].copy(), flat[2::_FIELDS].copy(),
+                           np.fromiter(map(code.__getitem__, objects[0::_FIELDS]), np.int64, n),
+                           np.fromiter(map(_Codes(_KIND_ID).__getitem__, objects[1::_FIELDS]), np.int64, n),
+                           objects[2::_FIELDS])
+
+
+class _Columns:
+    """One side's transfers, with what the rules read of each."""
+
+    def __init__(self, side: TransferColumns, ns: int, comp: NDArray[np.int64], plan: Plan,
                  by_rank: list[Worker | None]) -> None:
         self.plan, self.by_rank = plan, by_rank  # for messages only
-        n = self.n = len(objects) // _FIELDS
-        flat = np.frombuffer(ints, dtype=np.int64) if n else np.zeros(0, np.int64)
-        self.here = flat[0::_FIELDS].copy()  # packed places (copies: the scan's array can then go)
-        self.slot = flat[1::_FIELDS].copy()
-        stage = flat[2::_FIELDS]
-        rows = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
-        code = {k: c for c, k in enumerate(rows)}  # the scan gave transfer kinds only
-        kcode = np.fromiter(map(code.__getitem__, objects[0::_FIELDS]), np.int64, n)
-        opk = np.fromiter(map(_Codes(_KIND_ID).__getitem__, objects[1::_FIELDS]), np.int64, n)
-        self.peers = objects[2::_FIELDS]
+        self.n = len(side.here)
+        self.here, self.slot, self.peers = side.here, side.slot, side.peers
+        rows, kcode, opk = TRANSFER_ROWS, side.kind, side.op_kind
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
         self.channel = np.array([SEMANTICS[r].channel for r in rows], dtype=np.int64)[kcode]
-        to = stage + self.step
+        to = side.stage + self.step
         self.kind_ok = allowed[kcode, opk] & (to >= 0) & (to < ns)  # opk -1 reads the last, False, column
         self.opk = opk
         self.rank = self.here >> 32
@@ -165,7 +191,7 @@ class TransferRules:
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
-        sends = _Columns(self.sends, self.send_kinds, ns, comp, self.plan, by_rank)
+        sends = _Columns(_scanned(self.sends, self.send_kinds), ns, comp, self.plan, by_rank)
         self.sends, self.send_kinds = array("q"), []  # (read into columns)
         slot, rank, ins = sends.slot, sends.rank, sends.instruction
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
@@ -201,7 +227,7 @@ class TransferRules:
         ])
         self.sent = self._table(tensor, sends.here)  # the pairing `PlanIndex` keeps
 
-        recvs = _Columns(self.recvs, self.recv_kinds, ns, comp, self.plan, by_rank)
+        recvs = _Columns(_scanned(self.recvs, self.recv_kinds), ns, comp, self.plan, by_rank)
         self.recvs, self.recv_kinds = array("q"), []
         rslot, rrank, rins = recvs.slot, recvs.rank, recvs.instruction
         consumer = recvs.place(rslot * 4 + recvs.opk)

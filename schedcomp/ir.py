@@ -132,7 +132,7 @@ class Instruction:
 
     def __str__(self) -> str:
         op = self.op
-        return _instruction_text(self.kind, None if op is None else str(op), self.peer)
+        return instruction_text(self.kind, None if op is None else str(op), self.peer)
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Instruction:
@@ -156,7 +156,7 @@ class Instruction:
         return cls.compute(Op.parse(text, stage))
 
 
-def _instruction_text(kind: Any, op_text: str | None, peer: Worker | None) -> str:
+def instruction_text(kind: Any, op_text: str | None, peer: Worker | None) -> str:
     """The text of an instruction given its op's (`F3.1`): the one format, for `str` and `stream_texts`."""
     # Plain dict lookups, not enum `.value` (a Python-level descriptor): a plan's JSON is millions of these.
     if op_text is None:
@@ -173,7 +173,7 @@ def stream_texts(stream: Sequence[Instruction]) -> list[str]:
     """`[str(ins) for ins in stream]`, for writers of whole plans: a lowered stream names an op in neighbouring
     instructions (LOAD, compute, SEND), so each run of them formats the op's text once."""
     texts: list[str] = []
-    append, text, bare, wrap_of, name = texts.append, _instruction_text, _BARE, _WRAP.get, _TEXT
+    append, text, bare, wrap_of, name = texts.append, instruction_text, _BARE, _WRAP.get, _TEXT
     last: Op | None = None
     op_text: str | None = None
     for ins in stream:
@@ -183,7 +183,7 @@ def stream_texts(stream: Sequence[Instruction]) -> list[str]:
             # `Op.__str__` inlined for plain ops (a Python call each, 2.6 million at pp = 32, dp = 256).
             op_text = None if op is None else \
                 f"{name[op.kind]}{op.microbatch}.{op.pipeline}" if type(op) is Op else str(op)
-        # `_instruction_text` inlined for the bare ops and transfers (3.6 million at pp = 32, dp = 256).
+        # `instruction_text` inlined for the bare ops and transfers (3.6 million at pp = 32, dp = 256).
         kind = ins.kind
         if kind in bare and op_text is not None:
             append(op_text)

@@ -50,7 +50,7 @@ def lower(
     meta: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Turn `order` into instruction streams; the result is checked by `schedcomp.check.check`."""
-    with paused_gc():  # hundreds of thousands of small acyclic objects: see `schedcomp.gcpause`
+    with paused_gc():  # (the op-by-op path makes many small acyclic objects: see `schedcomp.gcpause`)
         return _lower(order, costs, solver, lower_bound, meta)
 
 
@@ -116,7 +116,7 @@ def _lower(
     return _plan(order, costs, streams, solver, lower_bound, meta)
 
 
-def _plan(order: Order, costs: CostModel, streams: dict[Worker, tuple[Instruction, ...]], solver: str,
+def _plan(order: Order, costs: CostModel, streams: Mapping[Worker, tuple[Instruction, ...]], solver: str,
           lower_bound: float | None, meta: Mapping[str, Any] | None) -> Plan:
     return Plan(
         topology=order.topology,

@@ -3,7 +3,8 @@
 `lower` places receives, loads, compute ops and sends by the rules in `schedcomp.lower`'s docstring, which a
 loop follows op by op; at pp = 32, dp = 256 that is 3.6 million instructions, and the loop's bookkeeping (dicts
 of tensors, per-channel lists) cost more than building the instructions. Here every rule is an array
-expression over the order's ops:
+expression over the order's ops, and no instruction is built: the streams are the placed columns, made into
+`Instruction` objects only when read (`schedcomp.streamcolumns.LoweredStreams`):
 
 - a slot's runner, each op's send (tensor, receiver) and need (tensor, sender), by slot arithmetic;
 - FIFO per channel: a receive is posted before the first op (in stream order) that needs it or any tensor
@@ -18,62 +19,82 @@ names the first problem (`tests/compiler/test_fast_paths.py` holds both to the s
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, OpKind, Order
-from schedcomp.topology import Worker
+from schedcomp.ir import Instruction, Op, OpKind, Order
+from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns, op_columns_of
+from schedcomp.streamcolumns import LOAD, RECV, SEND, LoweredStreams, StreamColumns
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-_CODE = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
+_CODE = {kind: code for code, kind in enumerate(OP_CODES)}
 # Looked up by identity: `OpKind` is a str enum, so a plain "F" would equal OpKind.F where the op-by-op
 # path (`op.kind is F`) refuses it.
 _CODE_BY_ID = {id(kind): code for kind, code in _CODE.items()}
 _F, _B, _BW = _CODE[OpKind.F], _CODE[OpKind.B], _CODE[OpKind.BW]
-# An instruction's kind by code: 0..3 the compute ops (as `_CODE`), then LOAD, the sends and the receives
-# (activation, gradient: a tensor's low bit).
-_KINDS = np.array([InstrKind.F, InstrKind.B, InstrKind.W, InstrKind.BW, InstrKind.LOAD, InstrKind.SEND_ACT,
-                   InstrKind.SEND_GRAD, InstrKind.RECV_ACT, InstrKind.RECV_GRAD], dtype=object)
-_LOAD, _SEND, _RECV = 4, 5, 7
 
 
 def _ints(values: list[object]) -> NDArray[np.int64] | None:
-    """`values` as an int64 column, or None unless every one is a whole number (an int or a bool)."""
+    """`values` as an int64 column, or None unless every one is an `int` (not a bool, which an op's text
+    would print as `False`, nor an int subclass with a text of its own)."""
+    if not set(map(type, values)) <= {int}:
+        return None
     column = np.array(values)
-    return column.astype(np.int64) if column.dtype.kind in "iub" and column.ndim == 1 else None
+    return column if column.dtype.kind == "i" and column.ndim == 1 else None
 
 
 class _Placed(NamedTuple):
-    """Per instruction of all streams in a row, its kind (a row of `_KINDS`), its op (a number in the order's
+    """Per instruction of all streams in a row, its kind (a row of `ROW_KINDS`), its op (a number in the order's
     ops in a row) and its peer (a worker number, -1 for none); and where each worker's stream ends."""
 
     kinds: NDArray[np.int8]
     op_of: NDArray[np.integer[Any]]
     peer: NDArray[np.int32]
     ends: list[int]
+    ops: OpColumns
+    """The order's ops."""
+    op_objects: ColumnOps | NDArray[np.object_]
+    """Where their `Op` objects come from (see `LoweredStreams`)."""
 
 
-def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> dict[Worker, tuple[Instruction, ...]] | None:
+def lower_streams(order: Order, tail: tuple[Instruction, ...]) -> LoweredStreams | None:
     """Every live worker's stream as `lower` places it, ending with `tail` (ALLREDUCE, STEP), or None for an
-    order this plain path does not handle (see the module docstring)."""
+    order this plain path does not handle (see the module docstring). The streams are the placed columns,
+    whose instruction objects are made when read (`schedcomp.streamcolumns`)."""
     placed = _placement(order)
     if placed is None:
         return None
-    workers = list(order.ops)
-    who = np.empty(len(workers) + 1, object)
-    who[:-1] = workers  # (index -1: None, no peer)
-    ops = np.fromiter(chain.from_iterable(order.ops.values()), object)
-    count, ends = len(placed.kinds), placed.ends
-    # The fields' columns go to `_build` alone, which frees each once it is set (memory peaks here).
-    instructions = _build(count, [(_KINDS, placed.kinds), (ops, placed.op_of), (who, placed.peer)])
-    del placed
-    return {w: (*instructions[a:b], *tail) for w, a, b in zip(workers, [0, *ends[:-1]], ends, strict=True)}
+    columns = StreamColumns(placed.ops.workers, np.array(placed.ends, np.int64), placed.kinds,
+                            placed.op_of, placed.peer, placed.ops, tail)
+    return LoweredStreams(columns, placed.op_objects)
+
+
+def _op_columns(order: Order) -> tuple[OpColumns, ColumnOps | NDArray[np.object_]] | None:
+    """The order's ops as columns and where their objects come from: a solver's own columns, else the fields
+    read off its `Op` objects, which are kept in a row (the order's mapping may change once lowered). None
+    where an op is not exactly an `Op`, a field not an int or a kind not an `OpKind` (the op-by-op path
+    names the problem, or keeps what such ops print)."""
+    given = op_columns_of(order.ops)
+    if given is not None:
+        return given, order.ops  # type: ignore[return-value]
+    workers = tuple(order.ops)
+    lengths = np.fromiter(map(len, order.ops.values()), np.int64, len(workers))
+    items: list[Op] = list(chain.from_iterable(order.ops.values()))
+    if not set(map(type, items)) <= {Op}:
+        return None
+    n = len(items)
+    flat = np.empty(n, object)
+    flat[:] = items
+    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), items)), repeat(-1)), np.int64, n)
+    d, m, s = (_ints(list(map(attrgetter(f), items))) for f in ("pipeline", "microbatch", "stage"))
+    if d is None or m is None or s is None or (code < 0).any():
+        return None
+    return OpColumns(workers, np.cumsum(lengths), code, d, m, s), flat
 
 
 def _placement(order: Order) -> _Placed | None:
@@ -82,16 +103,13 @@ def _placement(order: Order) -> _Placed | None:
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
-    workers = list(order.ops)
-    lengths = np.fromiter(map(len, order.ops.values()), np.int64, len(workers))
-    flat: list[Op] = list(chain.from_iterable(order.ops.values()))
-    n = len(flat)
-    if not n:
+    given = _op_columns(order)
+    if given is None or not len(given[0].code):
         return None
-    code = np.fromiter(map(_CODE_BY_ID.get, map(id, map(attrgetter("kind"), flat)), repeat(-1)), np.int64, n)
-    d, m, s = (_ints(list(map(attrgetter(f), flat))) for f in ("pipeline", "microbatch", "stage"))
-    if d is None or m is None or s is None or (code < 0).any():
-        return None
+    ops, op_objects = given
+    workers, code, d, m, s = ops.workers, ops.code, ops.pipeline, ops.microbatch, ops.stage
+    n = len(code)
+    lengths = np.diff(ops.ends, prepend=0)
     if order.cut:
         counts = np.array([order.cut.count(p, order.microbatches) for p in range(dp)], np.int64)
     else:
@@ -156,15 +174,15 @@ def _placement(order: Order) -> _Placed | None:
                             at_op[sends] + 1])
     total = int(size.sum())
     kinds = np.empty(total, np.int8)
-    kinds[where] = np.concatenate([_RECV + (out_tensor[along] & 1), np.full(np.count_nonzero(loads), _LOAD), code,
-                                   _SEND + (out_tensor[sends] & 1)])
+    kinds[where] = np.concatenate([RECV + (out_tensor[along] & 1), np.full(np.count_nonzero(loads), LOAD), code,
+                                   SEND + (out_tensor[sends] & 1)])
     op_of = np.empty(total, np.int32 if n < 2**31 else np.int64)
     op_of[where] = np.concatenate([consumer[along], np.flatnonzero(loads), np.arange(n), np.flatnonzero(sends)])
     peer = np.full(total, -1, np.int32)  # (index -1 of `who`: None)
     peer[where[: len(along)]] = x[along]
     peer[at_op[sends] + 1] = receiver[sends]
     ends = np.cumsum(size)[np.cumsum(lengths) + np.arange(len(workers))].tolist()  # each worker's last block
-    return _Placed(kinds, op_of, peer, ends)
+    return _Placed(kinds, op_of, peer, ends, ops, op_objects)
 
 
 def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -178,16 +196,3 @@ def _suffix_min_by_group(values: NDArray[np.int64], groups: NDArray[np.int64]) -
     lifted = values + group_no * span
     out = np.minimum.accumulate(lifted[::-1])[::-1]
     return out - group_no * span
-
-
-def _build(count: int, fields: list[tuple[NDArray[Any], NDArray[np.integer[Any]]]]) -> list[Instruction]:
-    """`count` instructions, each field given as (its values, which value each instruction takes), set in C
-    (`map`), not a Python step each: what `Instruction.trusted` does, for millions (the fields are right by
-    construction). One field's list of values at a time, each column freed once used: each is as long as the
-    plan."""
-    made = list(map(object.__new__, repeat(Instruction, count)))
-    for setter in INSTRUCTION_SETTERS:
-        values, which = fields.pop(0)
-        deque(map(setter, made, values[which].tolist()), maxlen=0)
-        del values, which
-    return made

@@ -45,6 +45,7 @@ from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_lim
 from schedcomp.optimes import op_times, remember, retimed
 from schedcomp.repair_place import compute_ops, place, slots_of
 from schedcomp.semantics import InstrKind
+from schedcomp.streamcolumns import EditedStreams
 from schedcomp.topology import Topology, Worker, as_workers
 
 __all__ = ["lookup_or_repair", "repair"]
@@ -145,7 +146,7 @@ _SENDS = {InstrKind.SEND_ACT: (1, _ACT), InstrKind.SEND_GRAD: (-1, _GRAD)}  # ->
 _RECVS = {InstrKind.RECV_ACT: -1, InstrKind.RECV_GRAD: 1}
 
 
-def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, list[Op]]) -> dict[Worker, tuple]:
+def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, list[Op]]) -> EditedStreams:
     """Every live worker's stream: lowered again for the peers that took slots and the failed worker's
     neighbours, the same tuple for everyone else."""
     pp, mbs = after.stages, plan.microbatches
@@ -206,15 +207,9 @@ def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, l
             if x not in kept:
                 kept[x] = _channels(old[x], mbs, pp)
             inbound[w][numbers[x]] = kept[x].get(w, [])
-    streams = {}
-    for w, stream in old.items():
-        if w == worker:
-            continue
-        if w in redo:
-            me = numbers[w]
-            stream = _stream(me, tuple(redo[w]), pp, mbs, runner_no, workers, sends[w], inbound[w])
-        streams[w] = stream
-    return streams
+    changed = {w: _stream(numbers[w], tuple(ops), pp, mbs, runner_no, workers, sends[w], inbound[w])
+               for w, ops in redo.items() if w != worker}
+    return EditedStreams(old, changed, worker)  # (the others' streams are read from the plan's when read)
 
 
 def _channels(stream: Sequence[Instruction], mbs: int, pp: int) -> dict[Worker, list[int]]:

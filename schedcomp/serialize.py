@@ -53,6 +53,7 @@ from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
 from schedcomp.partition import as_partition
+from schedcomp.streamcolumns import columns_of, texts_by_worker
 from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
@@ -245,10 +246,15 @@ def _stream_items(plan: Plan, item: str, sep: str) -> Iterator[str]:
     # Instruction and worker texts are letters, digits and `._:<>[]-` (see `ir`), valid JSON strings as
     # they are: each stream is joined directly, not escaped by `json` text by text (that was most of the
     # time for plans of 100k+ workers). Anything else (a hand-made op with odd fields) goes through `json`.
+    columns = columns_of(plan.streams)
+    if columns is not None and plan.topology.chunks == 1:  # a lowered plan: its texts made from its columns
+        for w, texts in texts_by_worker(columns):
+            yield f"{_string(str(w))}{item}{_json_list(texts, sep)}"
+        return
     text = _text_of(plan)
     # Sorted items, not `plan.streams[w]` per sorted key: that hashes each `Worker` (a Python call) once more.
     for w, stream in sorted(plan.streams.items(), key=itemgetter(0)):
-        yield f"{_string(str(w))}{item}{_string_list(stream, sep, text)}"
+        yield f"{_string(str(w))}{item}{_json_list(text(stream), sep)}"
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:<>\[\]-]*")  # texts that are valid inside JSON quotes as they are
@@ -267,10 +273,8 @@ def _staged_texts(stream: Sequence[Instruction]) -> list[str]:
     return list(map(staged_text, stream))
 
 
-def _string_list(stream: Sequence[Instruction], sep: str,
-                 text: Callable[[Sequence[Instruction]], list[str]] = stream_texts) -> str:
-    """`json.dumps(text(stream), separators=(sep, ...))`, fast for plain texts."""
-    texts = text(stream)
+def _json_list(texts: list[str], sep: str) -> str:
+    """`json.dumps(texts, separators=(sep, ...))`, fast for plain texts."""
     if not _PLAIN.fullmatch("".join(texts)):
         return _dumps(texts, separators=(sep, ":"))
     return '["' + f'"{sep}"'.join(texts) + '"]' if texts else "[]"

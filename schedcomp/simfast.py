@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from schedcomp.costs import CostModel
-from schedcomp.ir import Plan
+from schedcomp.ir import OpKind, Plan
+from schedcomp.opcolumns import OP_CODES
 from schedcomp.semantics import InstrKind
 from schedcomp.solvers.problem import FUSED_KINDS, SPLIT_KINDS, Problem
 from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
+from schedcomp.streamcolumns import StreamColumns, columns_of
 from schedcomp.timeline import period_from_ends
 from schedcomp.topology import Topology, Worker
 
@@ -119,6 +121,9 @@ def compute_sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None
         return None
     topo, mbs = plan.topology, plan.microbatches
     stages, pp = topo.stages, topo.pp
+    columns = columns_of(plan.streams)
+    if columns is not None:
+        return _column_sequences(plan, columns)
     fused = split = False
     packed: dict[int, list[int]] = {}  # op ids with 4 kinds per slot, renumbered once the kinds are known
     position, plain, bw, w_kind = KIND_POSITION.get, _PLAIN, InstrKind.BW, InstrKind.W
@@ -142,6 +147,31 @@ def compute_sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None
     nk = len(FUSED_KINDS if fused else SPLIT_KINDS)
     by_wid = {wid: ((a >> 2) * nk + (a & 3)).tolist() for wid, ops in packed.items()
               for a in (np.asarray(ops, dtype=np.int64),)}
+    return Problem(topo, mbs, plan.costs, not fused), by_wid
+
+
+def _column_sequences(plan: Plan, columns: StreamColumns) -> tuple[Problem, dict[int, list[int]]] | None:
+    """`compute_sequences` of a lowered plan, read off its columns (`schedcomp.streamcolumns`): its rows are
+    compute, loads and transfers by construction, so only its tail and its kinds of backward are tested."""
+    if tuple(ins.kind for ins in columns.tail) != _TAIL or any(ins.op is not None for ins in columns.tail):
+        return None
+    topo, mbs = plan.topology, plan.microbatches
+    compute = columns.kinds < len(OP_CODES)
+    kinds = columns.kinds[compute].astype(np.int64)
+    fused, split = bool((kinds == OP_CODES.index(OpKind.BW)).any()), bool((kinds == OP_CODES.index(OpKind.W)).any())
+    if fused and split:
+        return None
+    problem_kinds = FUSED_KINDS if fused else SPLIT_KINDS
+    position = np.array([problem_kinds.index(k) if k in problem_kinds else -1 for k in OP_CODES], np.int64)
+    ops = columns.ops
+    op = columns.op_of[compute]
+    ids = ((ops.pipeline[op] * mbs + ops.microbatch[op]) * topo.stages + ops.stage[op]) * len(problem_kinds) \
+        + position[kinds]
+    n = len(columns.workers)
+    worker_of_row = np.repeat(np.arange(n), np.diff(columns.ends, prepend=0))
+    ends = np.cumsum(np.bincount(worker_of_row[compute], minlength=n)).tolist()  # (rows are in worker order)
+    by_wid = {w.pipeline * topo.pp + w.stage: ids[a:b].tolist()
+              for w, a, b in zip(columns.workers, [0, *ends[:-1]], ends, strict=True)}
     return Problem(topo, mbs, plan.costs, not fused), by_wid
 
 

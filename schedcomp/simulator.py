@@ -41,6 +41,7 @@ from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, peak_of, stream_deltas
 from schedcomp.simfast import time_lowered
 from schedcomp.simstreams import ALLREDUCE, COMPUTE, LOAD, RECV, SEND, STEP, Lanes, Stream, compile_streams
+from schedcomp.streamcolumns import instruction_count
 from schedcomp.timecore import Gate, Graph, LaneRun, Stuck, run_lanes
 from schedcomp.timeline import Span, Timing, period_from_ends, timeline_metrics
 from schedcomp.topology import Worker
@@ -127,7 +128,7 @@ def simulate(plan: Plan, iterations: int = 4, synchronous_optimizer: bool = Fals
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValidationError(f"iterations must be a positive integer, got {iterations!r}")
     limits.ITERATIONS.check(iterations, f"iterations={iterations}")
-    total = iterations * sum(len(s) for s in plan.streams.values())
+    total = iterations * instruction_count(plan.streams)
     limits.SIM_INSTRUCTIONS.check(total, f"simulating {iterations} iterations of this plan")
     if validate and not is_checked(plan):
         check(plan)

@@ -22,7 +22,7 @@ from functools import cached_property
 from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import MemoryLimitError, RecoveryError, ScheduleError
-from schedcomp.ir import Op, OpKind, Order
+from schedcomp.ir import Op, OpKind
 from schedcomp.topology import Topology, Worker
 
 SPLIT_KINDS = (OpKind.F, OpKind.B, OpKind.W)
@@ -251,9 +251,3 @@ class Problem:
                 f"holds them for its chunks {', '.join(map(str, held(p)))} at once: raise the limit to at least "
                 f"{show_memory(max(need), costs, unit=False)} (or split the model into more stages)"
             )
-
-
-def order_from_sequences(problem: Problem, sequences: dict[Worker, list[Op]], family: str) -> Order:
-    """Wrap per-worker op lists into an `Order` (every live worker gets an entry, possibly empty)."""
-    ops = {w: tuple(sequences.get(w, ())) for w in problem.topology.live_workers}
-    return Order(problem.topology, problem.microbatches, ops, family, problem.cut)

@@ -9,7 +9,10 @@ message. The rewrite must give every one of them again.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +21,18 @@ from fast_path_corpus import PLANS, compiled, order_of, verdicts
 from hypothesis import given
 from hypothesis import strategies as st
 
+from schedcomp import check as checking
 from schedcomp import lower as lowering
-from schedcomp.check import index_of
+from schedcomp.check import check, index_of
 from schedcomp.compiler import compile
+from schedcomp.errors import ValidationError
+from schedcomp.ir import Op, Plan, stream_texts
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
+from schedcomp.repair import repair
 from schedcomp.schedules import FAMILIES
+from schedcomp.simfast import compute_sequences
+from schedcomp.streamcolumns import EditedStreams, LoweredStreams, columns_of, texts_by_worker
+from schedcomp.topology import Worker
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
 
@@ -124,3 +134,134 @@ def test_columns_refuse_op_kinds_that_are_only_equal_to_opkind() -> None:
     assert lower_streams(texts, ()) is None
     with pytest.raises(ValidationError, match=r"instruction 0 \(F0.0\): needs LOAD\[F0.0\] earlier"):
         check(lowering.lower(texts, plan.costs))
+
+
+def _index_facts(plan: Plan) -> tuple[object, ...]:
+    index = index_of(plan)
+    assert index is not None
+    return (sorted(index.sent.items()), sorted(index.received.items()), sorted(index.consumed.items()),
+            list(index.order))
+
+
+def _walked(plan: Plan) -> Plan:
+    """`plan` with its streams as a plain dict: `check` walks its instructions."""
+    walked = dataclasses.replace(plan, streams=dict(plan.streams))
+    assert columns_of(walked.streams) is None
+    check(walked)
+    return walked
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PLANS])
+def test_sound_plans_are_scanned_over_their_columns(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lowered plan's scan is settled by its columns, with the walk's tables (and so its index)."""
+    plan = compiled(name)
+    walked = _walked(plan)
+    fresh = dataclasses.replace(plan)  # (not yet checked; its streams keep their columns)
+    assert columns_of(fresh.streams) is not None
+
+    def walk(checker: object) -> None:
+        raise AssertionError("the walk ran on a sound lowered plan")
+
+    monkeypatch.setattr(checking, "walk", walk)
+    check(fresh)
+    assert _index_facts(fresh) == _index_facts(walked)
+
+
+@given(jobs())
+def test_columns_scan_random_jobs_as_the_walk(kw: dict[str, object]) -> None:
+    plan = compile(**kw)  # type: ignore[arg-type]
+    assert columns_of(plan.streams) is not None
+    walked = _walked(plan)
+    assert _index_facts(plan) == _index_facts(walked)
+    assert plan.to_json() == walked.to_json()  # (a plan with one chunk per worker: texts from the columns)
+    ours, theirs = compute_sequences(plan), compute_sequences(walked)  # (the simulator's op ids: off the columns)
+    assert ours == theirs if ours is None or theirs is None else (ours[0] == theirs[0] and ours[1] == theirs[1]
+                                                                  and list(ours[1]) == list(theirs[1]))
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PLANS])
+def test_texts_from_columns_are_the_instructions_texts(name: str) -> None:
+    plan = compiled(name)
+    columns = columns_of(plan.streams)
+    assert columns is not None
+    texts = dict(texts_by_worker(columns, batch=3))  # (batches that split the workers unevenly)
+    assert list(texts) == sorted(plan.streams)
+    assert texts == {w: stream_texts(stream) for w, stream in plan.streams.items()}
+    assert plan.to_json() == dataclasses.replace(plan, streams=dict(plan.streams)).to_json()
+
+
+def test_lowered_streams_are_read_only_and_copy_to_dicts() -> None:
+    """A lowered plan's streams are made from its columns when read, one worker's or all at once, the same
+    either way; the mapping cannot be changed, and a copy or a pickle of the plan holds a plain dict."""
+    plan = compile(3, dp=2, microbatches=4, failed=[(1, 1)], solver="greedy")
+    streams = plan.streams
+    assert isinstance(streams, LoweredStreams) and columns_of(streams) is not None
+    one_by_one = {w: streams[w] for w in reversed(list(streams))}  # each made alone, in another order
+    again = compile(3, dp=2, microbatches=4, failed=[(1, 1)], solver="greedy").streams
+    assert dict(again.items()) == one_by_one and list(again) == list(streams)  # all at once: the same
+    assert all(streams[w] is one_by_one[w] for w in streams)  # made once
+    for copied in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert type(copied.streams) is dict and copied.streams == streams and list(copied.streams) == list(streams)
+    with pytest.raises(TypeError):
+        streams[Worker(0, 0)] = ()  # type: ignore[index]
+    assert type(plan.streams) is LoweredStreams and len(streams) == 5 and Worker(1, 1) not in streams
+
+
+def test_a_broken_lowered_plan_is_named_by_the_walk() -> None:
+    """A rule of the scan broken in a plan that keeps its columns (a memory limit below its peak): the column
+    scan leaves it to the walk, whose message names the worker and instruction."""
+    plan = compile(4, dp=1, microbatches=8, schedule="1f1b")
+    tight = dataclasses.replace(plan, costs=plan.costs.with_memory_limit(2.0))
+    assert columns_of(tight.streams) is not None
+    message = r"worker 0:0, instruction 7 \(F2.0\): holds 3 activation units, above memory_limit 2"
+    with pytest.raises(ValidationError, match=message):
+        check(tight)
+
+
+def test_repair_of_a_lowered_plan_makes_only_the_streams_it_touches() -> None:
+    """`repair` of a lowered plan reads the streams of the failed worker, its neighbours and the peers that
+    take its slots; its result reads every other stream from the plan when read: the same streams as
+    repairing the plan with its streams in a dict."""
+    plan = compile(8, dp=4, microbatches=6, failed=[(0, 1)], solver="greedy")
+    other = compile(8, dp=4, microbatches=6, failed=[(0, 1)], solver="greedy")
+    plain = dataclasses.replace(other, streams=dict(other.streams))  # (reads every stream of the other)
+    repaired, expected = repair(plan, (2, 2), validate=False), repair(plain, (2, 2))
+    made = plan.streams._made  # type: ignore[attr-defined]
+    assert 0 < len(made) <= len(plan.streams) // 2  # (14 of the 31 live workers' streams, not all)
+    check(repaired)  # (the walk: it reads them all)
+    assert isinstance(repaired.streams, EditedStreams) and Worker(2, 2) not in repaired.streams
+    assert list(repaired.streams) == list(expected.streams) and repaired.streams == expected.streams
+    assert repaired.to_json() == expected.to_json()
+    again = repair(repaired, (3, 3))  # a repair of a repaired plan: its streams over the edited ones
+    assert again.streams == repair(dataclasses.replace(expected, streams=dict(expected.streams)), (3, 3)).streams
+
+
+def test_a_lowered_plan_keeps_its_ops_when_the_order_changes() -> None:
+    """The streams are made when read, from the ops the order held when it was lowered: a change to the
+    order's mapping afterwards changes nothing of the plan."""
+    plan = compile(2, dp=2, microbatches=2, schedule="1f1b")
+    order = order_of(plan)
+    ops = dict(order.ops)
+    lowered = lowering.lower(dataclasses.replace(order, ops=ops), plan.costs)
+    w = next(iter(ops))
+    ops[w] = tuple(reversed(ops[w]))
+    assert dict(lowered.streams.items()) == dict(plan.streams.items())
+
+
+def test_ops_that_print_otherwise_keep_their_text() -> None:
+    """An op whose fields are bools, or of an `Op` subclass with a text of its own, takes the op-by-op path,
+    whose plan prints each op as the op prints itself (the column path prints the fields)."""
+
+    class Named(Op):
+        __slots__ = ()
+
+        def __str__(self) -> str:
+            return f"X{Op.__str__(self)}"
+
+    plan = compile(2, dp=1, microbatches=2, schedule="1f1b")
+    order = order_of(plan)
+    for make in (lambda op: Op(op.kind, False, op.microbatch, op.stage), lambda op: Named(*dataclasses.astuple(op))):
+        odd = dataclasses.replace(order, ops={w: tuple(map(make, ops)) for w, ops in order.ops.items()})
+        assert lower_streams(odd, ()) is None
+        texts = lowering.lower(odd, plan.costs).to_json()
+        assert ("F0.False" in texts) if make(order.ops[Worker(0, 0)][0]).pipeline is False else ("XF0.0" in texts)

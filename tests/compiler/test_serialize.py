@@ -241,9 +241,9 @@ def test_torch_csv_export_needs_a_fault_free_plan_of_own_stages_and_pipelines():
        st.sampled_from([", ", ","]))
 def test_stream_lines_are_what_json_writes(texts: list[str], sep: str) -> None:
     """The writer's fast path (texts joined as they are) gives `json.dumps`'s bytes, whatever the texts."""
-    from schedcomp.serialize import _string_list
+    from schedcomp.serialize import _json_list
 
-    assert _string_list(texts, sep, text=list) == json.dumps(texts, separators=(sep, ":"))
+    assert _json_list(texts, sep) == json.dumps(texts, separators=(sep, ":"))
 
 
 def test_json_pieces_are_the_json() -> None:
