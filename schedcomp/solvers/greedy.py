@@ -108,12 +108,15 @@ def list_schedule(
         times_of = problem.op_times[wid]
         dur[wid] = shared.setdefault(tuple(times_of), times_of)
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
-    sizes = problem.slot_sizes  # re-cut micro-batches: time and activation scale with the size
-    cut = sizes is not None
-    big = 1.0 if sizes is None else max(sizes)  # admission reserves for the largest micro-batch
+    cut = problem.slot_sizes is not None  # re-cut micro-batches
+    big = max(problem.slot_sizes) if problem.slot_sizes else 1.0  # admission reserves for the largest micro-batch
 
+    # The loop numbers slots in (micro-batch, pipeline, stage) order, not as slot ids (`_Slots`): the ready
+    # queues' tie-break is then the number itself, and the slots that workers side by side run at one time
+    # lie side by side in the tables below.
     slots = _slot_tables(problem, None if use_pool else assignment)
-    runner, rank = slots.runner, slots.rank
+    runner = slots.runner
+    size = slots.sizes  # re-cut micro-batches: time and activation scale with the size (None: all whole)
     # A slot's B needs its F and the next stage's B; the F always comes first (the next stage's F, hence
     # its B, waits for it), so this holds the F's end until the gradient arrives.
     f_end = [0.0] * slots.n_slots
@@ -126,8 +129,8 @@ def list_schedule(
     infl = [0.0] * n_workers  # micro-batches between F and B, a re-cut piece counting its size
     mem = [0.0] * n_workers
     reserved = [0.0] * n_workers
-    # Ready queues, heaps of (ready time, rank, slot): `rank` orders slots by (micro-batch, pipeline, stage),
-    # so equal times go to the earliest micro-batch, then the lowest pipeline.
+    # Ready queues, heaps of (ready time, slot): equal times go to the earliest micro-batch, then the lowest
+    # pipeline, then the lowest stage.
     fill = params.fill and cut
     fq: list[list[tuple[float, int, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
     bq: list[list[tuple[float, int, int]]] = [[] for _ in range(n_workers)]
@@ -167,11 +170,11 @@ def list_schedule(
             due[at] = [wid]
             heappush(times, at)
         else:
-            heappush(ids, wid)
+            ids.append(wid)  # (sorted when its time comes)
 
     def deliver_f(slot: int, ready: float) -> None:
         """The F of `slot` can run from `ready` on (its input arrives then)."""
-        entry = (ready, rank[slot], slot)
+        entry = (ready, slot)
         r = runner[slot]
         if r >= 0:
             heappush(xq[r] if fill and home[slot] != r else fq[r] if first[slot % stages] else lq[r], entry)
@@ -192,7 +195,7 @@ def list_schedule(
     def deliver_b(slot: int, ready: float) -> None:
         """The B of `slot` can run from `ready` on."""
         r = runner[slot]
-        heappush(bq[r], (ready, rank[slot], slot))
+        heappush(bq[r], (ready, slot))
         at = ready if ready > free[r] else free[r]
         if at < wake[r]:
             wake[r] = at
@@ -200,7 +203,7 @@ def list_schedule(
 
     for d in range(problem.dp):
         for m in range(problem.count(d)):
-            deliver_f(problem.slot_id(d, m, 0), 0.0)
+            deliver_f((m * problem.dp + d) * stages, 0.0)
     for wid in live:
         if wake[wid] == inf:
             wake[wid] = 0.0
@@ -208,8 +211,8 @@ def list_schedule(
 
     # Every push while the workers due at `t` run is at `t` or later (op times and latencies are not negative,
     # and a worker sleeps only until a time past `t`), so one time is done before the next is taken. Its workers
-    # run in id order: sorted once (popping each from a heap of 8,000 cost more); one found due at `t` while they
-    # run (after an op of zero time) joins a small heap of its own, merged in by id.
+    # run in id order, sorted once (popping each from a heap of 8,000 cost more). Only an op of zero time makes
+    # workers due at `t` itself while they run (it and its deliveries end at `t`): they are merged in after it.
     while times:
         t = heappop(times)
         batch = due[t]
@@ -217,14 +220,14 @@ def list_schedule(
         late: list[int] = []
         due[t] = late
         last_end, ending = -1.0, late  # the end of the last op scheduled (none yet: ends are >= 0) and its list
-        while batch or late:
-            w = heappop(late) if late and (not batch or late[0] < batch[-1]) else batch.pop()
+        while batch:
+            w = batch.pop()
             if wake[w] != t:
                 continue  # woken earlier since: this entry is stale
             wake[w] = inf
             bqw, wqw = bq[w], wq[w]
             if bqw and bqw[0][0] <= t:
-                slot = heappop(bqw)[2]
+                slot = heappop(bqw)[1]
                 kind = 1
             elif wqw and eager:
                 slot = wqw.pop(0)
@@ -242,29 +245,29 @@ def list_schedule(
                 later = lqw[0] if lqw and lqw[0][0] <= t else None
                 own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
                 other = pool_s[0] if f_ok and pool_ok and pool_s[0][0] <= t else None
-                if sizes is not None:
-                    own = own if own is None or held_now + unit[s] * sizes[own[2]] <= limits[w] else None
-                    other = other if other is None or held_now + unit[s] * sizes[other[2]] <= limits[w] else None
+                if size is not None:
+                    own = own if own is None or held_now + unit[s] * size[own[1]] <= limits[w] else None
+                    other = other if other is None or held_now + unit[s] * size[other[1]] <= limits[w] else None
                     xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
                     piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
-                    piece = piece if piece is None or held_now + unit[s] * sizes[piece[2]] <= limits[w] else None
+                    piece = piece if piece is None or held_now + unit[s] * size[piece[1]] <= limits[w] else None
                     if piece is not None and own is None and other is None and later is None:
-                        slot = heappop(xqw)[2]
+                        slot = heappop(xqw)[1]
                         kind = 0
                 if kind == 0:
                     pass
                 elif later is not None and (own is None or later <= own) and (other is None or later <= other):
-                    slot = heappop(lqw)[2]
+                    slot = heappop(lqw)[1]
                     kind = 0
                 elif own is not None and (other is None or own <= other):
-                    slot = heappop(fqw)[2]
+                    slot = heappop(fqw)[1]
                     kind = 0
                 elif other is not None:
-                    slot = heappop(pool_s)[2]
+                    slot = heappop(pool_s)[1]
                     # The micro-batch's later chunks here follow it (see `route.assign_orphans`).
-                    d, m, _ = problem.slot_key(slot)
+                    of_microbatch = slot - slot % stages
                     for c in held[s]:
-                        runner[problem.slot_id(d, m, c)] = w
+                        runner[of_microbatch + c] = w
                     taken[w] += len(held[s])
                     kind = 0
                 elif wqw and (idle or not mem_ok):
@@ -276,15 +279,15 @@ def list_schedule(
                         nxt = lqw[0][0]
                     if f_ok:
                         # (With pieces, one ready now but not fitting waits for this worker's next op or delivery.)
-                        if fqw and fqw[0][0] < nxt and (sizes is None or fqw[0][0] > t):
+                        if fqw and fqw[0][0] < nxt and (size is None or fqw[0][0] > t):
                             nxt = fqw[0][0]
                         if xq[w] and xq[w][0][0] < nxt and xq[w][0][0] > t:
                             nxt = xq[w][0][0]
-                        if pool_ok and pool_s[0][0] < nxt and (sizes is None or pool_s[0][0] > t):
+                        if pool_ok and pool_s[0][0] < nxt and (size is None or pool_s[0][0] > t):
                             nxt = pool_s[0][0]
                     if wqw and (
                         nxt == inf
-                        or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if sizes is None else sizes[wqw[0]])
+                        or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if size is None else size[wqw[0]])
                         <= nxt + _EPS
                     ):
                         slot = wqw.pop(0)
@@ -296,18 +299,18 @@ def list_schedule(
                     else:
                         continue  # nothing known yet: a delivery will wake this worker
             st = slot % stages
-            scale = 1.0 if sizes is None else sizes[slot]
+            scale = 1.0 if size is None else size[slot]
             end = t + dur[w][st * nk + kind] * scale  # (x * 1.0 is x: whole micro-batches are not rounded)
             if end == last_end:  # (`push`, inlined: once per op; most ops of one time end together)
                 end = last_end  # (one float object for them all: see `_interned`)
-                heappush(ending, w)
+                ending.append(w)
             else:
                 ending = due.get(end)
                 if ending is None:
                     ending = due[end] = [w]
                     heappush(times, end)
                 else:
-                    heappush(ending, w)
+                    ending.append(w)
                 last_end = end
             free[w] = end
             wake[w] = end
@@ -319,58 +322,86 @@ def list_schedule(
                 else:
                     reserved[w] -= d_f[st] * scale
                 mem[w] += d_f[st] * scale
-                if st < last_stage:
-                    f_end[slot] = end
-                    deliver_f(slot + 1, end if runner[slot + 1] == w else end + p2p)
-                else:
+                if st == last_stage:
                     deliver_b(slot, end)
+                else:
+                    f_end[slot] = end
+                    nxt_slot = slot + 1
+                    r = runner[nxt_slot]
+                    ready = end if r == w else end + p2p
+                    if r < 0 or fill or not first[nxt_slot % stages]:
+                        deliver_f(nxt_slot, ready)
+                    else:  # (`deliver_f` to a worker's first chunk, inlined: once per F)
+                        heappush(fq[r], (ready, nxt_slot))
+                        at = ready if ready > free[r] else free[r]
+                        if at < wake[r]:
+                            wake[r] = at
+                            push(at, r)
             elif kind == 1:
                 if first[st]:
                     infl[w] -= scale
                 mem[w] += d_b[st] * scale
                 if split:
                     wqw.append(slot)
-                if st > 0:
+                if st > 0:  # (`deliver_b`, inlined: once per B)
                     up = slot - 1
-                    ready = end if runner[up] == w else end + p2p
-                    deliver_b(up, ready if ready > f_end[up] else f_end[up])
+                    r = runner[up]
+                    ready = end if r == w else end + p2p
+                    if f_end[up] > ready:
+                        ready = f_end[up]
+                    heappush(bq[r], (ready, up))
+                    at = ready if ready > free[r] else free[r]
+                    if at < wake[r]:
+                        wake[r] = at
+                        push(at, r)
             else:
                 mem[w] += d_w[st] * scale
+            if end == t and late:  # an op of zero time: the workers it made due now run in id order too
+                batch.extend(late)
+                late.clear()
+                batch.sort(reverse=True)
         del due[t]
     if len(log) != problem.n_present * nk:
         raise ScheduleError(
             f"list scheduler stalled after {len(log)} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
-    return _per_worker(log, nk, runner, live)
+    return _per_worker(log, nk, slots, live)
 
 
 @dataclass(frozen=True)
-class _SlotTables:
-    """Per slot id: who runs it (`runner`, -1 for a re-routed slot its stage's pool hands out), its home
-    worker (`home`, live or not), and its rank in (micro-batch, pipeline, stage) order (`rank`)."""
+class _Slots:
+    """The list scheduler's slot tables. It numbers slots in (micro-batch, pipeline, stage) order: number
+    (m * dp + d) * stages + s, so the next stage's slot is the next number, as with slot ids. Per number:
+    `slot_id`, who runs it (`runner`, -1 for a re-routed slot its stage's pool hands out), its home worker
+    (`home`, live or not) and its size (`sizes`, None when every micro-batch is whole)."""
 
     n_slots: int
+    slot_id: np.ndarray
     runner: list[int]
     home: list[int]
-    rank: list[int]
+    sizes: list[float] | None
 
 
-def _slot_tables(problem: Problem, assignment: Mapping[int, int] | None) -> _SlotTables:
+def _slot_tables(problem: Problem, assignment: Mapping[int, int] | None) -> _Slots:
     """The slot tables of `problem`, re-routed slots on the workers `assignment` names (None: on the pool);
     built as columns (half a million slots at pp = 32, dp = 256)."""
     pp, stages, width, dp = problem.pp, problem.stages, problem.width, problem.dp
     rest, stage = np.divmod(np.arange(problem.n_slots, dtype=np.int64), stages)
-    pipeline, microbatch = np.divmod(rest, width)
+    microbatch, pipeline = np.divmod(rest, dp)
+    slot_id = (pipeline * width + microbatch) * stages + stage
     home = pipeline * pp + np.asarray(problem.place, dtype=np.int64)[stage]
     live = np.zeros(dp * pp, dtype=bool)
     live[[problem.worker_id(w) for w in problem.topology.live_workers]] = True
     present = microbatch < np.asarray([problem.count(d) for d in range(dp)], dtype=np.int64)[pipeline]
     runner = np.where(live[home] & present, home, -1)
-    for slot, wid in (assignment or {}).items():
-        runner[slot] = wid
-    rank = (microbatch * dp + pipeline) * stages + stage
-    return _SlotTables(problem.n_slots, runner.tolist(), home.tolist(), rank.tolist())
+    if assignment:
+        rest, stage = np.divmod(np.fromiter(assignment.keys(), dtype=np.int64, count=len(assignment)), stages)
+        pipeline, microbatch = np.divmod(rest, width)
+        runner[(microbatch * dp + pipeline) * stages + stage] = np.fromiter(assignment.values(), dtype=np.int64,
+                                                                          count=len(assignment))
+    sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)[slot_id].tolist()
+    return _Slots(problem.n_slots, slot_id, runner.tolist(), home.tolist(), sizes)
 
 
 def _interned(values: list[float]) -> list[float]:
@@ -386,12 +417,13 @@ def _queues(n_workers: int, used: bool) -> list[list[tuple[float, int, int]]]:
     return [[]] * n_workers
 
 
-def _per_worker(log: list[int], nk: int, runner: list[int], live: list[int]) -> dict[int, list[int]]:
-    """Each live worker's op ids in the order it runs them, from the log of every op in scheduling order."""
-    ops = np.asarray(log, dtype=np.int64)
-    worker = np.asarray(runner, dtype=np.int64)[ops // nk]
+def _per_worker(log: list[int], nk: int, slots: _Slots, live: list[int]) -> dict[int, list[int]]:
+    """Each live worker's op ids in the order it runs them, from the log of every op (slot number * nk +
+    kind position) in scheduling order: an op runs on its slot's runner."""
+    number, kind = np.divmod(np.asarray(log, dtype=np.int64), nk)
+    worker = np.asarray(slots.runner, dtype=np.int64)[number]
     order = np.argsort(worker, kind="stable")
-    ops, worker = ops[order], worker[order]
+    ops, worker = (slots.slot_id[number] * nk + kind)[order], worker[order]
     wids = np.asarray(live, dtype=np.int64)
     starts = np.searchsorted(worker, wids, side="left").tolist()
     stops = np.searchsorted(worker, wids, side="right").tolist()
