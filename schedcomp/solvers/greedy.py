@@ -102,12 +102,10 @@ def list_schedule(
         raise ScheduleError("quota routing needs a quota per worker")
 
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
-    # Op times per worker (index stage * nk + kind), one list per distinct row.
-    shared: dict[tuple[float, ...], list[float]] = {}
+    # Op times per worker (index stage * nk + kind): one list shared by the workers alike (`Problem.op_times`).
     dur: list[list[float]] = [[] for _ in range(n_workers)]
     for wid in live:
-        times_of = problem.op_times[wid]
-        dur[wid] = shared.setdefault(tuple(times_of), times_of)
+        dur[wid] = problem.op_times[wid]
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
     cut = problem.slot_sizes is not None  # re-cut micro-batches
     big = max(problem.slot_sizes) if problem.slot_sizes else 1.0  # admission reserves for the largest micro-batch
