@@ -404,7 +404,9 @@ def _slot_tables(problem: Problem, assignment: Mapping[int, int] | None) -> _Slo
         runner[(microbatch * dp + pipeline) * stages + stage] = np.fromiter(assignment.values(), dtype=np.int64,
                                                                           count=len(assignment))
     sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)[slot_id].tolist()
-    return _Slots(problem.n_slots, slot_id, runner.tolist(), home.tolist(), sizes)
+    # Worker ids as one int object per worker (`tolist` makes one per slot: half a million, out of cache).
+    wids = np.array(range(-1, dp * pp), dtype=object)
+    return _Slots(problem.n_slots, slot_id, wids[runner + 1].tolist(), wids[home + 1].tolist(), sizes)
 
 
 def _interned(values: list[float]) -> list[float]:
