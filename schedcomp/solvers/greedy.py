@@ -31,10 +31,9 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
+from schedcomp.solvers.greedy_tables import interned, per_worker, queues, slot_tables
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
@@ -74,13 +73,13 @@ def list_schedule(
     costs = problem.costs
     p2p = costs.p2p
     n_workers = problem.dp * pp
-    # Per-worker numbers are shared objects where equal (`_interned`): the loop visits 8,000 workers in turn,
+    # Per-worker numbers are shared objects where equal (`interned`): the loop visits 8,000 workers in turn,
     # and reading a few shared floats stays in cache where 8,000 copies of each did not.
     limits = [0.0] * n_workers
     for w in problem.topology.live_workers:
         lim = problem.limit_of(problem.worker_id(w))
         limits[problem.worker_id(w)] = lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0)
-    limits = _interned(limits)
+    limits = interned(limits)
     # What each op kind (position in `problem.kinds`) adds to held memory at each stage: the one model.
     delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
     place = problem.place
@@ -110,10 +109,10 @@ def list_schedule(
     cut = problem.slot_sizes is not None  # re-cut micro-batches
     big = max(problem.slot_sizes) if problem.slot_sizes else 1.0  # admission reserves for the largest micro-batch
 
-    # The loop numbers slots in (micro-batch, pipeline, stage) order, not as slot ids (`_Slots`): the ready
+    # The loop numbers slots in (micro-batch, pipeline, stage) order, not as slot ids (`SlotTables`): the ready
     # queues' tie-break is then the number itself, and the slots that workers side by side run at one time
     # lie side by side in the tables below.
-    slots = _slot_tables(problem, None if use_pool else assignment)
+    slots = slot_tables(problem, None if use_pool else assignment)
     runner = slots.runner
     size = slots.sizes  # re-cut micro-batches: time and activation scale with the size (None: all whole)
     # A slot's B needs its F and the next stage's B; the F always comes first (the next stage's F, hence
@@ -133,15 +132,15 @@ def list_schedule(
     # Ready queues, heaps of (ready time, slot): equal times go to the earliest micro-batch, then the lowest
     # pipeline, then the lowest stage.
     fill = params.fill and cut
-    fq: list[list[tuple[float, int, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
-    bq: list[list[tuple[float, int, int]]] = [[] for _ in range(n_workers)]
+    fq: list[list[tuple[float, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
+    bq: list[list[tuple[float, int]]] = [[] for _ in range(n_workers)]
     wq: list[list[int]] = [[] for _ in range(n_workers)]  # B done, W not yet: a few slots, in order
     # Later chunks (reserved) and pinned pieces ("fill"): one empty list shared by every worker where there
     # are none (one chunk; no fill), which nothing pushes to.
-    lq: list[list[tuple[float, int, int]]] = _queues(n_workers, not all(first))
-    xq: list[list[tuple[float, int, int]]] = _queues(n_workers, fill)
+    lq: list[list[tuple[float, int]]] = queues(n_workers, not all(first))
+    xq: list[list[tuple[float, int]]] = queues(n_workers, fill)
     home = slots.home if fill else []
-    pool: list[list[tuple[float, int, int]]] = [[] for _ in range(pp)]
+    pool: list[list[tuple[float, int]]] = [[] for _ in range(pp)]
     inf = math.inf
     wake = [inf] * n_workers  # when each worker is due next (inf: when a delivery wakes it)
     # The event queue, (time, worker id) in order: a heap of the distinct times, and per time the worker
@@ -159,8 +158,8 @@ def list_schedule(
     idle = params.w_policy == "idle"
     last_stage = stages - 1
     # Per worker: its window less the tolerance, and the memory admitting one (largest) micro-batch takes.
-    window_open = _interned([win - _EPS for win in window])
-    admit = _interned([unit[wid % pp] * big for wid in range(n_workers)])
+    window_open = interned([win - _EPS for win in window])
+    admit = interned([unit[wid % pp] * big for wid in range(n_workers)])
     d_f = [row[0] for row in delta]
     reserve = [unit[place[st]] - d_f[st] for st in range(stages)]  # admitted at a first chunk: the later ones
     d_b = [row[1] for row in delta]
@@ -304,7 +303,7 @@ def list_schedule(
             scale = 1 if size is None else size[slot]
             end = t + dur[w][st * nk + kind] * scale  # (x * 1 is x: whole micro-batches are not rounded)
             if end == last_end:  # (`push`, inlined: once per op; most ops of one time end together)
-                end = last_end  # (one float object for them all: see `_interned`)
+                end = last_end  # (one float object for them all: see `interned`)
                 ending.append(w)
             else:
                 ending = due.get(end)
@@ -369,71 +368,7 @@ def list_schedule(
             f"list scheduler stalled after {len(log)} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
-    return _per_worker(log, nk, slots, live)
-
-
-@dataclass(frozen=True)
-class _Slots:
-    """The list scheduler's slot tables. It numbers slots in (micro-batch, pipeline, stage) order: number
-    (m * dp + d) * stages + s, so the next stage's slot is the next number, as with slot ids. Per number:
-    `slot_id`, who runs it (`runner`, -1 for a re-routed slot its stage's pool hands out), its home worker
-    (`home`, live or not) and its size (`sizes`, None when every micro-batch is whole)."""
-
-    n_slots: int
-    slot_id: np.ndarray
-    runner: list[int]
-    home: list[int]
-    sizes: list[float] | None
-
-
-def _slot_tables(problem: Problem, assignment: Mapping[int, int] | None) -> _Slots:
-    """The slot tables of `problem`, re-routed slots on the workers `assignment` names (None: on the pool);
-    built as columns (half a million slots at pp = 32, dp = 256)."""
-    pp, stages, width, dp = problem.pp, problem.stages, problem.width, problem.dp
-    rest, stage = np.divmod(np.arange(problem.n_slots, dtype=np.int64), stages)
-    microbatch, pipeline = np.divmod(rest, dp)
-    slot_id = (pipeline * width + microbatch) * stages + stage
-    home = pipeline * pp + np.asarray(problem.place, dtype=np.int64)[stage]
-    live = np.zeros(dp * pp, dtype=bool)
-    live[[problem.worker_id(w) for w in problem.topology.live_workers]] = True
-    present = microbatch < np.asarray([problem.count(d) for d in range(dp)], dtype=np.int64)[pipeline]
-    runner = np.where(live[home] & present, home, -1)
-    if assignment:
-        rest, stage = np.divmod(np.fromiter(assignment.keys(), dtype=np.int64, count=len(assignment)), stages)
-        pipeline, microbatch = np.divmod(rest, width)
-        runner[(microbatch * dp + pipeline) * stages + stage] = np.fromiter(assignment.values(), dtype=np.int64,
-                                                                          count=len(assignment))
-    sizes = None if problem.slot_sizes is None else np.asarray(problem.slot_sizes)[slot_id].tolist()
-    # Worker ids as one int object per worker (`tolist` makes one per slot: half a million, out of cache).
-    wids = np.array(range(-1, dp * pp), dtype=object)
-    return _Slots(problem.n_slots, slot_id, wids[runner + 1].tolist(), wids[home + 1].tolist(), sizes)
-
-
-def _interned(values: list[float]) -> list[float]:
-    """`values` with equal numbers as one object each (the same numbers: the loop only reads them)."""
-    first: dict[float, float] = {}
-    return [first.setdefault(v, v) for v in values]
-
-
-def _queues(n_workers: int, used: bool) -> list[list[tuple[float, int, int]]]:
-    """One ready queue per worker, or where the queue is never `used`, one empty list they all share."""
-    if used:
-        return [[] for _ in range(n_workers)]
-    return [[]] * n_workers
-
-
-def _per_worker(log: array, nk: int, slots: _Slots, live: list[int]) -> dict[int, list[int]]:
-    """Each live worker's op ids in the order it runs them, from the log of every op (slot number * nk +
-    kind position) in scheduling order: an op runs on its slot's runner."""
-    number, kind = np.divmod(np.frombuffer(log, dtype=np.int64), nk)
-    worker = np.asarray(slots.runner, dtype=np.int64)[number]
-    # (A stable sort of 16-bit keys is a radix sort: a fifth of the time of 64-bit ones at 1.5 million ops.)
-    order = np.argsort(worker.astype(np.int16) if max(live, default=0) < 2**15 else worker, kind="stable")
-    ops, worker = (slots.slot_id[number] * nk + kind)[order], worker[order]
-    wids = np.asarray(live, dtype=np.int64)
-    starts = np.searchsorted(worker, wids, side="left").tolist()
-    stops = np.searchsorted(worker, wids, side="right").tolist()
-    return {wid: ops[a:b].tolist() for wid, a, b in zip(live, starts, stops, strict=True)}
+    return per_worker(log, nk, slots, live)
 
 
 def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
