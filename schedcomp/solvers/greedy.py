@@ -345,17 +345,10 @@ def list_schedule(
                 mem[w] += d_b[st] * scale
                 if split:
                     wqw.append(slot)
-                if st > 0:  # (`deliver_b`, inlined: once per B)
+                if st > 0:
                     up = slot - 1
-                    r = runner[up]
-                    ready = end + p2p if p2p and r != w else end
-                    if f_end[up] > ready:
-                        ready = f_end[up]
-                    heappush(bq[r], (ready, up))
-                    at = ready if ready > free[r] else free[r]
-                    if at < wake[r]:
-                        wake[r] = at
-                        push(at, r)
+                    ready = end + p2p if p2p and runner[up] != w else end
+                    deliver_b(up, f_end[up] if f_end[up] > ready else ready)
             else:
                 mem[w] += d_w[st] * scale
             if end == t and late:  # an op of zero time: the workers it made due now run in id order too
