@@ -225,7 +225,7 @@ def list_schedule(
             w = batch.pop()
             if wake[w] != t:
                 continue  # woken earlier since: this entry is stale
-            wake[w] = inf
+            # (`wake[w]` is set below on every path: the op's end, the time to look again, or never.)
             bqw, wqw = bq[w], wq[w]
             if bqw and bqw[0][0] <= t:
                 slot = heappop(bqw)[1]
@@ -298,6 +298,7 @@ def list_schedule(
                         push(nxt, w)
                         continue
                     else:
+                        wake[w] = inf
                         continue  # nothing known yet: a delivery will wake this worker
             st = slot % stages
             scale = 1 if size is None else size[slot]
