@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
+from schedcomp.solvers.greedy_tables import interned, per_worker, queues, slot_tables
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
@@ -72,10 +73,13 @@ def list_schedule(
     costs = problem.costs
     p2p = costs.p2p
     n_workers = problem.dp * pp
+    # Per-worker numbers are shared objects where equal (`interned`): the loop visits 8,000 workers in turn,
+    # and reading a few shared floats stays in cache where 8,000 copies of each did not.
     limits = [0.0] * n_workers
     for w in problem.topology.live_workers:
         lim = problem.limit_of(problem.worker_id(w))
         limits[problem.worker_id(w)] = lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0)
+    limits = interned(limits)
     # What each op kind (position in `problem.kinds`) adds to held memory at each stage: the one model.
     delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
     place = problem.place
@@ -97,54 +101,69 @@ def list_schedule(
         raise ScheduleError("quota routing needs a quota per worker")
 
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
+    # Op times per worker (index stage * nk + kind): one list shared by the workers alike (`Problem.op_times`).
     dur: list[list[float]] = [[] for _ in range(n_workers)]
     for wid in live:
-        dur[wid] = problem.op_times[wid]  # stage * nk + kind
+        dur[wid] = problem.op_times[wid]
     peers = [[problem.worker_id(w) for w in group] for group in problem.survivors]
-    sizes = problem.slot_sizes  # re-cut micro-batches: time and activation scale with the size
-    big = 1.0 if sizes is None else max(sizes)  # admission reserves for the largest micro-batch
+    cut = problem.slot_sizes is not None  # re-cut micro-batches
+    big = max(problem.slot_sizes) if problem.slot_sizes else 1.0  # admission reserves for the largest micro-batch
 
-    n_slots = problem.n_slots
-    runner = [-1] * n_slots
-    for wid in live:
-        d, p = divmod(wid, pp)
-        for m in range(problem.count(d)):
-            for s in held[p]:
-                runner[problem.slot_id(d, m, s)] = wid
-    if not use_pool:
-        for slot, wid in (assignment or {}).items():
-            runner[slot] = wid
-    need = [1 if (slot % stages) == stages - 1 else 2 for slot in range(n_slots)]
-    b_ready = [0.0] * n_slots
-    taken = dict.fromkeys(live, 0)
-    cap = dict(quota) if params.routing == "quota" and quota is not None else {}
+    # The loop numbers slots in (micro-batch, pipeline, stage) order, not as slot ids (`SlotTables`): the ready
+    # queues' tie-break is then the number itself, and the slots that workers side by side run at one time
+    # lie side by side in the tables below.
+    slots = slot_tables(problem, None if use_pool else assignment)
+    runner = slots.runner
+    size = slots.sizes  # re-cut micro-batches: time and activation scale with the size (None: all whole)
+    # A slot's B needs its F and the next stage's B; the F always comes first (the next stage's F, hence
+    # its B, waits for it), so this holds the F's end until the gradient arrives.
+    f_end = [0.0] * slots.n_slots
+    # Re-routed slots each worker took, and at most ("quota" routing; 0 for a worker outside the quota).
+    capped = params.routing == "quota" and quota is not None
+    taken = [0] * n_workers
+    cap = [quota.get(wid, 0) for wid in range(n_workers)] if capped and quota is not None else []
 
     free = [0.0] * n_workers
-    infl = [0.0] * n_workers  # micro-batches between F and B, a re-cut piece counting its size
+    # Micro-batches between F and B, a re-cut piece counting its size (whole ones count as the int 1: small
+    # ints are shared objects, and they compare with the windows as the floats would).
+    infl: list[float] = [0] * n_workers
     mem = [0.0] * n_workers
     reserved = [0.0] * n_workers
-    fq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
-    lq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # later chunks: reserved
-    bq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]
-    wq: list[deque[int]] = [deque() for _ in range(n_workers)]
-    xq: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_workers)]  # pinned pieces ("fill")
-    home = [problem.home_of(slot) for slot in range(n_slots)] if params.fill and sizes is not None else []
-    pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(pp)]
-    wake: list[float | None] = [None] * n_workers
-    # The event queue, (time, worker id) in order: a heap of the distinct times, and per time a heap of the
-    # worker ids due then. Same order as one heap of (time, id) tuples, but its comparisons are of floats and
-    # of ints, not of tuples: they were a third of the loop with 8,000 workers.
+    # Ready queues, heaps of (ready time, slot): equal times go to the earliest micro-batch, then the lowest
+    # pipeline, then the lowest stage.
+    fill = params.fill and cut
+    fq: list[list[tuple[float, int]]] = [[] for _ in range(n_workers)]  # first chunk: admitted
+    bq: list[list[tuple[float, int]]] = [[] for _ in range(n_workers)]
+    wq: list[list[int]] = [[] for _ in range(n_workers)]  # B done, W not yet: a few slots, in order
+    # Later chunks (reserved) and pinned pieces ("fill"): one empty list shared by every worker where there
+    # are none (one chunk; no fill), which nothing pushes to.
+    lq: list[list[tuple[float, int]]] = queues(n_workers, not all(first))
+    xq: list[list[tuple[float, int]]] = queues(n_workers, fill)
+    home = slots.home if fill else []
+    pool: list[list[tuple[float, int]]] = [[] for _ in range(pp)]
+    inf = math.inf
+    wake = [inf] * n_workers  # when each worker is due next (inf: when a delivery wakes it)
+    # The event queue, (time, worker id) in order: a heap of the distinct times, and per time the worker
+    # ids due then (float and int comparisons, not tuple ones: those were a third of the loop).
     times: list[float] = []
     due: dict[float, list[int]] = {}
-    seqs: dict[int, list[int]] = {wid: [] for wid in live}
-    mb = problem.width  # slot ids' stride (re-cut pipelines may run more micro-batches than M)
+    # The ops in the order they are scheduled: one list appended to in turn, split per worker at the end
+    # (each op's worker is its slot's runner then), is cheaper than 8,000 lists scattered over memory.
+    log = array("q")  # (machine ints: a million int objects kept alive would crowd the cache)
+    record = log.append
 
     # Bound once: the loop below runs once per op (1.5 million at pp = 32, dp = 256), and a global or
     # attribute lookup per call was a tenth of its time.
-    heappush, heappop, inf = heapq.heappush, heapq.heappop, math.inf
-    fill = params.fill and sizes is not None
+    heappush, heappop = heapq.heappush, heapq.heappop
     idle = params.w_policy == "idle"
     last_stage = stages - 1
+    # Per worker: its window less the tolerance, and the memory admitting one (largest) micro-batch takes.
+    window_open = interned([win - _EPS for win in window])
+    admit = interned([unit[wid % pp] * big for wid in range(n_workers)])
+    d_f = [row[0] for row in delta]
+    reserve = [unit[place[st]] - d_f[st] for st in range(stages)]  # admitted at a first chunk: the later ones
+    d_b = [row[1] for row in delta]
+    d_w = [row[2] for row in delta] if split else []
 
     def push(at: float, wid: int) -> None:
         ids = due.get(at)
@@ -152,179 +171,198 @@ def list_schedule(
             due[at] = [wid]
             heappush(times, at)
         else:
-            heappush(ids, wid)
-
-    def notify(wid: int, ready: float) -> None:
-        at = ready if ready > free[wid] else free[wid]
-        cur = wake[wid]
-        if cur is None or at < cur:
-            wake[wid] = at
-            push(at, wid)
+            ids.append(wid)  # (sorted when its time comes)
 
     def deliver_f(slot: int, ready: float) -> None:
-        rest = slot // stages
-        entry = (ready, rest % mb, rest // mb, slot)
+        """The F of `slot` can run from `ready` on (its input arrives then)."""
+        entry = (ready, slot)
         r = runner[slot]
         if r >= 0:
             heappush(xq[r] if fill and home[slot] != r else fq[r] if first[slot % stages] else lq[r], entry)
-            notify(r, ready)
-        else:
+            at = ready if ready > free[r] else free[r]
+            if at < wake[r]:
+                wake[r] = at
+                push(at, r)
+        else:  # re-routed, on its stage's pool: every peer that may still take one is told
             p = place[slot % stages]
             heappush(pool[p], entry)
             for q in peers[p]:
-                if not cap or taken[q] < cap.get(q, 0):
-                    notify(q, ready)
+                if not capped or taken[q] < cap[q]:
+                    at = ready if ready > free[q] else free[q]
+                    if at < wake[q]:
+                        wake[q] = at
+                        push(at, q)
 
     def deliver_b(slot: int, ready: float) -> None:
+        """The B of `slot` can run from `ready` on."""
         r = runner[slot]
-        rest = slot // stages
-        heappush(bq[r], (ready, rest % mb, rest // mb, slot))
-        # (`notify`, inlined: once per slot)
+        heappush(bq[r], (ready, slot))
         at = ready if ready > free[r] else free[r]
-        cur = wake[r]
-        if cur is None or at < cur:
+        if at < wake[r]:
             wake[r] = at
             push(at, r)
 
     for d in range(problem.dp):
         for m in range(problem.count(d)):
-            deliver_f(problem.slot_id(d, m, 0), 0.0)
+            deliver_f((m * problem.dp + d) * stages, 0.0)
     for wid in live:
-        if wake[wid] is None:
+        if wake[wid] == inf:
             wake[wid] = 0.0
             push(0.0, wid)
 
-    scheduled = 0
+    # Every push while the workers due at `t` run is at `t` or later (op times and latencies are not negative,
+    # and a worker sleeps only until a time past `t`), so one time is done before the next is taken. Its workers
+    # run in id order, sorted once (popping each from a heap of 8,000 cost more). Only an op of zero time makes
+    # workers due at `t` itself while they run (it and its deliveries end at `t`): they are merged in after it.
     while times:
-        t = times[0]
-        ids = due[t]
-        w = heappop(ids)
-        if not ids:
-            heappop(times)
-            del due[t]
-        if wake[w] != t:
-            continue
-        wake[w] = None
-        s = w % pp
-        bqw, fqw, lqw, wqw = bq[w], fq[w], lq[w], wq[w]
-        kind = -1
-        slot = -1
-        if bqw and bqw[0][0] <= t:
-            slot = heappop(bqw)[3]
-            kind = 1
-        elif wqw and eager:
-            slot = wqw.popleft()
-            kind = 2
-        else:
-            held_now = mem[w] + reserved[w]
-            mem_ok = held_now + unit[s] * big <= limits[w]
-            # Re-cut pieces are admitted by their own activation, not the largest micro-batch's.
-            f_ok = infl[w] < window[w] - _EPS and (mem_ok or sizes is not None)
-            pool_s = pool[s]
-            pool_ok = use_pool and bool(pool_s) and (not cap or taken[w] < cap.get(w, 0))
-            later = lqw[0] if lqw and lqw[0][0] <= t else None
-            own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
-            other = pool_s[0] if f_ok and pool_ok and pool_s[0][0] <= t else None
-            if sizes is not None:
-                own = own if own is None or held_now + unit[s] * sizes[own[3]] <= limits[w] else None
-                other = other if other is None or held_now + unit[s] * sizes[other[3]] <= limits[w] else None
-                xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
-                piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
-                piece = piece if piece is None or held_now + unit[s] * sizes[piece[3]] <= limits[w] else None
-                if piece is not None and own is None and other is None and later is None:
-                    slot = heappop(xqw)[3]
-                    kind = 0
-            if kind == 0:
-                pass
-            elif later is not None and (own is None or later <= own) and (other is None or later <= other):
-                slot = heappop(lqw)[3]
-                kind = 0
-            elif own is not None and (other is None or own <= other):
-                slot = heappop(fqw)[3]
-                kind = 0
-            elif other is not None:
-                slot = heappop(pool_s)[3]
-                # The micro-batch's later chunks here follow it (see `route.assign_orphans`).
-                d, m, _ = problem.slot_key(slot)
-                for c in held[s]:
-                    runner[problem.slot_id(d, m, c)] = w
-                taken[w] += len(held[s])
-                kind = 0
-            if kind < 0:
-                nxt = bqw[0][0] if bqw else inf
-                if lqw and lqw[0][0] < nxt:
-                    nxt = lqw[0][0]
-                if f_ok:
-                    # (With pieces, one ready now but not fitting waits for this worker's next op or delivery.)
-                    if fqw and fqw[0][0] < nxt and (sizes is None or fqw[0][0] > t):
-                        nxt = fqw[0][0]
-                    if xq[w] and xq[w][0][0] < nxt and xq[w][0][0] > t:
-                        nxt = xq[w][0][0]
-                    if pool_ok and pool_s[0][0] < nxt and (sizes is None or pool_s[0][0] > t):
-                        nxt = pool_s[0][0]
-                if wqw and (
-                    idle
-                    or not mem_ok
-                    or nxt == inf
-                    or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if sizes is None else sizes[wqw[0]]) <= nxt + _EPS
-                ):
-                    slot = wqw.popleft()
-                    kind = 2
-                elif nxt < inf:
-                    wake[w] = nxt
-                    push(nxt, w)
-                    continue
-                else:
-                    continue  # nothing known yet: a delivery will wake this worker
-        st = slot % stages
-        end = t + (dur[w][st * nk + kind] if sizes is None else dur[w][st * nk + kind] * sizes[slot])
-        free[w] = end
-        wake[w] = end
-        ids = due.get(end)  # (`push`, inlined: once per op)
-        if ids is None:
-            due[end] = [w]
-            heappush(times, end)
-        else:
-            heappush(ids, w)
-        seqs[w].append(slot * nk + kind)
-        scheduled += 1
-        scale = 1.0 if sizes is None else sizes[slot]
-        if kind == 0:
-            if first[st]:
-                infl[w] += scale
-                reserved[w] += (unit[s] - delta[st][0]) * scale
+        t = heappop(times)
+        batch = due[t]
+        batch.sort(reverse=True)
+        late: list[int] = []
+        due[t] = late
+        last_end, ending = -1.0, late  # the end of the last op scheduled (none yet: ends are >= 0) and its list
+        while batch:
+            w = batch.pop()
+            if wake[w] != t:
+                continue  # woken earlier since: this entry is stale
+            # (`wake[w]` is set below on every path: the op's end, the time to look again, or never.)
+            bqw, wqw = bq[w], wq[w]
+            if bqw and bqw[0][0] <= t:
+                slot = heappop(bqw)[1]
+                kind = 1
+            elif wqw and eager:
+                slot = wqw.pop(0)
+                kind = 2
             else:
-                reserved[w] -= delta[st][0] * scale
-            mem[w] += delta[st][0] * scale
-            if st < last_stage:
-                deliver_f(slot + 1, end if runner[slot + 1] == w else end + p2p)
-            need[slot] -= 1
-            if end > b_ready[slot]:
-                b_ready[slot] = end
-            if need[slot] == 0:
-                deliver_b(slot, b_ready[slot])
-        elif kind == 1:
-            if first[st]:
-                infl[w] -= scale
-            mem[w] += delta[st][1] * scale
-            if split:
-                wqw.append(slot)
-            if st > 0:
-                up = slot - 1
-                need[up] -= 1
-                ready = end if runner[up] == w else end + p2p
-                if ready > b_ready[up]:
-                    b_ready[up] = ready
-                if need[up] == 0:
-                    deliver_b(up, b_ready[up])
-        else:
-            mem[w] += delta[st][2] * scale
-    if scheduled != problem.n_present * nk:
+                kind = -1
+                s = w % pp
+                fqw, lqw = fq[w], lq[w]
+                held_now = mem[w] + reserved[w]
+                mem_ok = held_now + admit[w] <= limits[w]
+                # Re-cut pieces are admitted by their own activation, not the largest micro-batch's.
+                f_ok = infl[w] < window_open[w] and (mem_ok or cut)
+                pool_s = pool[s]
+                pool_ok = use_pool and pool_s and (not capped or taken[w] < cap[w])
+                later = lqw[0] if lqw and lqw[0][0] <= t else None
+                own = fqw[0] if f_ok and fqw and fqw[0][0] <= t else None
+                other = pool_s[0] if f_ok and pool_ok and pool_s[0][0] <= t else None
+                if size is not None:
+                    own = own if own is None or held_now + unit[s] * size[own[1]] <= limits[w] else None
+                    other = other if other is None or held_now + unit[s] * size[other[1]] <= limits[w] else None
+                    xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
+                    piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
+                    piece = piece if piece is None or held_now + unit[s] * size[piece[1]] <= limits[w] else None
+                    if piece is not None and own is None and other is None and later is None:
+                        slot = heappop(xqw)[1]
+                        kind = 0
+                if kind == 0:
+                    pass
+                elif later is not None and (own is None or later <= own) and (other is None or later <= other):
+                    slot = heappop(lqw)[1]
+                    kind = 0
+                elif own is not None and (other is None or own <= other):
+                    slot = heappop(fqw)[1]
+                    kind = 0
+                elif other is not None:
+                    slot = heappop(pool_s)[1]
+                    # The micro-batch's later chunks here follow it (see `route.assign_orphans`).
+                    of_microbatch = slot - slot % stages
+                    for c in held[s]:
+                        runner[of_microbatch + c] = w
+                    taken[w] += len(held[s])
+                    kind = 0
+                elif wqw and (idle or not mem_ok):
+                    slot = wqw.pop(0)
+                    kind = 2
+                else:
+                    nxt = bqw[0][0] if bqw else inf
+                    if lqw and lqw[0][0] < nxt:
+                        nxt = lqw[0][0]
+                    if f_ok:
+                        # (With pieces, one ready now but not fitting waits for this worker's next op or delivery.)
+                        if fqw and fqw[0][0] < nxt and (size is None or fqw[0][0] > t):
+                            nxt = fqw[0][0]
+                        if xq[w] and xq[w][0][0] < nxt and xq[w][0][0] > t:
+                            nxt = xq[w][0][0]
+                        if pool_ok and pool_s[0][0] < nxt and (size is None or pool_s[0][0] > t):
+                            nxt = pool_s[0][0]
+                    if wqw and (
+                        nxt == inf
+                        or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if size is None else size[wqw[0]])
+                        <= nxt + _EPS
+                    ):
+                        slot = wqw.pop(0)
+                        kind = 2
+                    elif nxt < inf:
+                        wake[w] = nxt
+                        push(nxt, w)
+                        continue
+                    else:
+                        wake[w] = inf
+                        continue  # nothing known yet: a delivery will wake this worker
+            st = slot % stages
+            scale = 1 if size is None else size[slot]
+            end = t + dur[w][st * nk + kind] * scale  # (x * 1 is x: whole micro-batches are not rounded)
+            if end == last_end:  # (`push`, inlined: once per op; most ops of one time end together)
+                end = last_end  # (one float object for them all: see `interned`)
+                ending.append(w)
+            else:
+                ending = due.get(end)
+                if ending is None:
+                    ending = due[end] = [w]
+                    heappush(times, end)
+                else:
+                    ending.append(w)
+                last_end = end
+            free[w] = end
+            wake[w] = end
+            record(slot * nk + kind)
+            if kind == 0:
+                if first[st]:
+                    infl[w] += scale
+                    if reserve[st]:  # (nothing with one chunk: adding 0.0 would change no value)
+                        reserved[w] += reserve[st] * scale
+                else:
+                    reserved[w] -= d_f[st] * scale
+                mem[w] += d_f[st] * scale
+                if st == last_stage:
+                    deliver_b(slot, end)
+                else:
+                    f_end[slot] = end
+                    nxt_slot = slot + 1
+                    r = runner[nxt_slot]
+                    ready = end + p2p if p2p and r != w else end  # (end + 0.0 is end)
+                    if r < 0 or fill or not first[nxt_slot % stages]:
+                        deliver_f(nxt_slot, ready)
+                    else:  # (`deliver_f` to a worker's first chunk, inlined: once per F)
+                        heappush(fq[r], (ready, nxt_slot))
+                        at = ready if ready > free[r] else free[r]
+                        if at < wake[r]:
+                            wake[r] = at
+                            push(at, r)
+            elif kind == 1:
+                if first[st]:
+                    infl[w] -= scale
+                mem[w] += d_b[st] * scale
+                if split:
+                    wqw.append(slot)
+                if st > 0:
+                    up = slot - 1
+                    ready = end + p2p if p2p and runner[up] != w else end
+                    deliver_b(up, f_end[up] if f_end[up] > ready else ready)
+            else:
+                mem[w] += d_w[st] * scale
+            if end == t and late:  # an op of zero time: the workers it made due now run in id order too
+                batch.extend(late)
+                late.clear()
+                batch.sort(reverse=True)
+        del due[t]
+    if len(log) != problem.n_present * nk:
         raise ScheduleError(
-            f"list scheduler stalled after {scheduled} of {problem.n_present * nk} ops (a bug): "
+            f"list scheduler stalled after {len(log)} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
-    return seqs
+    return per_worker(log, nk, slots, live)
 
 
 def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:

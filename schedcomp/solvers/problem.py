@@ -191,8 +191,17 @@ class Problem:
     def op_times(self) -> dict[int, list[float]]:
         """`durations` of every live worker id, flattened (index stage * len(kinds) + kind position):
         computed once per problem for the solvers' clocks, which time many candidates."""
-        live = (self.worker_id(w) for w in self.topology.live_workers)
-        return {wid: [t for row in self.durations(wid) for t in row] for wid in live}
+        # A row depends on the worker's place and speed factor only: workers alike share one (read-only) list,
+        # worked out once (8,000 workers at pp = 32, dp = 256 took 0.15 s one by one).
+        rows: dict[tuple[int, float], list[float]] = {}
+        times: dict[int, list[float]] = {}
+        for w in self.topology.live_workers:
+            wid, key = self.worker_id(w), (w.stage, self.costs.speed.get(w, 1.0))
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = [t for per_kind in self.durations(wid) for t in per_kind]
+            times[wid] = row
+        return times
 
     @cached_property
     def allreduce_times(self) -> tuple[float, ...]:

@@ -18,6 +18,7 @@ from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.simulator import simulate
 from schedcomp.solvers.bounds import lower_bound, memory_bound, work_bound
 from schedcomp.solvers.cpsat import solve_cpsat
+from schedcomp.solvers.greedy import ROUTINGS, W_POLICIES, GreedyParams, default_windows, list_schedule
 from schedcomp.solvers.improve import FastTimer, improve
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import peak_memory, time_sequences
@@ -150,6 +151,22 @@ def test_greedy_fills_the_bubbles_with_one_failure():
     sol = greedy(problem)
     assert work_bound(problem) == 33.0
     assert sol.period == pytest.approx(33.0)
+
+
+@pytest.mark.parametrize("policy", W_POLICIES)
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_greedy_schedules_ops_of_zero_time(policy, routing):
+    """Free W, and free F at stage 1: an op that ends the instant it starts makes workers due at that very
+    instant (its own next op, the next stage's F); they still run (merged into that instant's workers),
+    so nothing stalls and every op is scheduled once."""
+    costs = CostModel(forward=[1.0, 0.0, 1.0], backward_input=[1.0] * 3, backward_weight=[0.0] * 3)
+    problem = Problem(Topology.of(3, 3, [(1, 1)]), 4, costs)
+    quota = balanced_quota(problem)
+    params = GreedyParams(default_windows(problem)["h2"], policy, routing)
+    seqs = list_schedule(problem, params, assign_orphans(problem, quota), quota)
+    assert sorted(op for seq in seqs.values() for op in seq) == list(range(problem.n_slots * 3))
+    assert time_sequences(problem, seqs).ok
+    assert seqs == list_schedule(problem, params, assign_orphans(problem, quota), quota)
 
 
 def test_local_search_never_makes_things_worse_and_keeps_memory():
