@@ -15,6 +15,15 @@ have arrived by t:
    W left over after the last B fill the tail bubble before the next iteration's forwards reach the
    worker.
 
+With `lookahead` (static routing, one stage per worker: each worker knows how many F it runs) a worker
+also plans for the iteration's boundary. With a staggered step that boundary is a chain: a stage's last
+B climbs the stages, each upper stage runs its W and steps, and the next iteration's forwards come back
+down (`boundary_room`). So once a worker has run its last F, it keeps as many W pending for after its
+last B as fill that chain (W run before it would only leave the worker idle after it), runs a W
+whenever it is otherwise idle (its step waits for every W, a "fit" policy included), and a pinned
+piece ("fill") runs only where it, and at the last stage its B, which follows at once, ends before the
+worker's next own F arrives (a piece delaying the pipeline's own round trip delays every stage above).
+
 Re-routed F (of a failed home worker) are placed by one of three routings:
 - "static": a fixed assignment computed up front (`route.assign_orphans`: balanced by speed factors);
 - "pool": any live worker of the stage takes one when it is free and has nothing better, so the
@@ -52,11 +61,14 @@ class GreedyParams:
     fill: bool = False
     """With re-cut pieces pinned to peers (`schedcomp.recut`): a peer runs a piece's F only when none of
     its own pipeline's is ready, so the pieces fill its bubbles instead of delaying its own round trip."""
+    lookahead: bool = False
+    """Plan for the iteration's boundary and the next own F (see the module docstring)."""
 
     def __str__(self) -> str:
         scaled = "x" if self.scale_window else ""
         fill = "/fill" if self.fill else ""
-        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}{fill}"
+        ahead = "/ahead" if self.lookahead else ""
+        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}{fill}{ahead}"
 
 
 def list_schedule(
@@ -95,6 +107,9 @@ def list_schedule(
         raise ScheduleError("static routing needs an assignment of the re-routed micro-batches")
     if params.routing == "quota" and quota is None:
         raise ScheduleError("quota routing needs a quota per worker")
+    ahead = params.lookahead
+    if ahead and (params.routing != "static" or problem.topology.chunks > 1):
+        raise ScheduleError("lookahead needs static routing and one stage per worker (each worker counts its F)")
 
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     dur: list[list[float]] = [[] for _ in range(n_workers)]
@@ -115,6 +130,15 @@ def list_schedule(
         for slot, wid in (assignment or {}).items():
             runner[slot] = wid
     need = [1 if (slot % stages) == stages - 1 else 2 for slot in range(n_slots)]
+    # Lookahead: the F each worker has left, the B it waits for, the time of its pending W.
+    left_f = [0] * n_workers
+    open_b = [0] * n_workers
+    w_time = [0.0] * n_workers
+    room = boundary_room(problem) if ahead else []
+    if ahead:
+        for r in runner:
+            if r >= 0:
+                left_f[r] += 1
     b_ready = [0.0] * n_slots
     taken = dict.fromkeys(live, 0)
     cap = dict(quota) if params.routing == "quota" and quota is not None else {}
@@ -231,6 +255,10 @@ def list_schedule(
                 xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
                 piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
                 piece = piece if piece is None or held_now + unit[s] * sizes[piece[3]] <= limits[w] else None
+                if piece is not None and ahead and fqw and fqw[0][0] > t:
+                    ps = piece[3] % stages
+                    took = dur[w][ps * nk] + (dur[w][ps * nk + 1] if ps == last_stage else 0.0)
+                    piece = piece if t + took * sizes[piece[3]] <= fqw[0][0] + _EPS else None
                 if piece is not None and own is None and other is None and later is None:
                     slot = heappop(xqw)[3]
                     kind = 0
@@ -262,8 +290,12 @@ def list_schedule(
                         nxt = xq[w][0][0]
                     if pool_ok and pool_s[0][0] < nxt and (sizes is None or pool_s[0][0] > t):
                         nxt = pool_s[0][0]
-                if wqw and (
+                # (Lookahead: with one B left, W that fit the boundary's chain wait for after it.)
+                hold = (ahead and split and left_f[w] == 0 and open_b[w] == 1
+                        and w_time[w] + dur[w][s * nk + 2] <= room[s])
+                if wqw and not hold and (
                     idle
+                    or (ahead and left_f[w] == 0)
                     or not mem_ok
                     or nxt == inf
                     or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if sizes is None else sizes[wqw[0]]) <= nxt + _EPS
@@ -290,6 +322,8 @@ def list_schedule(
         scheduled += 1
         scale = 1.0 if sizes is None else sizes[slot]
         if kind == 0:
+            left_f[w] -= 1
+            open_b[w] += 1
             if first[st]:
                 infl[w] += scale
                 reserved[w] += (unit[s] - delta[st][0]) * scale
@@ -304,11 +338,13 @@ def list_schedule(
             if need[slot] == 0:
                 deliver_b(slot, b_ready[slot])
         elif kind == 1:
+            open_b[w] -= 1
             if first[st]:
                 infl[w] -= scale
             mem[w] += delta[st][1] * scale
             if split:
                 wqw.append(slot)
+                w_time[w] += dur[w][st * nk + 2] * scale
             if st > 0:
                 up = slot - 1
                 need[up] -= 1
@@ -319,12 +355,28 @@ def list_schedule(
                     deliver_b(up, b_ready[up])
         else:
             mem[w] += delta[st][2] * scale
+            w_time[w] -= dur[w][st * nk + 2] * scale
     if scheduled != problem.n_present * nk:
         raise ScheduleError(
             f"list scheduler stalled after {scheduled} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
     return seqs
+
+
+def boundary_room(problem: Problem) -> list[float]:
+    """Per stage s, the time from the end of its last B to the next iteration's first F reaching it, at
+    the least, less its own all-reduce and step: for some stage j < s, the B climbing from s - 1 to j,
+    j's W, all-reduce and step, then the forwards from j to s - 1, each hop a p2p transfer (the
+    staggered step: stage j's next F waits for its own step). What a worker's W may fill after its
+    last B without delaying its next F (one stage per worker, base costs)."""
+    c, ar = problem.costs, problem.allreduce_times
+    out = []
+    for s in range(problem.pp):
+        chain = max((sum(c.backward_input[i] + c.forward[i] + 2 * c.p2p for i in range(j, s))
+                     + c.backward_weight[j] + ar[j] + c.optimizer[j] for j in range(s)), default=0.0)
+        out.append(chain - ar[s] - c.optimizer[s])
+    return out
 
 
 def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
