@@ -223,9 +223,9 @@ RECUT_CASES = [  # (pp, dp, M, failed): issue 14's case first
 
 def table_recut() -> None:
     print("\n## 5. Re-cut micro-batches (`compile(..., recut=True)`): period, whole micro-batches against re-cut,")
-    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = work")
-    print(f"   bound; +layers = re-cut with {LAYERS_PER_STAGE} layers per stage (layer boundaries may move too), "
-          "and its partition")
+    print("   under no memory limit and under the default one (fault-free ZB-H1's per-stage peaks); bound = the")
+    print("   re-cut plan's (work, or the warm-up of the workers running whole micro-batches only); +layers = re-cut")
+    print(f"   with {LAYERS_PER_STAGE} layers per stage (layer boundaries may move too), and its partition")
     print(f"  {'case':<30} {'limit':<10} {'whole':>8} {'re-cut':>8} {'bound':>8} {'pieces':>7} {'compile s':>9} "
           f"{'+layers':>8}  partition")
     from schedcomp.compiler import compile

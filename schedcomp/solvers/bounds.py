@@ -94,10 +94,15 @@ def lower_bound(problem: Problem) -> float:
 
 
 def memory_bound(problem: Problem) -> float:
-    """The memory warm-up bound of the module docstring (0.0 without a memory limit)."""
-    if problem.costs.memory_limit is None or problem.topology.chunks > 1 or problem.cut:
-        # With virtual stages the worker's own later chunks lie on the round trip, and re-cut micro-batches
-        # are not of one size: not derived for either.
+    """The memory warm-up bound of the module docstring (0.0 without a memory limit).
+
+    With re-cut micro-batches (`schedcomp.cut`: pieces of any size) it is derived only for the workers that
+    run their own M whole micro-batches and nothing else: those of a pipeline not cut (so with no failed
+    worker: every micro-batch of theirs is whole at every stage) at a place with no failed worker (so they
+    take no pieces). The argument above then holds as is: it follows the worker's own micro-batches only,
+    and anything else sharing the stages below or above can only make them later."""
+    if problem.costs.memory_limit is None or problem.topology.chunks > 1:
+        # With virtual stages the worker's own later chunks lie on the round trip: not derived.
         return 0.0
     fast = _Fastest.of(problem)
     memo: dict[tuple[int, float, int], float] = {}
@@ -110,6 +115,11 @@ def memory_bound(problem: Problem) -> float:
 
     bound = 0.0
     m = problem.microbatches
+    if problem.cut:
+        cut, lost = problem.cut.pipelines, {w.stage for w in problem.topology.failed}
+        whole = [w for s, group in enumerate(problem.survivors) if s not in lost for w in group
+                 if w.pipeline not in cut]
+        return max((warmup(w, m) for w in whole), default=0.0)
     for s, group in enumerate(problem.survivors):
         counts = dict.fromkeys(group, m)
         # Water-filling: each re-routed slot goes where the bound grows least (optimal for a min-max of

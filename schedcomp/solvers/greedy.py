@@ -15,6 +15,15 @@ have arrived by t:
    W left over after the last B fill the tail bubble before the next iteration's forwards reach the
    worker.
 
+With `lookahead` (static routing, one stage per worker: each worker knows how many F it runs) a worker
+also plans for the iteration's boundary. With a staggered step that boundary is a chain: a stage's last
+B climbs the stages, each upper stage runs its W and steps, and the next iteration's forwards come back
+down (`greedy_tables.boundary_room`). So once a worker has run its last F, it keeps as many W pending for
+after its last B as fill that chain (W run before it would only leave the worker idle after it), runs a W
+whenever it is otherwise idle (its step waits for every W, a "fit" policy included), and a pinned
+piece ("fill") runs only where it, and at the last stage its B, which follows at once, ends before the
+worker's next own F arrives (a piece delaying the pipeline's own round trip delays every stage above).
+
 Re-routed F (of a failed home worker) are placed by one of three routings:
 - "static": a fixed assignment computed up front (`route.assign_orphans`: balanced by speed factors);
 - "pool": any live worker of the stage takes one when it is free and has nothing better, so the
@@ -33,7 +42,7 @@ from dataclasses import dataclass
 
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
-from schedcomp.solvers.greedy_tables import interned, per_worker, queues, slot_tables
+from schedcomp.solvers.greedy_tables import boundary_room, interned, per_worker, queues, slot_tables
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
@@ -53,11 +62,14 @@ class GreedyParams:
     fill: bool = False
     """With re-cut pieces pinned to peers (`schedcomp.recut`): a peer runs a piece's F only when none of
     its own pipeline's is ready, so the pieces fill its bubbles instead of delaying its own round trip."""
+    lookahead: bool = False
+    """Plan for the iteration's boundary and the next own F (see the module docstring)."""
 
     def __str__(self) -> str:
         scaled = "x" if self.scale_window else ""
         fill = "/fill" if self.fill else ""
-        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}{fill}"
+        ahead = "/ahead" if self.lookahead else ""
+        return f"{self.routing}/{self.w_policy}/w{scaled}{','.join(map(str, self.window))}{fill}{ahead}"
 
 
 def list_schedule(
@@ -99,6 +111,9 @@ def list_schedule(
         raise ScheduleError("static routing needs an assignment of the re-routed micro-batches")
     if params.routing == "quota" and quota is None:
         raise ScheduleError("quota routing needs a quota per worker")
+    ahead = params.lookahead
+    if ahead and (params.routing != "static" or problem.topology.chunks > 1):
+        raise ScheduleError("lookahead needs static routing and one stage per worker (each worker counts its F)")
 
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     # Op times per worker (index stage * nk + kind): one list shared by the workers alike (`Problem.op_times`).
@@ -122,6 +137,15 @@ def list_schedule(
     capped = params.routing == "quota" and quota is not None
     taken = [0] * n_workers
     cap = [quota.get(wid, 0) for wid in range(n_workers)] if capped and quota is not None else []
+    # Lookahead: the F each worker has left, the B it waits for, the time of its pending W.
+    left_f = [0] * n_workers
+    open_b = [0] * n_workers
+    w_time = [0.0] * n_workers
+    room = boundary_room(problem) if ahead else []
+    if ahead:
+        for r in runner:
+            if r >= 0:
+                left_f[r] += 1
 
     free = [0.0] * n_workers
     # Micro-batches between F and B, a re-cut piece counting its size (whole ones count as the int 1: small
@@ -252,6 +276,10 @@ def list_schedule(
                     xqw = xq[w]  # pinned pieces run only where nothing of the worker's own is ready ("fill")
                     piece = xqw[0] if f_ok and xqw and xqw[0][0] <= t else None
                     piece = piece if piece is None or held_now + unit[s] * size[piece[1]] <= limits[w] else None
+                    if piece is not None and ahead and fqw and fqw[0][0] > t:
+                        ps = piece[1] % stages
+                        took = dur[w][ps * nk] + (dur[w][ps * nk + 1] if ps == last_stage else 0.0)
+                        piece = piece if t + took * size[piece[1]] <= fqw[0][0] + _EPS else None
                     if piece is not None and own is None and other is None and later is None:
                         slot = heappop(xqw)[1]
                         kind = 0
@@ -271,7 +299,10 @@ def list_schedule(
                         runner[of_microbatch + c] = w
                     taken[w] += len(held[s])
                     kind = 0
-                elif wqw and (idle or not mem_ok):
+                elif wqw and not (hold := ahead and split and left_f[w] == 0 and open_b[w] == 1
+                                  and w_time[w] + dur[w][s * nk + 2] <= room[s]) \
+                        and (idle or not mem_ok or (ahead and left_f[w] == 0)):
+                    # (Lookahead: with one B left, W that fit the boundary's chain wait for after it: `hold`.)
                     slot = wqw.pop(0)
                     kind = 2
                 else:
@@ -286,7 +317,7 @@ def list_schedule(
                             nxt = xq[w][0][0]
                         if pool_ok and pool_s[0][0] < nxt and (size is None or pool_s[0][0] > t):
                             nxt = pool_s[0][0]
-                    if wqw and (
+                    if wqw and not hold and (
                         nxt == inf
                         or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if size is None else size[wqw[0]])
                         <= nxt + _EPS
@@ -318,6 +349,9 @@ def list_schedule(
             wake[w] = end
             record(slot * nk + kind)
             if kind == 0:
+                if ahead:
+                    left_f[w] -= 1
+                    open_b[w] += 1
                 if first[st]:
                     infl[w] += scale
                     if reserve[st]:  # (nothing with one chunk: adding 0.0 would change no value)
@@ -346,12 +380,18 @@ def list_schedule(
                 mem[w] += d_b[st] * scale
                 if split:
                     wqw.append(slot)
+                    if ahead:
+                        w_time[w] += dur[w][st * nk + 2] * scale
+                if ahead:
+                    open_b[w] -= 1
                 if st > 0:
                     up = slot - 1
                     ready = end + p2p if p2p and runner[up] != w else end
                     deliver_b(up, f_end[up] if f_end[up] > ready else ready)
             else:
                 mem[w] += d_w[st] * scale
+                if ahead:
+                    w_time[w] -= dur[w][st * nk + 2] * scale
             if end == t and late:  # an op of zero time: the workers it made due now run in id order too
                 batch.extend(late)
                 late.clear()

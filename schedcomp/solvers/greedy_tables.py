@@ -78,3 +78,18 @@ def per_worker(log: array, nk: int, slots: SlotTables, live: list[int]) -> dict[
     starts = np.searchsorted(worker, wids, side="left").tolist()
     stops = np.searchsorted(worker, wids, side="right").tolist()
     return {wid: ops[a:b].tolist() for wid, a, b in zip(live, starts, stops, strict=True)}
+
+
+def boundary_room(problem: Problem) -> list[float]:
+    """Per stage s, the time from the end of its last B to the next iteration's first F reaching it, at
+    the least, less its own all-reduce and step: for some stage j < s, the B climbing from s - 1 to j,
+    j's W, all-reduce and step, then the forwards from j to s - 1, each hop a p2p transfer (the
+    staggered step: stage j's next F waits for its own step). What a worker's W may fill after its
+    last B without delaying its next F (one stage per worker, base costs)."""
+    c, ar = problem.costs, problem.allreduce_times
+    out = []
+    for s in range(problem.pp):
+        chain = max((sum(c.backward_input[i] + c.forward[i] + 2 * c.p2p for i in range(j, s))
+                     + c.backward_weight[j] + ar[j] + c.optimizer[j] for j in range(s)), default=0.0)
+        out.append(chain - ar[s] - c.optimizer[s])
+    return out

@@ -16,14 +16,17 @@ from schedcomp.solvers.problem import Problem
 
 
 def exact_period(problem: Problem, seqs: Mapping[int, Sequence[int]], synchronous: bool = False) -> float:
-    """The steady-state period of per-worker op sequences (math.inf if they deadlock)."""
+    """The steady-state period of per-worker op sequences (math.inf if they deadlock); a re-cut
+    micro-batch's ops take their stage's time times its size."""
     nk, pp, costs = len(problem.kinds), problem.pp, problem.costs
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
+    sizes = problem.slot_sizes
     dur = {}
     where = {}
     for wid in live:
         for op in seqs[wid]:
             dur[op] = problem.duration(problem.kinds[op % nk], problem.worker_of(wid))
+            dur[op] *= 1.0 if sizes is None else sizes[op // nk]
             where[op] = wid
     edges: list[tuple[object, object, float, int]] = []  # (u, v, weight, iterations crossed)
     for wid in live:
