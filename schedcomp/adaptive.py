@@ -48,7 +48,8 @@ from schedcomp.ir import Order
 from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
-from schedcomp.solvers.greedy import GreedyParams, default_windows, list_schedule
+from schedcomp.solvers.greedy import GreedyParams, list_schedule
+from schedcomp.solvers.greedy_tables import default_windows
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences

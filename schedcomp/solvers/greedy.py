@@ -403,24 +403,3 @@ def list_schedule(
             "report it with the topology and cost model"
         )
     return per_worker(log, nk, slots, live)
-
-
-def default_windows(problem: Problem) -> dict[str, tuple[int, ...]]:
-    """In-flight windows to try, per place: 1F1B's (pp - s: the memory of 1F1B), ZB-H2's (2(pp - s) - 1),
-    and "rtt": as many forwards as fit in the round trip from a stage's F to its gradient coming back.
-    With virtual stages a window counts micro-batches (admitted at their first chunk on the worker), and
-    the round trip runs from that chunk through every later stage and back, in units of the worker's
-    forwards of one micro-batch over all its chunks."""
-    pp, stages, costs = problem.pp, problem.stages, problem.costs
-    rtt = []
-    for s in range(pp):
-        held = problem.topology.chunks_of(s)
-        s0 = held[0]
-        trip = sum(costs.forward[j] + costs.backward_input[j] for j in range(s0 + 1, stages))
-        trip += 2 * (stages - 1 - s0) * costs.p2p + costs.backward_input[s0]
-        rtt.append(1 + math.ceil(trip / max(sum(costs.forward[c] for c in held), 1e-9) - 1e-9))
-    return {
-        "1f1b": tuple(pp - s for s in range(pp)),
-        "h2": tuple(2 * (pp - s) - 1 for s in range(pp)),
-        "rtt": tuple(rtt),
-    }

@@ -114,7 +114,7 @@ def test_bad_cost_files_are_one_line(work, content, says, command):
 
 
 def test_huge_costs_no_longer_overflow_the_solvers(work):
-    """1e15 is the largest cost: cpsat._scale and greedy.default_windows stay finite with it."""
+    """1e15 is the largest cost: cpsat._scale and greedy_tables.default_windows stay finite with it."""
     big = _costs(work, json.dumps({**COSTS, "forward": [1e15, 1]}))
     for solver in ("greedy", "cpsat"):
         run = cli("compile", "--pp", "2", "--dp", "2", "-m", "2", "--fail", "1:1", "--costs", big, "--solver",

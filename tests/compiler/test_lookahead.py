@@ -13,7 +13,8 @@ from schedcomp.errors import ScheduleError
 from schedcomp.recut import recut
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound, memory_bound, work_bound
-from schedcomp.solvers.greedy import GreedyParams, boundary_room, default_windows, list_schedule
+from schedcomp.solvers.greedy import GreedyParams, list_schedule
+from schedcomp.solvers.greedy_tables import boundary_room, default_windows
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import time_sequences, within_limits
 from schedcomp.topology import Topology

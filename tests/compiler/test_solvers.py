@@ -20,7 +20,8 @@ from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.simulator import simulate
 from schedcomp.solvers.bounds import lower_bound, memory_bound, work_bound
 from schedcomp.solvers.cpsat import solve_cpsat
-from schedcomp.solvers.greedy import ROUTINGS, W_POLICIES, GreedyParams, default_windows, list_schedule
+from schedcomp.solvers.greedy import ROUTINGS, W_POLICIES, GreedyParams, list_schedule
+from schedcomp.solvers.greedy_tables import default_windows
 from schedcomp.solvers.improve import FastTimer, improve
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import peak_memory, time_sequences
