@@ -48,7 +48,7 @@ from schedcomp.ir import Order
 from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
-from schedcomp.solvers.greedy import GreedyParams, list_schedule
+from schedcomp.solvers.greedy import GreedyParams, list_schedule_steps
 from schedcomp.solvers.greedy_tables import default_windows
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
@@ -224,8 +224,8 @@ def greedy(
     for i, params in enumerate(variants):
         if best is not None and best.period <= bound * (1 + _TOL):
             break  # provably optimal: nothing to gain from the rest
-        seqs = list_schedule(problem, params, assignment, quota)
-        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
+        seqs, steps = list_schedule_steps(problem, params, assignment, quota)
+        timing = time_sequences(problem, seqs, ITERATIONS, synchronous, steps)
         candidate = _Candidate(problem, round(timing.period, 9), timing.makespan, i, str(params), seqs, timing)
         if timing.ok and candidate.beats(best):
             best = candidate

@@ -79,7 +79,7 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     comp[cid] = here[compute]
     if np.count_nonzero(comp >= 0) != len(cid):
         return False
-    if not _within_memory(plan, columns, rank % pp, s, kinds, d, m, compute, x, index, len(workers)):
+    if not _within_memory(plan, columns, place, s, kinds, d, m, compute, x, index, len(workers)):
         return False
     # LOADs: of a forward, at the first or last stage, once each.
     load = kinds == LOAD
@@ -92,8 +92,9 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     by_place = np.argsort(here, kind="stable") if (np.diff(here) < 0).any() else None
     checker.comp = array("q", comp.tobytes())
     checker.loads = dict(zip(load_slot.tolist(), here[load].tolist(), strict=True))
-    checker.sends = _transfers(columns, (kinds >= SEND) & (kinds < RECV), by_place, here, slot, s, kinds, code)
-    checker.recvs = _transfers(columns, kinds >= RECV, by_place, here, slot, s, kinds, code)
+    peer_rank = np.append(ranks, -1)[columns.peer]  # (peer -1: none)
+    checker.sends = _transfers((kinds >= SEND) & (kinds < RECV), by_place, here, slot, s, kinds, code, peer_rank)
+    checker.recvs = _transfers(kinds >= RECV, by_place, here, slot, s, kinds, code, peer_rank)
     checker.send_kinds, checker.recv_kinds = [], []
     checker.lengths = [0] * checker.nw
     for w, n_rows in zip(workers, lengths.tolist(), strict=True):
@@ -139,11 +140,11 @@ def _within_memory(plan: Any, columns: StreamColumns, place: NDArray[np.int64], 
     return not (limited & (held > top)).any()
 
 
-def _transfers(columns: StreamColumns, rows: NDArray[np.bool_], by_place: NDArray[np.int64] | None,
-               here: NDArray[np.int64], slot: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64],
-               code: NDArray[np.int64]) -> TransferColumns:
+def _transfers(rows: NDArray[np.bool_], by_place: NDArray[np.int64] | None, here: NDArray[np.int64],
+               slot: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64], code: NDArray[np.int64],
+               peer_rank: NDArray[np.int64]) -> TransferColumns:
     """One side's transfers (the rows `rows` picks), in the walk's order."""
     order = by_place[rows[by_place]] if by_place is not None else np.flatnonzero(rows)
     row_of = np.array([TRANSFER_ROWS.index(k) if k in TRANSFER_ROWS else -1 for k in ROW_KINDS], np.int64)
-    return TransferColumns(here[order], slot[order], stage[order], row_of[kinds[order]], code[order],
-                           columns.peer_workers[columns.peer[order]].tolist())
+    return TransferColumns(here[order], slot[order], stage[order], row_of[kinds[order]], code[order], None,
+                           peer_rank[order])

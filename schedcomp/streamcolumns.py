@@ -24,7 +24,7 @@ import numpy as np
 
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, instruction_text, stream_texts
-from schedcomp.opcolumns import OP_CODES, ColumnOps, LazyMapping, OpColumns
+from schedcomp.opcolumns import OP_CODES, ColumnOps, LazyMapping, OpColumns, span
 from schedcomp.semantics import semantics_of
 from schedcomp.topology import Worker
 
@@ -73,9 +73,9 @@ class LoweredStreams(LazyMapping[tuple[Instruction, ...]]):
 
     def _ops_of(self, x: int) -> NDArray[np.object_]:
         """Worker x's ops, in a row (the rows' `op_of` minus its first op's number indexes them)."""
-        ends = self.columns.ops.ends
         if isinstance(self._ops, np.ndarray):
-            return self._ops[(int(ends[x - 1]) if x else 0):int(ends[x])]
+            start, end = span(self.columns.ops.ends, x)
+            return self._ops[start:end]
         ops = self._ops[self.columns.workers[x]]
         own = np.empty(len(ops), object)
         own[:] = ops
@@ -83,8 +83,8 @@ class LoweredStreams(LazyMapping[tuple[Instruction, ...]]):
 
     def _make(self, worker: Worker) -> tuple[Instruction, ...]:
         c, x = self.columns, self._number[worker]
-        start, end = (int(c.ends[x - 1]) if x else 0), int(c.ends[x])
-        first_op = int(c.ops.ends[x - 1]) if x else 0  # (a row names an op of its own worker: `lower_columns`)
+        start, end = span(c.ends, x)
+        first_op = span(c.ops.ends, x)[0]  # (a row names an op of its own worker: `lower_columns`)
         return (*_instructions([(ROW_KINDS, c.kinds[start:end]), (self._ops_of(x), c.op_of[start:end] - first_op),
                                 (c.peer_workers, c.peer[start:end])]), *c.tail)
 

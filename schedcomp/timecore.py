@@ -265,6 +265,7 @@ def run_levels(
     tail: np.ndarray,
     iterations: int,
     synchronous: bool = False,
+    layers: np.ndarray | None = None,
 ) -> LevelRun | None:
     """The rules of `run_lanes` on numpy arrays, a topological level at a time; None on a deadlock.
 
@@ -272,7 +273,11 @@ def run_levels(
     `pred[v]`, `lat[v]`: v's producers (one column each; -1 for none) and their latencies (counted
     only from another lane, as in `run_lanes`);
     `dur[v]`: its duration on its lane. After its last node, lane l joins the collective of all
-    lanes with its `group[l]` (it takes `tail[l, 0]`) and then runs `tail[l, 1]` (the step)."""
+    lanes with its `group[l]` (it takes `tail[l, 0]`) and then runs `tail[l, 1]` (the step).
+    `layers[v]` (optional): a number per node that its producers and its lane's previous node may give
+    levels instead of Kahn's (a list scheduler's steps); they are taken where every such edge goes to a
+    higher number and they are not many more than Kahn's can be. Any levels in which each node's producers
+    come first give the same times, each node's the same max over the same numbers."""
     n, n_lanes = len(dur), len(lens)
     # Every node's producers as indices into `end`: slot n + l holds lane l's release (its first
     # node's "previous end"), slot n + n_lanes is -inf (no producer).
@@ -285,7 +290,10 @@ def run_levels(
     lane = np.repeat(np.arange(n_lanes), lens)
     lat = np.where((pred >= 0) & (lane[np.maximum(pred, 0)] == lane[:, None]), 0.0, lat)  # a hand-off on one lane
     pred = np.where(pred >= 0, pred, none)
-    levels = _levels(n, np.column_stack((prev, pred)))
+    cols = np.column_stack((prev, pred))
+    levels = _given_levels(n, cols, layers, int(lens.max(initial=0))) if layers is not None else None
+    if levels is None:
+        levels = _levels(n, cols)
     if levels is None:
         return None
     # Renumber the nodes level by level, so each level is a slice of the arrays (no scatter per level);
@@ -351,6 +359,23 @@ def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:
         np.subtract.at(indeg, targets, 1)
         frontier = once(targets[indeg[targets] == 0], stamp)  # a node freed by two producers at once: keep it once
     return levels if done == n else None
+
+
+def _given_levels(n: int, cols: np.ndarray, layers: np.ndarray, longest: int) -> list[np.ndarray] | None:
+    """The nodes grouped by `layers` (each group's nodes in order), or None where a producer (`cols`, >= n:
+    none) is not in a lower layer, or where the layers are more than twice as many as the longest lane (a
+    lower bound of Kahn's levels: each is a chain), which would cost the engine more steps than it saves."""
+    real = cols < n
+    if not (layers[np.where(real, cols, 0)] < layers[:, None])[real].all():
+        return None
+    low = int(layers.min(initial=0))
+    counts = np.bincount(layers - low)
+    if np.count_nonzero(counts) > 2 * longest + 16:
+        return None
+    # (A stable sort of 16-bit keys is a radix sort.)
+    keys = layers - low
+    order = np.argsort(keys.astype(np.int16) if len(counts) < 2**15 else keys, kind="stable")
+    return [level for level in np.split(order, np.cumsum(counts)[:-1]) if len(level)]
 
 
 def once(nodes: np.ndarray, stamp: np.ndarray) -> np.ndarray:

@@ -113,11 +113,13 @@ def time_sequences(
     seqs: Mapping[int, Sequence[int]],
     iterations: int = 4,
     synchronous: bool = False,
+    steps: np.ndarray | None = None,
 ) -> Timing:
     """Time per-worker op sequences (worker id -> op ids) over `iterations`; `DEADLOCK` if they cannot run.
 
     Each live worker is a lane of the timing core (`schedcomp.timecore.run_levels`): its ops, then its
-    place's all-reduce and its step."""
+    place's all-reduce and its step. `steps` (per op id, as `greedy.list_schedule_steps` gives them): levels
+    the core may take where every dependency goes to a later step (the same times: see `run_levels`)."""
     pp, nk = problem.pp, len(problem.kinds)
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     n_ops = problem.n_slots * nk  # op ids (absent slots' included: a re-cut pipeline may run fewer)
@@ -142,7 +144,8 @@ def time_sequences(
     op_durations = durations[owner, ops % snk]
     if problem.slot_sizes is not None:  # re-cut micro-batches: time scales with the size
         op_durations = op_durations * np.asarray(problem.slot_sizes)[ops // nk]
-    run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous)
+    run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous,
+                     None if steps is None else steps[ops])
     if run is None:
         return DEADLOCK
     ends = run.iteration_ends

@@ -1,0 +1,89 @@
+"""`time_sequences` given the list scheduler's steps as its levels (`greedy.list_schedule_steps`,
+`timecore.run_levels`'s `layers`) times as with Kahn's levels: the same iteration ends and the same start of
+every op, on random problems and every variant; steps that some dependency does not climb are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schedcomp import timecore
+from schedcomp.adaptive import portfolio
+from schedcomp.costs import CostModel
+from schedcomp.route import assign_orphans, balanced_quota
+from schedcomp.solvers.greedy import list_schedule_steps
+from schedcomp.solvers.problem import Problem
+from schedcomp.solvers.timing import Timing, time_sequences
+from schedcomp.topology import Topology, Worker
+
+
+@st.composite
+def scheduled(draw: st.DrawFn) -> tuple[Problem, dict[int, list[int]], np.ndarray]:
+    """(problem, sequences, steps) of one list-scheduler variant on a random problem: failures, uneven costs
+    (some zero: ops of no time, whose steps may not climb), speeds, split or fused backward, memory limits."""
+    pp, dp, mb = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    workers = [Worker(d, s) for d in range(dp) for s in range(pp)]
+    failed = set(draw(st.lists(st.sampled_from(workers), max_size=2, unique=True)))
+    for s in range(pp):
+        if all(Worker(d, s) in failed for d in range(dp)):
+            failed.discard(Worker(0, s))  # keep a live worker on every stage
+    times = st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.25, 2.0]), min_size=pp, max_size=pp)
+    costs = CostModel(forward=draw(times), backward_input=draw(times), backward_weight=draw(times),
+                      p2p=draw(st.sampled_from([0.0, 0.1, 0.5])), allreduce=draw(times), optimizer=draw(times),
+                      speed=draw(st.dictionaries(st.sampled_from(workers), st.sampled_from([0.5, 0.8, 1.5]),
+                                                 max_size=2)))
+    problem = Problem(Topology(pp, dp, frozenset(failed)), mb, costs, split=draw(st.booleans()))
+    params = draw(st.sampled_from(portfolio(problem)))
+    quota = balanced_quota(problem)
+    seqs, steps = list_schedule_steps(problem, params, assign_orphans(problem, quota), quota)
+    return problem, seqs, steps
+
+
+def _same(a: Timing, b: Timing) -> bool:
+    return (a.iteration_ends == b.iteration_ends and np.array_equal(a.ops, b.ops)
+            and np.array_equal(a.first, b.first) and np.array_equal(a.last, b.last))
+
+
+@given(scheduled(), st.integers(1, 5), st.booleans())
+def test_steps_time_as_kahns_levels(job: tuple[Problem, dict[int, list[int]], np.ndarray], iterations: int,
+                                    synchronous: bool) -> None:
+    problem, seqs, steps = job
+    kahn = time_sequences(problem, seqs, iterations, synchronous)
+    assert kahn.ok
+    assert _same(time_sequences(problem, seqs, iterations, synchronous, steps), kahn)
+
+
+@pytest.mark.parametrize(("pp", "dp", "failed"), [(4, 3, [(0, 1), (2, 3)]), (6, 2, [(1, 0)]), (3, 1, [])])
+def test_the_schedulers_steps_are_taken_where_they_are_few(
+        pp: int, dp: int, failed: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit costs (the scale case's): about as many steps as levels, which the core takes."""
+    problem = Problem(Topology.of(pp, dp, failed), 8, CostModel.uniform(pp), split=True)
+    quota = balanced_quota(problem)
+    seqs, steps = list_schedule_steps(problem, portfolio(problem)[0], assign_orphans(problem, quota), quota)
+    kahn = time_sequences(problem, seqs, 4)
+
+    def no_kahn(*args: object) -> None:
+        raise AssertionError("Kahn's levels were worked out")
+
+    monkeypatch.setattr(timecore, "_levels", no_kahn)
+    assert _same(time_sequences(problem, seqs, 4, steps=steps), kahn)
+
+
+def test_steps_that_a_dependency_does_not_climb_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps turned upside down (every edge goes down), all equal, or each op's own (valid, but many more than
+    the levels): Kahn's levels, the same times."""
+    problem = Problem(Topology.of(4, 2, [(1, 2)]), 6, CostModel.uniform(4), split=True)
+    quota = balanced_quota(problem)
+    seqs, steps = list_schedule_steps(problem, portfolio(problem)[0], assign_orphans(problem, quota), quota)
+    kahn = time_sequences(problem, seqs, 3)
+    calls = []
+    levels = timecore._levels
+    monkeypatch.setattr(timecore, "_levels", lambda *args: calls.append(1) or levels(*args))
+    assert _same(time_sequences(problem, seqs, 3, steps=steps), kahn) and not calls
+    ranked = np.zeros_like(steps)  # (each op its own step, in the order of the scheduler's steps)
+    ranked[np.argsort(steps, kind="stable")] = np.arange(len(steps))
+    for wrong in (-steps, np.zeros_like(steps), ranked):
+        assert _same(time_sequences(problem, seqs, 3, steps=wrong), kahn)
+    assert len(calls) == 3
