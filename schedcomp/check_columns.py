@@ -24,6 +24,7 @@ from schedcomp.check_transfers import TRANSFER_ROWS, TransferColumns
 from schedcomp.ir import OpKind
 from schedcomp.memory import stage_deltas
 from schedcomp.opcolumns import OP_CODES
+from schedcomp.runsums import running_sums
 from schedcomp.semantics import ROLE_ALLREDUCE, ROLE_STEP, semantics_of
 from schedcomp.streamcolumns import LOAD, RECV, ROW_KINDS, SEND, StreamColumns
 
@@ -125,18 +126,8 @@ def _within_memory(plan: Any, columns: StreamColumns, place: NDArray[np.int64], 
             if p < plan.topology.dp:
                 sizes[p * mbs:p * mbs + cut.count(p, plan.microbatches)] = cut.sizes(p, plan.microbatches)
         delta = delta * sizes[d[compute] * mbs + m[compute]]
-    # Per worker a running sum over its compute ops, each started from 0.0: `add.accumulate` adds left to
-    # right, so every sum is the walk's, bit for bit. All workers at once as the rows of a zero-padded table
-    # (padding adds nothing after a worker's last op) where that table is not much larger than the plan.
-    who, at = x[compute], index[compute]
-    width = int(at.max()) + 1 if len(at) else 1
-    if n_workers * width <= 4 * len(at) + 1024:
-        table = np.zeros((n_workers, width))
-        table[who, at] = delta
-        held = np.add.accumulate(table, axis=1)[who, at]
-    else:
-        starts = np.flatnonzero(np.diff(who, prepend=-1))
-        held = np.concatenate([np.add.accumulate(part) for part in np.split(delta, starts[1:])]) if len(at) else delta
+    # Per worker a running sum over its compute ops, each started from 0.0: every sum is the walk's, bit for bit.
+    held = running_sums(delta, x[compute], index[compute], n_workers)
     return not (limited & (held > top)).any()
 
 

@@ -16,10 +16,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 
 import numpy as np
 
 from schedcomp.memory import stage_deltas
+from schedcomp.runsums import running_sums
 from schedcomp.solvers.problem import Problem
 from schedcomp.timecore import run_levels
 from schedcomp.timeline import period_from_ends
@@ -58,15 +60,21 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
     order only)."""
     nk, stages = len(problem.kinds), problem.stages
     table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(stages))])
-    peaks = {}
-    for wid, seq in seqs.items():
-        if len(seq):
-            ops = np.asarray(seq, dtype=np.int64)
-            deltas = table[(ops // nk) % stages, ops % nk]
-            if problem.slot_sizes is not None:  # re-cut micro-batches: activation scales with the size
-                deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
-            peaks[wid] = float(np.cumsum(deltas).max())
-    return peaks
+    wids = [wid for wid, seq in seqs.items() if len(seq)]
+    ops, lens = flat_sequences(seqs, wids)
+    deltas = table[(ops // nk) % stages, ops % nk]
+    if problem.slot_sizes is not None:  # re-cut micro-batches: activation scales with the size
+        deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
+    owner = np.repeat(np.arange(len(wids)), lens)
+    starts = np.cumsum(lens) - lens
+    held = running_sums(deltas, owner, np.arange(len(ops)) - starts[owner], len(wids))
+    return dict(zip(wids, np.maximum.reduceat(held, starts).tolist() if wids else [], strict=True))
+
+
+def flat_sequences(seqs: Mapping[int, Sequence[int]], wids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences of workers `wids` end to end, and each one's length (one pass in C, not an array each)."""
+    lens = np.fromiter(map(len, map(seqs.__getitem__, wids)), np.int64, len(wids))
+    return np.fromiter(chain.from_iterable(map(seqs.__getitem__, wids)), np.int64, int(lens.sum())), lens
 
 
 def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:

@@ -1,8 +1,12 @@
-"""`time_sequences` given the list scheduler's steps as its levels (`greedy.list_schedule_steps`,
-`timecore.run_levels`'s `layers`) times as with Kahn's levels: the same iteration ends and the same start of
-every op, on random problems and every variant; steps that some dependency does not climb are refused."""
+"""The solvers' timing over columns gives what it gave one worker at a time, or by the general path:
+`time_sequences` given the list scheduler's steps as its levels (`greedy.list_schedule_steps`,
+`timecore.run_levels`'s `layers`) times as with Kahn's levels (the same iteration ends and the same start of
+every op, on random problems and every variant; steps that some dependency does not climb are refused), and
+each worker's memory peak and busy time (`worker_peaks`, `simfast`) are the floats a loop over its ops adds."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,12 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schedcomp import timecore
-from schedcomp.adaptive import portfolio
+from schedcomp.adaptive import ITERATIONS, portfolio
 from schedcomp.costs import CostModel
+from schedcomp.memory import stage_deltas
+from schedcomp.recut import PIECES, recut
 from schedcomp.route import assign_orphans, balanced_quota
+from schedcomp.simfast import solver_timing
 from schedcomp.solvers.greedy import list_schedule_steps
 from schedcomp.solvers.problem import Problem
-from schedcomp.solvers.timing import Timing, time_sequences
+from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
 from schedcomp.topology import Topology, Worker
 
 
@@ -87,3 +94,40 @@ def test_steps_that_a_dependency_does_not_climb_are_refused(monkeypatch: pytest.
     for wrong in (-steps, np.zeros_like(steps), ranked):
         assert _same(time_sequences(problem, seqs, 3, steps=wrong), kahn)
     assert len(calls) == 3
+
+
+def _peaks_one_by_one(problem: Problem, seqs: dict[int, list[int]]) -> dict[int, float]:
+    """Each worker's running sum of its ops' memory deltas, its largest (as `worker_peaks` did per worker)."""
+    nk = len(problem.kinds)
+    peaks = {}
+    for wid, seq in seqs.items():
+        if seq:
+            deltas = [stage_deltas(problem.costs, op // nk % problem.stages)[problem.kinds[op % nk]] for op in seq]
+            sizes = [1.0 if problem.slot_sizes is None else problem.slot_sizes[op // nk] for op in seq]
+            peaks[wid] = float(np.cumsum(np.array(deltas) * np.array(sizes)).max())
+    return peaks
+
+
+@given(scheduled(), st.booleans())
+def test_peaks_and_busy_times_are_a_loops_sums(job: tuple[Problem, dict[int, list[int]], np.ndarray],
+                                               synchronous: bool) -> None:
+    problem, seqs, _ = job
+    assert worker_peaks(problem, seqs) == _peaks_one_by_one(problem, seqs)
+    timed = solver_timing(problem, seqs, time_sequences(problem, seqs, ITERATIONS, synchronous), ITERATIONS,
+                          synchronous)
+    assert timed is not None
+    snk = problem.stages * len(problem.kinds)
+    assert list(timed.timing.busy) == [problem.worker_of(wid) for wid in sorted(seqs)]
+    assert timed.timing.busy == {problem.worker_of(wid): sum(problem.op_times[wid][op % snk] for op in seq)
+                                 for wid, seq in seqs.items()}
+
+
+def test_peaks_of_re_cut_micro_batches_scale_with_their_size() -> None:
+    problem = Problem(Topology.of(4, 3, [(1, 2)]), 6, CostModel.uniform(4, p2p=0.1), split=True)
+    cut, routing = recut(problem, PIECES[-1])
+    cut_problem = replace(problem, cut=cut)
+    cut_problem = replace(cut_problem, routing=tuple(sorted((cut_problem.slot_id(*key), wid)
+                                                             for key, wid in routing.items())))
+    assert cut_problem.slot_sizes is not None and len(set(cut_problem.slot_sizes)) > 1
+    seqs = list_schedule_steps(cut_problem, portfolio(cut_problem)[0], dict(cut_problem.routing))[0]
+    assert worker_peaks(cut_problem, seqs) == _peaks_one_by_one(cut_problem, seqs)
