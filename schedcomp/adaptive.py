@@ -54,7 +54,7 @@ from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem
-from schedcomp.solvers.timing import Timing, peak_memory, time_sequences, within_limits
+from schedcomp.solvers.timing import Timing, flat_sequences, peak_memory, time_sequences, within_limits
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,12 @@ class Solution:
         family = "adaptive" if problem.split else "adaptive-no-split"
         nk, mbs, stages = len(problem.kinds), problem.width, problem.stages
         workers = problem.topology.live_workers  # every live worker has an entry, possibly empty
-        empty = np.zeros(0, np.int64)
-        seqs = [np.asarray(self.seqs.get(problem.worker_id(w), empty), dtype=np.int64) for w in workers]
-        slot, kind = np.divmod(np.concatenate([empty, *seqs]), nk)
+        ids, lens = flat_sequences(self.seqs, [problem.worker_id(w) for w in workers])
+        slot, kind = np.divmod(ids, nk)
         rest, stage = np.divmod(slot, stages)
         pipeline, microbatch = np.divmod(rest, mbs)
         code = np.array([OP_CODES.index(k) for k in problem.kinds], np.int64)[kind]
-        ends = np.cumsum([len(seq) for seq in seqs], dtype=np.int64)
+        ends = np.cumsum(lens, dtype=np.int64)
         ops = ColumnOps(OpColumns(tuple(workers), ends, code, pipeline, microbatch, stage))
         return Order(problem.topology, problem.microbatches, ops, family, problem.cut)
 

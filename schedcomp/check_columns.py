@@ -73,14 +73,15 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     slot = (d * mbs + m) * ns + s
     # No op runs twice: one place per op id (`slot * 4 + code`, as the walk numbers them).
     compute = kinds < LOAD
-    if not (kinds[compute] == code[compute]).all():
+    ck = kinds[compute]
+    if not (ck == code[compute]).all():
         return False
-    cid = slot[compute] * 4 + kinds[compute]
+    cid = slot[compute] * 4 + ck
     comp = np.full(dp * mbs * ns * 4, -1, np.int64)
     comp[cid] = here[compute]
     if np.count_nonzero(comp >= 0) != len(cid):
         return False
-    if not _within_memory(plan, columns, place, s, kinds, d, m, compute, x, index, len(workers)):
+    if not _within_memory(plan, place[compute], s[compute], ck, d[compute], m[compute], x[compute], len(workers)):
         return False
     # LOADs: of a forward, at the first or last stage, once each.
     load = kinds == LOAD
@@ -106,28 +107,29 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     return True
 
 
-def _within_memory(plan: Any, columns: StreamColumns, place: NDArray[np.int64], stage: NDArray[np.int64],
-                   kinds: NDArray[np.int64], d: NDArray[np.int64], m: NDArray[np.int64],
-                   compute: NDArray[np.bool_], x: NDArray[np.int64], index: NDArray[np.int64], n_workers: int) -> bool:
+def _within_memory(plan: Any, place: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64],
+                   d: NDArray[np.int64], m: NDArray[np.int64], x: NDArray[np.int64], n_workers: int) -> bool:
     """Whether no worker's activation memory passes its limit, summed as the walk sums it: each worker's
-    compute ops' deltas (times a re-cut micro-batch's size) in stream order, one float64 addition each."""
+    compute ops' deltas (times a re-cut micro-batch's size) in stream order, one float64 addition each. The
+    arguments are the compute rows' (place, stage, kind, pipeline, micro-batch and worker number), in order."""
     costs, cut, ns = plan.costs, plan.cut, plan.topology.stages
     tops = np.array([lim + _EPS * max(1.0, lim) for lim in costs.stage_limits])
-    top = tops[place[compute]]  # (per compute row, its worker's limit: by place, one number if chunked)
+    top = tops[place]  # (per compute row, its worker's limit: by place, one number if chunked)
     limited = np.isfinite(top)
     if not limited.any():
         return True
     deltas = np.array([[stage_deltas(costs, k)[kind] for kind in ROW_KINDS[:LOAD]] for k in range(ns)])
-    delta = deltas[stage[compute], kinds[compute]]
+    delta = deltas[stage, kinds]
     if cut:
         mbs = cut.width(plan.microbatches)
         sizes = np.ones(plan.topology.dp * mbs)
         for p, _ in cut.bounds:
             if p < plan.topology.dp:
                 sizes[p * mbs:p * mbs + cut.count(p, plan.microbatches)] = cut.sizes(p, plan.microbatches)
-        delta = delta * sizes[d[compute] * mbs + m[compute]]
+        delta = delta * sizes[d * mbs + m]
     # Per worker a running sum over its compute ops, each started from 0.0: every sum is the walk's, bit for bit.
-    held = running_sums(delta, x[compute], index[compute], n_workers)
+    counts = np.bincount(x, minlength=n_workers)
+    held = running_sums(delta, x, np.arange(len(x)) - (np.cumsum(counts) - counts)[x], n_workers)
     return not (limited & (held > top)).any()
 
 

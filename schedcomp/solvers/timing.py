@@ -72,9 +72,11 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
 
 
 def flat_sequences(seqs: Mapping[int, Sequence[int]], wids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The sequences of workers `wids` end to end, and each one's length (one pass in C, not an array each)."""
-    lens = np.fromiter(map(len, map(seqs.__getitem__, wids)), np.int64, len(wids))
-    return np.fromiter(chain.from_iterable(map(seqs.__getitem__, wids)), np.int64, int(lens.sum())), lens
+    """The sequences of workers `wids` (none: empty) end to end, and each one's length (one pass in C, not an
+    array each)."""
+    picked = [seqs.get(wid, ()) for wid in wids]
+    lens = np.fromiter(map(len, picked), np.int64, len(wids))
+    return np.fromiter(chain.from_iterable(picked), np.int64, int(lens.sum())), lens
 
 
 def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
@@ -131,14 +133,12 @@ def time_sequences(
     pp, nk = problem.pp, len(problem.kinds)
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     n_ops = problem.n_slots * nk  # op ids (absent slots' included: a re-cut pipeline may run fewer)
-    lists = [np.asarray(seqs.get(wid, ()), dtype=np.int64) for wid in live]
-    ops = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
+    ops, lens = flat_sequences(seqs, live)
     n, present = len(ops), problem.n_present * nk
     # An op missing or repeated: not a complete schedule (present ids in range, none twice, is every op
     # once; a count, not `np.unique`, which took 2 s of a million-op schedule).
     if n != present or (n and (ops.min() < 0 or ops.max() >= n_ops or np.bincount(ops, minlength=n_ops).max() > 1)):
         return DEADLOCK
-    lens = np.array([len(x) for x in lists], dtype=np.int64)
     owner = np.repeat(np.arange(len(live)), lens)  # index into `live`
     node_of = np.empty(n_ops, dtype=np.int64)
     node_of[ops] = np.arange(n)
