@@ -140,16 +140,17 @@ def time_sequences(
     if n != present or (n and (ops.min() < 0 or ops.max() >= n_ops or np.bincount(ops, minlength=n_ops).max() > 1)):
         return DEADLOCK
     owner = np.repeat(np.arange(len(live)), lens)  # index into `live`
-    node_of = np.empty(n_ops, dtype=np.int64)
+    node_of = np.full(n_ops + 1, -1, dtype=np.int32 if n < 2**31 else np.int64)  # (int32: see `run_levels`)
     node_of[ops] = np.arange(n)
     op_pred, op_lat = op_dependencies(problem)
-    pred = op_pred[ops]
-    pred = np.where(pred >= 0, node_of[np.maximum(pred, 0)], -1)
+    pred = node_of[op_pred[ops]]  # (no producer, -1, reads the last entry: -1)
+    del node_of
     snk = problem.stages * nk  # op % snk = (virtual) stage * nk + kind
     durations = np.array([problem.op_times[wid] for wid in live]).reshape(len(live), snk)
     group = np.array([wid % pp for wid in live], dtype=np.int64)
     tail = np.column_stack((np.array(problem.allreduce_times)[group], [problem.step_time(wid) for wid in live]))
     op_durations = durations[owner, ops % snk]
+    del owner
     if problem.slot_sizes is not None:  # re-cut micro-batches: time scales with the size
         op_durations = op_durations * np.asarray(problem.slot_sizes)[ops // nk]
     run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous,
