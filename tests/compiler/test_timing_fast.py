@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from solver_helpers import problems
 
 from schedcomp import timecore
 from schedcomp.adaptive import ITERATIONS, portfolio
@@ -23,25 +24,14 @@ from schedcomp.simfast import solver_timing
 from schedcomp.solvers.greedy import list_schedule_steps
 from schedcomp.solvers.problem import Problem
 from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import Topology
 
 
 @st.composite
 def scheduled(draw: st.DrawFn) -> tuple[Problem, dict[int, list[int]], np.ndarray]:
     """(problem, sequences, steps) of one list-scheduler variant on a random problem: failures, uneven costs
     (some zero: ops of no time, whose steps may not climb), speeds, split or fused backward, memory limits."""
-    pp, dp, mb = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
-    workers = [Worker(d, s) for d in range(dp) for s in range(pp)]
-    failed = set(draw(st.lists(st.sampled_from(workers), max_size=2, unique=True)))
-    for s in range(pp):
-        if all(Worker(d, s) in failed for d in range(dp)):
-            failed.discard(Worker(0, s))  # keep a live worker on every stage
-    times = st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.25, 2.0]), min_size=pp, max_size=pp)
-    costs = CostModel(forward=draw(times), backward_input=draw(times), backward_weight=draw(times),
-                      p2p=draw(st.sampled_from([0.0, 0.1, 0.5])), allreduce=draw(times), optimizer=draw(times),
-                      speed=draw(st.dictionaries(st.sampled_from(workers), st.sampled_from([0.5, 0.8, 1.5]),
-                                                 max_size=2)))
-    problem = Problem(Topology(pp, dp, frozenset(failed)), mb, costs, split=draw(st.booleans()))
+    problem = draw(problems(max_pp=4, max_microbatches=5, times=(0.0, 0.5, 1.0, 1.25, 2.0)))
     params = draw(st.sampled_from(portfolio(problem)))
     quota = balanced_quota(problem)
     seqs, steps = list_schedule_steps(problem, params, assign_orphans(problem, quota), quota)
