@@ -6,7 +6,7 @@ back one by one in `check` and in the JSON writer, was most of their time. `Lowe
 streams mapping of a lowered plan: its keys are the live workers, `columns` the placed instructions, and
 a worker's stream is made (once) when it is read, all streams at once when all are (`items`, `values`).
 `check` reads the columns (`schedcomp.check_columns`) and the JSON writer makes the texts from them
-(`texts_by_worker`). It is read-only, as a plan is by contract (copy it to `dict` to edit a plan); a
+(`json_lists`). It is read-only, as a plan is by contract (copy it to `dict` to edit a plan); a
 copy or a pickle is a dict.
 """
 
