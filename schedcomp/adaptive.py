@@ -48,13 +48,13 @@ from schedcomp.ir import Order
 from schedcomp.opcolumns import OP_CODES, ColumnOps, OpColumns
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers.bounds import lower_bound
-from schedcomp.solvers.greedy import GreedyParams, list_schedule
+from schedcomp.solvers.greedy import GreedyParams, list_schedule_steps
 from schedcomp.solvers.greedy_tables import default_windows
 from schedcomp.solvers.improve import improve
 from schedcomp.solvers.merged import merged_sequences
 from schedcomp.solvers.plain import plain_sequences
 from schedcomp.solvers.problem import Problem
-from schedcomp.solvers.timing import Timing, peak_memory, time_sequences, within_limits
+from schedcomp.solvers.timing import Timing, flat_sequences, peak_memory, time_sequences, within_limits
 from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,12 @@ class Solution:
         family = "adaptive" if problem.split else "adaptive-no-split"
         nk, mbs, stages = len(problem.kinds), problem.width, problem.stages
         workers = problem.topology.live_workers  # every live worker has an entry, possibly empty
-        empty = np.zeros(0, np.int64)
-        seqs = [np.asarray(self.seqs.get(problem.worker_id(w), empty), dtype=np.int64) for w in workers]
-        slot, kind = np.divmod(np.concatenate([empty, *seqs]), nk)
+        ids, lens = flat_sequences(self.seqs, [problem.worker_id(w) for w in workers])
+        slot, kind = np.divmod(ids, nk)
         rest, stage = np.divmod(slot, stages)
         pipeline, microbatch = np.divmod(rest, mbs)
         code = np.array([OP_CODES.index(k) for k in problem.kinds], np.int64)[kind]
-        ends = np.cumsum([len(seq) for seq in seqs], dtype=np.int64)
+        ends = np.cumsum(lens, dtype=np.int64)
         ops = ColumnOps(OpColumns(tuple(workers), ends, code, pipeline, microbatch, stage))
         return Order(problem.topology, problem.microbatches, ops, family, problem.cut)
 
@@ -224,8 +223,8 @@ def greedy(
     for i, params in enumerate(variants):
         if best is not None and best.period <= bound * (1 + _TOL):
             break  # provably optimal: nothing to gain from the rest
-        seqs = list_schedule(problem, params, assignment, quota)
-        timing = time_sequences(problem, seqs, ITERATIONS, synchronous)
+        seqs, steps = list_schedule_steps(problem, params, assignment, quota)
+        timing = time_sequences(problem, seqs, ITERATIONS, synchronous, steps)
         candidate = _Candidate(problem, round(timing.period, 9), timing.makespan, i, str(params), seqs, timing)
         if timing.ok and candidate.beats(best):
             best = candidate

@@ -24,6 +24,7 @@ from schedcomp.check_transfers import TRANSFER_ROWS, TransferColumns
 from schedcomp.ir import OpKind
 from schedcomp.memory import stage_deltas
 from schedcomp.opcolumns import OP_CODES
+from schedcomp.runsums import running_sums
 from schedcomp.semantics import ROLE_ALLREDUCE, ROLE_STEP, semantics_of
 from schedcomp.streamcolumns import LOAD, RECV, ROW_KINDS, SEND, StreamColumns
 
@@ -72,14 +73,15 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     slot = (d * mbs + m) * ns + s
     # No op runs twice: one place per op id (`slot * 4 + code`, as the walk numbers them).
     compute = kinds < LOAD
-    if not (kinds[compute] == code[compute]).all():
+    ck = kinds[compute]
+    if not (ck == code[compute]).all():
         return False
-    cid = slot[compute] * 4 + kinds[compute]
+    cid = slot[compute] * 4 + ck
     comp = np.full(dp * mbs * ns * 4, -1, np.int64)
     comp[cid] = here[compute]
     if np.count_nonzero(comp >= 0) != len(cid):
         return False
-    if not _within_memory(plan, columns, rank % pp, s, kinds, d, m, compute, x, index, len(workers)):
+    if not _within_memory(plan, place[compute], s[compute], ck, d[compute], m[compute], x[compute], len(workers)):
         return False
     # LOADs: of a forward, at the first or last stage, once each.
     load = kinds == LOAD
@@ -92,8 +94,9 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     by_place = np.argsort(here, kind="stable") if (np.diff(here) < 0).any() else None
     checker.comp = array("q", comp.tobytes())
     checker.loads = dict(zip(load_slot.tolist(), here[load].tolist(), strict=True))
-    checker.sends = _transfers(columns, (kinds >= SEND) & (kinds < RECV), by_place, here, slot, s, kinds, code)
-    checker.recvs = _transfers(columns, kinds >= RECV, by_place, here, slot, s, kinds, code)
+    peer_rank = np.append(ranks, -1)[columns.peer]  # (peer -1: none)
+    checker.sends = _transfers((kinds >= SEND) & (kinds < RECV), by_place, here, slot, s, kinds, code, peer_rank)
+    checker.recvs = _transfers(kinds >= RECV, by_place, here, slot, s, kinds, code, peer_rank)
     checker.send_kinds, checker.recv_kinds = [], []
     checker.lengths = [0] * checker.nw
     for w, n_rows in zip(workers, lengths.tolist(), strict=True):
@@ -104,46 +107,37 @@ def scan_columns(checker: Any, columns: StreamColumns) -> bool:
     return True
 
 
-def _within_memory(plan: Any, columns: StreamColumns, place: NDArray[np.int64], stage: NDArray[np.int64],
-                   kinds: NDArray[np.int64], d: NDArray[np.int64], m: NDArray[np.int64],
-                   compute: NDArray[np.bool_], x: NDArray[np.int64], index: NDArray[np.int64], n_workers: int) -> bool:
+def _within_memory(plan: Any, place: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64],
+                   d: NDArray[np.int64], m: NDArray[np.int64], x: NDArray[np.int64], n_workers: int) -> bool:
     """Whether no worker's activation memory passes its limit, summed as the walk sums it: each worker's
-    compute ops' deltas (times a re-cut micro-batch's size) in stream order, one float64 addition each."""
+    compute ops' deltas (times a re-cut micro-batch's size) in stream order, one float64 addition each. The
+    arguments are the compute rows' (place, stage, kind, pipeline, micro-batch and worker number), in order."""
     costs, cut, ns = plan.costs, plan.cut, plan.topology.stages
     tops = np.array([lim + _EPS * max(1.0, lim) for lim in costs.stage_limits])
-    top = tops[place[compute]]  # (per compute row, its worker's limit: by place, one number if chunked)
+    top = tops[place]  # (per compute row, its worker's limit: by place, one number if chunked)
     limited = np.isfinite(top)
     if not limited.any():
         return True
     deltas = np.array([[stage_deltas(costs, k)[kind] for kind in ROW_KINDS[:LOAD]] for k in range(ns)])
-    delta = deltas[stage[compute], kinds[compute]]
+    delta = deltas[stage, kinds]
     if cut:
         mbs = cut.width(plan.microbatches)
         sizes = np.ones(plan.topology.dp * mbs)
         for p, _ in cut.bounds:
             if p < plan.topology.dp:
                 sizes[p * mbs:p * mbs + cut.count(p, plan.microbatches)] = cut.sizes(p, plan.microbatches)
-        delta = delta * sizes[d[compute] * mbs + m[compute]]
-    # Per worker a running sum over its compute ops, each started from 0.0: `add.accumulate` adds left to
-    # right, so every sum is the walk's, bit for bit. All workers at once as the rows of a zero-padded table
-    # (padding adds nothing after a worker's last op) where that table is not much larger than the plan.
-    who, at = x[compute], index[compute]
-    width = int(at.max()) + 1 if len(at) else 1
-    if n_workers * width <= 4 * len(at) + 1024:
-        table = np.zeros((n_workers, width))
-        table[who, at] = delta
-        held = np.add.accumulate(table, axis=1)[who, at]
-    else:
-        starts = np.flatnonzero(np.diff(who, prepend=-1))
-        held = np.concatenate([np.add.accumulate(part) for part in np.split(delta, starts[1:])]) if len(at) else delta
+        delta = delta * sizes[d * mbs + m]
+    # Per worker a running sum over its compute ops, each started from 0.0: every sum is the walk's, bit for bit.
+    counts = np.bincount(x, minlength=n_workers)
+    held = running_sums(delta, x, np.arange(len(x)) - (np.cumsum(counts) - counts)[x], n_workers)
     return not (limited & (held > top)).any()
 
 
-def _transfers(columns: StreamColumns, rows: NDArray[np.bool_], by_place: NDArray[np.int64] | None,
-               here: NDArray[np.int64], slot: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64],
-               code: NDArray[np.int64]) -> TransferColumns:
+def _transfers(rows: NDArray[np.bool_], by_place: NDArray[np.int64] | None, here: NDArray[np.int64],
+               slot: NDArray[np.int64], stage: NDArray[np.int64], kinds: NDArray[np.int64], code: NDArray[np.int64],
+               peer_rank: NDArray[np.int64]) -> TransferColumns:
     """One side's transfers (the rows `rows` picks), in the walk's order."""
     order = by_place[rows[by_place]] if by_place is not None else np.flatnonzero(rows)
     row_of = np.array([TRANSFER_ROWS.index(k) if k in TRANSFER_ROWS else -1 for k in ROW_KINDS], np.int64)
-    return TransferColumns(here[order], slot[order], stage[order], row_of[kinds[order]], code[order],
-                           columns.peer_workers[columns.peer[order]].tolist())
+    return TransferColumns(here[order], slot[order], stage[order], row_of[kinds[order]], code[order], None,
+                           peer_rank[order])

@@ -11,8 +11,8 @@ Sends, each: (1) its kind may carry its op's kind and the peer's stage exists; (
 own worker; (3) its producer runs earlier on this worker; (4) its peer runs the consumer (the peer
 slot's F); (5) no earlier send carries the same tensor. Receives: (1) as sends; (2) its consumer runs
 on this worker; (3) after it; (4) its peer runs the producer; (5) no earlier receive of the same tensor.
-The peer rules compare workers by identity first (the streams' keys are distinct objects, and a lowered
-plan's peers are those very keys) and by equality where identity does not settle them.
+The peer rules compare workers by rank where the column scan gives the peers' ranks, else by identity first
+(the streams' keys are distinct objects) and by equality where identity does not settle them.
 """
 
 from __future__ import annotations
@@ -50,14 +50,16 @@ TRANSFER_ROWS = [k for k, sem in SEMANTICS.items() if sem.is_transfer]
 class TransferColumns(NamedTuple):
     """One side's transfers (all sends, or all receives) in stream order, as the scan found them: per
     transfer its packed place, slot, its op's stage, its kind (a row of `TRANSFER_ROWS`), its op's kind
-    (`_KIND_ID`, -1 for another) and its peer."""
+    (`_KIND_ID`, -1 for another) and its peer: the object the walk read, or, from the column scan, whose
+    peers are live workers by construction, the peer's rank (-1 for none)."""
 
     here: NDArray[np.int64]
     slot: NDArray[np.int64]
     stage: NDArray[np.int64]
     kind: NDArray[np.int64]
     op_kind: NDArray[np.int64]
-    peers: list[Any]
+    peers: list[Any] | None
+    peer_rank: NDArray[np.int64] | None = None
 
 
 def _scanned(ints: Any, objects: list[Any] | None) -> TransferColumns:
@@ -82,7 +84,7 @@ class _Columns:
                  by_rank: list[Worker | None]) -> None:
         self.plan, self.by_rank = plan, by_rank  # for messages only
         self.n = len(side.here)
-        self.here, self.slot, self.peers = side.here, side.slot, side.peers
+        self.here, self.slot, self.peers, self.peer_rank = side.here, side.slot, side.peers, side.peer_rank
         rows, kcode, opk = TRANSFER_ROWS, side.kind, side.op_kind
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
@@ -145,11 +147,14 @@ class TransferRules:
         return np.fromiter(map(id, self.by_rank), np.uint64, len(self.by_rank))
 
     def _peers_are(self, cols: _Columns, ranks: NDArray[np.int64]) -> NDArray[np.bool_]:
-        """Whether each transfer's peer is the worker of rank `ranks` (-1: nobody): by identity, then by
-        equality for the few that identity does not settle."""
+        """Whether each transfer's peer is the worker of rank `ranks` (-1: nobody): by rank where the scan
+        knows the peers' ranks, else by identity, then by equality for the few that identity does not settle."""
+        known = ranks >= 0
+        if cols.peer_rank is not None:
+            return known & (cols.peer_rank == ranks)
+        assert cols.peers is not None
         ids = self._rank_ids()
         peer_ids = np.fromiter(map(id, cols.peers), np.uint64, cols.n)
-        known = ranks >= 0
         same = known & (ids[np.where(known, ranks, 0)] == peer_ids)
         by_rank, peers = self.by_rank, cols.peers
         for k in np.flatnonzero(known & ~same).tolist():
@@ -197,9 +202,7 @@ class TransferRules:
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
         to = np.where(target >= 0, target >> 32, -1)  # the consumer's rank
         to_consumer = self._peers_are(sends, to) & (to != rank)
-        own = np.zeros(sends.n, bool)  # a peer that is the consumer's worker and not this one is not this one
-        for k in np.flatnonzero(~to_consumer).tolist():
-            own[k] = sends.peers[k] == by_rank[rank[k]]
+        own = self._peers_are(sends, rank)
         producer = sends.place(slot * 4 + sends.opk)
         tensor = slot * 2 + sends.channel
 

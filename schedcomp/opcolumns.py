@@ -107,6 +107,11 @@ class OpColumns:
         return made
 
 
+def span(ends: NDArray[np.int64], x: int) -> tuple[int, int]:
+    """Where worker x's rows start and end, of rows laid worker after worker that end where `ends` says."""
+    return (int(ends[x - 1]) if x else 0), int(ends[x])
+
+
 class ColumnOps(LazyMapping[tuple[Op, ...]]):
     """`{worker: ops}` over `OpColumns`, each worker's tuple made when first read (see the module docstring)."""
 
@@ -115,8 +120,7 @@ class ColumnOps(LazyMapping[tuple[Op, ...]]):
         self.columns = columns
 
     def _make(self, worker: Worker) -> tuple[Op, ...]:
-        x = self._number[worker]
-        return tuple(self.columns.make(int(self.columns.ends[x - 1]) if x else 0, int(self.columns.ends[x])))
+        return tuple(self.columns.make(*span(self.columns.ends, self._number[worker])))
 
 
 def op_columns_of(ops: object) -> OpColumns | None:

@@ -53,7 +53,7 @@ from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
 from schedcomp.partition import as_partition
-from schedcomp.streamcolumns import columns_of, texts_by_worker
+from schedcomp.streamcolumns import JSON_PLAIN, columns_of, json_lists
 from schedcomp.topology import Topology, Worker
 
 FORMAT = "schedcomp-plan"
@@ -247,9 +247,10 @@ def _stream_items(plan: Plan, item: str, sep: str) -> Iterator[str]:
     # they are: each stream is joined directly, not escaped by `json` text by text (that was most of the
     # time for plans of 100k+ workers). Anything else (a hand-made op with odd fields) goes through `json`.
     columns = columns_of(plan.streams)
-    if columns is not None and plan.topology.chunks == 1:  # a lowered plan: its texts made from its columns
-        for w, texts in texts_by_worker(columns):
-            yield f"{_string(str(w))}{item}{_json_list(texts, sep)}"
+    lists = json_lists(columns, sep) if columns is not None and plan.topology.chunks == 1 else None
+    if lists is not None:  # a lowered plan: its lists made from its columns
+        for w, texts in lists:
+            yield f'"{w}"{item}{texts}'
         return
     text = _text_of(plan)
     # Sorted items, not `plan.streams[w]` per sorted key: that hashes each `Worker` (a Python call) once more.
@@ -257,11 +258,10 @@ def _stream_items(plan: Plan, item: str, sep: str) -> Iterator[str]:
         yield f"{_string(str(w))}{item}{_json_list(text(stream), sep)}"
 
 
-_PLAIN = re.compile(r"[A-Za-z0-9_.:<>\[\]-]*")  # texts that are valid inside JSON quotes as they are
 
 
 def _string(text: str) -> str:
-    return f'"{text}"' if _PLAIN.fullmatch(text) else _dumps(text)
+    return f'"{text}"' if JSON_PLAIN.fullmatch(text) else _dumps(text)
 
 
 def _text_of(plan: Plan) -> Callable[[Sequence[Instruction]], list[str]]:
@@ -275,7 +275,7 @@ def _staged_texts(stream: Sequence[Instruction]) -> list[str]:
 
 def _json_list(texts: list[str], sep: str) -> str:
     """`json.dumps(texts, separators=(sep, ...))`, fast for plain texts."""
-    if not _PLAIN.fullmatch("".join(texts)):
+    if not JSON_PLAIN.fullmatch("".join(texts)):
         return _dumps(texts, separators=(sep, ":"))
     return '["' + f'"{sep}"'.join(texts) + '"]' if texts else "[]"
 

@@ -6,12 +6,13 @@ back one by one in `check` and in the JSON writer, was most of their time. `Lowe
 streams mapping of a lowered plan: its keys are the live workers, `columns` the placed instructions, and
 a worker's stream is made (once) when it is read, all streams at once when all are (`items`, `values`).
 `check` reads the columns (`schedcomp.check_columns`) and the JSON writer makes the texts from them
-(`texts_by_worker`). It is read-only, as a plan is by contract (copy it to `dict` to edit a plan); a
+(`json_lists`). It is read-only, as a plan is by contract (copy it to `dict` to edit a plan); a
 copy or a pickle is a dict.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import numpy as np
 
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, instruction_text, stream_texts
-from schedcomp.opcolumns import OP_CODES, ColumnOps, LazyMapping, OpColumns
+from schedcomp.opcolumns import OP_CODES, ColumnOps, LazyMapping, OpColumns, span
 from schedcomp.semantics import semantics_of
 from schedcomp.topology import Worker
 
@@ -72,9 +73,9 @@ class LoweredStreams(LazyMapping[tuple[Instruction, ...]]):
 
     def _ops_of(self, x: int) -> NDArray[np.object_]:
         """Worker x's ops, in a row (the rows' `op_of` minus its first op's number indexes them)."""
-        ends = self.columns.ops.ends
         if isinstance(self._ops, np.ndarray):
-            return self._ops[(int(ends[x - 1]) if x else 0):int(ends[x])]
+            start, end = span(self.columns.ops.ends, x)
+            return self._ops[start:end]
         ops = self._ops[self.columns.workers[x]]
         own = np.empty(len(ops), object)
         own[:] = ops
@@ -82,8 +83,8 @@ class LoweredStreams(LazyMapping[tuple[Instruction, ...]]):
 
     def _make(self, worker: Worker) -> tuple[Instruction, ...]:
         c, x = self.columns, self._number[worker]
-        start, end = (int(c.ends[x - 1]) if x else 0), int(c.ends[x])
-        first_op = int(c.ops.ends[x - 1]) if x else 0  # (a row names an op of its own worker: `lower_columns`)
+        start, end = span(c.ends, x)
+        first_op = span(c.ops.ends, x)[0]  # (a row names an op of its own worker: `lower_columns`)
         return (*_instructions([(ROW_KINDS, c.kinds[start:end]), (self._ops_of(x), c.op_of[start:end] - first_op),
                                 (c.peer_workers, c.peer[start:end])]), *c.tail)
 
@@ -132,45 +133,69 @@ class EditedStreams(LazyMapping[tuple[Instruction, ...]]):
         return {w: changed[w] if w in changed else base[w] for w in self._number}
 
 
-def texts_by_worker(columns: StreamColumns, batch: int = 256) -> Iterator[tuple[Worker, list[str]]]:
-    """Each worker's stream as texts (`str` of each instruction, the tail included), workers in order: what
-    `ir.stream_texts` gives, made per batch of `batch` workers with array operations. The op texts are made
-    once per distinct op name and every other text from the one format (`ir.instruction_text`) of each kind
-    with each peer, so the two cannot differ (`tests/compiler/test_fast_paths.py` holds them to it)."""
-    workers, ends = columns.workers, columns.ends
-    if not workers:
-        return
-    starts = ends - np.diff(ends, prepend=0)
-    # Op texts (`F3.1`: kind, micro-batch, pipeline), one per distinct name, shared by every row naming it.
+JSON_PLAIN = re.compile(r"[A-Za-z0-9_.:<>\[\]-]*")
+"""Texts that are valid inside JSON quotes as they are (instruction and worker texts: see `ir`)."""
+
+
+def json_lists(columns: StreamColumns, sep: str, batch: int = 256) -> Iterator[tuple[Worker, str]] | None:
+    """Each worker's stream as the JSON list of its instructions' texts (`json.dumps(ir.stream_texts(stream),
+    separators=(sep, ":"))`, the tail included), workers in order; None if some text would need escaping
+    (none does: see `JSON_PLAIN`). Each row's text is two shared pieces, its kind's prefix with its op's name
+    (`LOAD[F3.1`, one per kind and distinct op name) and its kind's suffix with its peer and the separator
+    (`>0:1]", "`), and a worker's list is one join of those, so no text is made per instruction (3.6 million at
+    pp = 32, dp = 256). Every piece is cut from the one format of each kind (`ir.instruction_text`), so the two
+    cannot differ (`tests/compiler/test_fast_paths.py` holds them to it)."""
+    workers = columns.workers
+    # Op names (`F3.1`: kind, micro-batch, pipeline) by number, made for the numbers in use only.
     d, m, code = columns.ops.pipeline, columns.ops.microbatch, columns.ops.code
     dp, width = int(d.max(initial=0)) + 1, int(m.max(initial=0)) + 1
-    names, which = np.unique((code * width + m) * dp + d, return_inverse=True)
-    op_text = np.array([str(Op(OP_CODES[n // (width * dp)], n % dp, n // dp % width, 0)) for n in names.tolist()],
-                       object)[which]
-    # Per row kind, the text before its op's and after it; transfers: after it, per peer.
-    before = np.empty(len(ROW_KINDS), object)
-    after = np.empty((len(ROW_KINDS), len(workers) + 1), object)
+    name_of = (code * width + m) * dp + d
+    used = np.zeros(len(OP_CODES) * width * dp, bool)
+    used[name_of] = True
+    numbers = np.flatnonzero(used).tolist()
+    names = [str(Op.trusted(OP_CODES[n // (width * dp)], n % dp, n // dp % width, 0)) for n in numbers]
+    quote = f'"{sep}"'  # between two texts of a list
+    # Per row kind, the text before its op's name and after it (per peer for transfers, -1: none).
+    heads = np.empty((len(ROW_KINDS), len(used)), object)
+    tails = np.empty((len(ROW_KINDS), len(workers) + 1), object)
     for k, kind in enumerate(ROW_KINDS):
         transfer = semantics_of(kind).is_transfer
-        before[k] = instruction_text(kind, "\0", workers[0] if transfer else None).split("\0")[0]
-        after[k] = [instruction_text(kind, "\0", w if transfer else None).split("\0")[1] for w in (*workers, None)] \
-            if transfer else instruction_text(kind, "\0", None).split("\0")[1]
+        head = instruction_text(kind, "\0", workers[0] if transfer and workers else None).split("\0")[0]
+        heads[k, numbers] = [head + name for name in names] if head else names
+        tails[k] = [instruction_text(kind, "\0", w).split("\0")[1] + quote for w in (*workers, None)] \
+            if transfer else instruction_text(kind, "\0", None).split("\0")[1] + quote
     tail = stream_texts(columns.tail)
+    pieces = (*heads[:, numbers[0]], *names, *tails[:, 0], *tails[:, -1], *tail, *map(str, workers)) \
+        if numbers else (*tail, *map(str, workers))
+    if not all(JSON_PLAIN.fullmatch(text.replace(quote, "")) for text in pieces):
+        return None
+    return _json_lists(columns, heads.reshape(-1), tails, name_of, tail, quote, batch)
+
+
+def _json_lists(columns: StreamColumns, heads: NDArray[np.object_], tails: NDArray[np.object_],
+                name_of: NDArray[np.int64], tail: list[str], quote: str, batch: int) -> Iterator[tuple[Worker, str]]:
+    workers, ends = columns.workers, columns.ends
+    starts = ends - np.diff(ends, prepend=0)
+    n_names = len(heads) // len(ROW_KINDS)  # (numbers of op names)
+    close = quote.join(tail) + '"]' if tail else ""
     order = sorted(range(len(workers)), key=workers.__getitem__)
     for b in range(0, len(order), batch):
         xs = np.array(order[b:b + batch], np.int64)
         lengths = ends[xs] - starts[xs]
         rows = np.repeat(starts[xs] - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
         kinds = columns.kinds[rows].astype(np.int64)
-        texts = op_text[columns.op_of[rows]]
-        wrapped = kinds >= len(OP_CODES)  # (compute rows are their op's text alone)
-        k = kinds[wrapped]
-        texts[wrapped] = before[k] + texts[wrapped] + after[k, columns.peer[rows[wrapped]]]
-        out = texts.tolist()
+        pieces = np.empty((len(rows), 2), object)
+        pieces[:, 0] = heads[kinds * n_names + name_of[columns.op_of[rows]]]
+        pieces[:, 1] = tails[kinds, columns.peer[rows]]
+        out = pieces.reshape(-1).tolist()
         at = 0
         for x, n in zip(xs.tolist(), lengths.tolist(), strict=True):
-            yield workers[x], [*out[at:at + n], *tail]
-            at += n
+            body = "".join(out[at:at + 2 * n])
+            at += 2 * n
+            if close:
+                yield workers[x], f'["{body}{close}'
+            else:  # (no tail: the last text ends the list, not a separator)
+                yield workers[x], f'["{body[:-len(quote)]}"]' if n else "[]"
 
 
 def instruction_count(streams: Mapping[Worker, Sequence[Instruction]]) -> int:

@@ -52,11 +52,14 @@ def work_bound(problem: Problem) -> float:
     chunk; otherwise, and with re-cut micro-batches (`schedcomp.cut`, whose pieces may be any size), the
     fractional water-filling of the re-routed work is the bound (any integer split is one of its points)."""
     quota = balanced_quota(problem)
-    m, chunks_of = problem.microbatches, problem.topology.chunks_of
+    m, chunks_of, nk = problem.microbatches, problem.topology.chunks_of, len(problem.kinds)
     bound = 0.0
     for s, group in enumerate(problem.survivors):
         held = chunks_of(s)
-        costs = {w: [sum(problem.duration(k, w, c) for k in problem.kinds) for c in held] for w in group}
+        # (Each slot's op times off the solvers' table, `Problem.op_times`: the same floats, added in the same
+        # order, with a lookup per op rather than a cost-model call: 8,000 workers at pp = 32, dp = 256.)
+        costs = {w: [sum(row[c * nk:(c + 1) * nk]) for c in held]
+                 for w in group for row in (problem.op_times[problem.worker_id(w)],)}
         fixed = {w: problem.allreduce_times[s] + problem.step_time(problem.worker_id(w)) for w in group}
         if all(max(c) - min(c) <= _TOL * max(1.0, max(c)) for c in costs.values()) and not problem.cut:
             for w in group:

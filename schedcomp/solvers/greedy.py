@@ -40,6 +40,8 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
 from schedcomp.solvers.greedy_tables import boundary_room, interned, per_worker, queues, slot_tables
@@ -80,6 +82,17 @@ def list_schedule(
 ) -> dict[int, list[int]]:
     """Schedule every op of `problem`; `assignment` (orphan slot -> worker id) is needed for "static"
     routing and `quota` (worker id -> most re-routed slots it takes) for "quota"."""
+    return list_schedule_steps(problem, params, assignment, quota)[0]
+
+
+def list_schedule_steps(
+    problem: Problem,
+    params: GreedyParams,
+    assignment: Mapping[int, int] | None = None,
+    quota: Mapping[int, int] | None = None,
+) -> tuple[dict[int, list[int]], np.ndarray]:
+    """`list_schedule`, and per op id the step of the scheduler's clock that ran it (ops of one step start at
+    one time): a layering the timing core may take instead of working one out (`time_sequences`'s `steps`)."""
     pp, stages, nk = problem.pp, problem.stages, len(problem.kinds)
     split = nk == 3
     costs = problem.costs
@@ -175,6 +188,7 @@ def list_schedule(
     # (each op's worker is its slot's runner then), is cheaper than 8,000 lists scattered over memory.
     log = array("q")  # (machine ints: a million int objects kept alive would crowd the cache)
     record = log.append
+    batches = array("q")  # where each time's ops begin in `log`
 
     # Bound once: the loop below runs once per op (1.5 million at pp = 32, dp = 256), and a global or
     # attribute lookup per call was a tenth of its time.
@@ -217,15 +231,6 @@ def list_schedule(
                         wake[q] = at
                         push(at, q)
 
-    def deliver_b(slot: int, ready: float) -> None:
-        """The B of `slot` can run from `ready` on."""
-        r = runner[slot]
-        heappush(bq[r], (ready, slot))
-        at = ready if ready > free[r] else free[r]
-        if at < wake[r]:
-            wake[r] = at
-            push(at, r)
-
     for d in range(problem.dp):
         for m in range(problem.count(d)):
             deliver_f((m * problem.dp + d) * stages, 0.0)
@@ -240,6 +245,7 @@ def list_schedule(
     # workers due at `t` itself while they run (it and its deliveries end at `t`): they are merged in after it.
     while times:
         t = heappop(times)
+        batches.append(len(log))
         batch = due[t]
         batch.sort(reverse=True)
         late: list[int] = []
@@ -359,8 +365,8 @@ def list_schedule(
                 else:
                     reserved[w] -= d_f[st] * scale
                 mem[w] += d_f[st] * scale
-                if st == last_stage:
-                    deliver_b(slot, end)
+                if st == last_stage:  # its B, here (a slot's ops run on its runner), where free and wake are `end`
+                    heappush(bqw, (end, slot))
                 else:
                     f_end[slot] = end
                     nxt_slot = slot + 1
@@ -373,7 +379,10 @@ def list_schedule(
                         at = ready if ready > free[r] else free[r]
                         if at < wake[r]:
                             wake[r] = at
-                            push(at, r)
+                            if at == end:  # (`push`, where the time's list is at hand: most deliveries)
+                                ending.append(r)
+                            else:
+                                push(at, r)
             elif kind == 1:
                 if first[st]:
                     infl[w] -= scale
@@ -384,10 +393,20 @@ def list_schedule(
                         w_time[w] += dur[w][st * nk + 2] * scale
                 if ahead:
                     open_b[w] -= 1
-                if st > 0:
+                if st > 0:  # the previous stage's B can run once this gradient arrives and its F ended
                     up = slot - 1
-                    ready = end + p2p if p2p and runner[up] != w else end
-                    deliver_b(up, f_end[up] if f_end[up] > ready else ready)
+                    r = runner[up]
+                    ready = end + p2p if p2p and r != w else end
+                    if f_end[up] > ready:
+                        ready = f_end[up]
+                    heappush(bq[r], (ready, up))
+                    at = ready if ready > free[r] else free[r]
+                    if at < wake[r]:
+                        wake[r] = at
+                        if at == end:  # (`push`, as above)
+                            ending.append(r)
+                        else:
+                            push(at, r)
             else:
                 mem[w] += d_w[st] * scale
                 if ahead:
@@ -402,4 +421,4 @@ def list_schedule(
             f"list scheduler stalled after {len(log)} of {problem.n_present * nk} ops (a bug): "
             "report it with the topology and cost model"
         )
-    return per_worker(log, nk, slots, live)
+    return per_worker(log, nk, slots, live, batches, problem.n_slots * nk)

@@ -16,10 +16,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 
 import numpy as np
 
 from schedcomp.memory import stage_deltas
+from schedcomp.runsums import running_sums
 from schedcomp.solvers.problem import Problem
 from schedcomp.timecore import run_levels
 from schedcomp.timeline import period_from_ends
@@ -58,15 +60,23 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
     order only)."""
     nk, stages = len(problem.kinds), problem.stages
     table = np.array([[d[k] for k in problem.kinds] for d in (stage_deltas(problem.costs, s) for s in range(stages))])
-    peaks = {}
-    for wid, seq in seqs.items():
-        if len(seq):
-            ops = np.asarray(seq, dtype=np.int64)
-            deltas = table[(ops // nk) % stages, ops % nk]
-            if problem.slot_sizes is not None:  # re-cut micro-batches: activation scales with the size
-                deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
-            peaks[wid] = float(np.cumsum(deltas).max())
-    return peaks
+    wids = [wid for wid, seq in seqs.items() if len(seq)]
+    ops, lens = flat_sequences(seqs, wids)
+    deltas = table[(ops // nk) % stages, ops % nk]
+    if problem.slot_sizes is not None:  # re-cut micro-batches: activation scales with the size
+        deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
+    owner = np.repeat(np.arange(len(wids)), lens)
+    starts = np.cumsum(lens) - lens
+    held = running_sums(deltas, owner, np.arange(len(ops)) - starts[owner], len(wids))
+    return dict(zip(wids, np.maximum.reduceat(held, starts).tolist() if wids else [], strict=True))
+
+
+def flat_sequences(seqs: Mapping[int, Sequence[int]], wids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences of workers `wids` (none: empty) end to end, and each one's length (one pass in C, not an
+    array each)."""
+    picked = [seqs.get(wid, ()) for wid in wids]
+    lens = np.fromiter(map(len, picked), np.int64, len(wids))
+    return np.fromiter(chain.from_iterable(picked), np.int64, int(lens.sum())), lens
 
 
 def peak_memory(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> float:
@@ -113,36 +123,38 @@ def time_sequences(
     seqs: Mapping[int, Sequence[int]],
     iterations: int = 4,
     synchronous: bool = False,
+    steps: np.ndarray | None = None,
 ) -> Timing:
     """Time per-worker op sequences (worker id -> op ids) over `iterations`; `DEADLOCK` if they cannot run.
 
     Each live worker is a lane of the timing core (`schedcomp.timecore.run_levels`): its ops, then its
-    place's all-reduce and its step."""
+    place's all-reduce and its step. `steps` (per op id, as `greedy.list_schedule_steps` gives them): levels
+    the core may take where every dependency goes to a later step (the same times: see `run_levels`)."""
     pp, nk = problem.pp, len(problem.kinds)
     live = [problem.worker_id(w) for w in problem.topology.live_workers]
     n_ops = problem.n_slots * nk  # op ids (absent slots' included: a re-cut pipeline may run fewer)
-    lists = [np.asarray(seqs.get(wid, ()), dtype=np.int64) for wid in live]
-    ops = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
+    ops, lens = flat_sequences(seqs, live)
     n, present = len(ops), problem.n_present * nk
     # An op missing or repeated: not a complete schedule (present ids in range, none twice, is every op
     # once; a count, not `np.unique`, which took 2 s of a million-op schedule).
     if n != present or (n and (ops.min() < 0 or ops.max() >= n_ops or np.bincount(ops, minlength=n_ops).max() > 1)):
         return DEADLOCK
-    lens = np.array([len(x) for x in lists], dtype=np.int64)
     owner = np.repeat(np.arange(len(live)), lens)  # index into `live`
-    node_of = np.empty(n_ops, dtype=np.int64)
+    node_of = np.full(n_ops + 1, -1, dtype=np.int32 if n < 2**31 else np.int64)  # (int32: see `run_levels`)
     node_of[ops] = np.arange(n)
     op_pred, op_lat = op_dependencies(problem)
-    pred = op_pred[ops]
-    pred = np.where(pred >= 0, node_of[np.maximum(pred, 0)], -1)
+    pred = node_of[op_pred[ops]]  # (no producer, -1, reads the last entry: -1)
+    del node_of
     snk = problem.stages * nk  # op % snk = (virtual) stage * nk + kind
     durations = np.array([problem.op_times[wid] for wid in live]).reshape(len(live), snk)
     group = np.array([wid % pp for wid in live], dtype=np.int64)
     tail = np.column_stack((np.array(problem.allreduce_times)[group], [problem.step_time(wid) for wid in live]))
     op_durations = durations[owner, ops % snk]
+    del owner
     if problem.slot_sizes is not None:  # re-cut micro-batches: time scales with the size
         op_durations = op_durations * np.asarray(problem.slot_sizes)[ops // nk]
-    run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous)
+    run = run_levels(lens, pred, op_lat[ops], op_durations, group, tail, iterations, synchronous,
+                     None if steps is None else steps[ops])
     if run is None:
         return DEADLOCK
     ends = run.iteration_ends

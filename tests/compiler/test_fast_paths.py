@@ -30,8 +30,9 @@ from schedcomp.ir import Op, Plan, stream_texts
 from schedcomp.lower_columns import _suffix_min_by_group, lower_streams
 from schedcomp.repair import repair
 from schedcomp.schedules import FAMILIES
+from schedcomp.serialize import plan_to_json
 from schedcomp.simfast import compute_sequences
-from schedcomp.streamcolumns import EditedStreams, LoweredStreams, columns_of, texts_by_worker
+from schedcomp.streamcolumns import EditedStreams, LoweredStreams, columns_of, json_lists
 from schedcomp.topology import Worker
 
 GOLDEN = Path(__file__).parent / "data" / "fast_paths.json"
@@ -180,14 +181,31 @@ def test_columns_scan_random_jobs_as_the_walk(kw: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PLANS])
-def test_texts_from_columns_are_the_instructions_texts(name: str) -> None:
+def test_json_lists_from_columns_are_the_instructions_texts(name: str) -> None:
     plan = compiled(name)
     columns = columns_of(plan.streams)
     assert columns is not None
-    texts = dict(texts_by_worker(columns, batch=3))  # (batches that split the workers unevenly)
-    assert list(texts) == sorted(plan.streams)
-    assert texts == {w: stream_texts(stream) for w, stream in plan.streams.items()}
-    assert plan.to_json() == dataclasses.replace(plan, streams=dict(plan.streams)).to_json()
+    for sep in (", ", ","):
+        lists = json_lists(columns, sep, batch=3)  # (batches that split the workers unevenly)
+        assert lists is not None
+        got = dict(lists)
+        assert list(got) == sorted(plan.streams)
+        assert got == {w: json.dumps(stream_texts(stream), separators=(sep, ":")) for w, stream in plan.streams.items()}
+    plain = dataclasses.replace(plan, streams=dict(plan.streams))
+    assert plan.to_json() == plain.to_json()
+    assert plan_to_json(plan, indent=False) == plan_to_json(plain, indent=False)
+
+
+def test_json_lists_of_streams_without_a_tail() -> None:
+    """A list whose last text is an instruction's, not the tail's, as `json` writes it."""
+    columns = columns_of(compile(3, dp=2, microbatches=2, failed=[(1, 1)], solver="greedy").streams)
+    assert columns is not None
+    bare = dataclasses.replace(columns, tail=())
+    lists = json_lists(bare, ", ")
+    assert lists is not None
+    ops = np.empty(int(columns.ops.ends[-1]), object)  # (the order's ops in a row)
+    ops[:] = columns.ops.make(0, len(ops))
+    assert dict(lists) == {w: json.dumps(stream_texts(s)) for w, s in LoweredStreams(bare, ops).items()}
 
 
 def test_lowered_streams_are_read_only_and_copy_to_dicts() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from solver_helpers import swap_neighbours
+from solver_helpers import problems, swap_neighbours
 
 from schedcomp.adaptive import Solution
 from schedcomp.check import check
@@ -34,18 +34,7 @@ from schedcomp.topology import PLACEMENTS, Topology, V, Worker
 def orders(draw):
     """(problem, per-worker op sequences): the plain re-routed 1F1B shuffled by random neighbour swaps
     (which may deadlock it), over random failures, costs, speeds and split or fused backward."""
-    pp, dp, mb = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    workers = [Worker(d, s) for d in range(dp) for s in range(pp)]
-    failed = set(draw(st.lists(st.sampled_from(workers), max_size=2, unique=True)))
-    for s in range(pp):
-        if all(Worker(d, s) in failed for d in range(dp)):
-            failed.discard(Worker(0, s))  # keep a live worker on every stage
-    times = st.lists(st.sampled_from([0.5, 1.0, 1.25, 2.0]), min_size=pp, max_size=pp)
-    costs = CostModel(forward=draw(times), backward_input=draw(times), backward_weight=draw(times),
-                      p2p=draw(st.sampled_from([0.0, 0.1, 0.5])), allreduce=draw(times), optimizer=draw(times),
-                      speed=draw(st.dictionaries(st.sampled_from(workers), st.sampled_from([0.5, 0.8, 1.5]),
-                                                 max_size=2)))
-    problem = Problem(Topology(pp, dp, frozenset(failed)), mb, costs, split=draw(st.booleans()))
+    problem = draw(problems())
     seqs = {wid: list(seq) for wid, seq in plain_sequences(problem).items()}
     return problem, _swap_neighbours(draw, problem, seqs)
 

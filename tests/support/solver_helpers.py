@@ -12,7 +12,11 @@ import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
 
+from hypothesis import strategies as st
+
+from schedcomp.costs import CostModel
 from schedcomp.solvers.problem import Problem
+from schedcomp.topology import Topology, Worker
 
 
 def exact_period(problem: Problem, seqs: Mapping[int, Sequence[int]], synchronous: bool = False) -> float:
@@ -157,3 +161,23 @@ def swap_neighbours(rng: random.Random, problem: Problem, seqs: dict[int, list[i
             if seq[i] // nk != seq[i + 1] // nk:  # a slot's own ops stay in order
                 seq[i], seq[i + 1] = seq[i + 1], seq[i]
     return seqs
+
+
+@st.composite
+def problems(draw: st.DrawFn, max_pp: int = 3, max_microbatches: int = 4,
+             times: Sequence[float] = (0.5, 1.0, 1.25, 2.0)) -> Problem:
+    """A random problem: up to two failed workers (a live one kept on every stage), per-stage costs drawn from
+    `times`, a p2p latency, speed factors, split or fused backward."""
+    pp, dp, mb = draw(st.integers(1, max_pp)), draw(st.integers(1, 3)), draw(st.integers(1, max_microbatches))
+    workers = [Worker(d, s) for d in range(dp) for s in range(pp)]
+    failed = set(draw(st.lists(st.sampled_from(workers), max_size=2, unique=True)))
+    for s in range(pp):
+        if all(Worker(d, s) in failed for d in range(dp)):
+            failed.discard(Worker(0, s))  # keep a live worker on every stage
+    per_stage = st.lists(st.sampled_from(list(times)), min_size=pp, max_size=pp)
+    costs = CostModel(forward=draw(per_stage), backward_input=draw(per_stage), backward_weight=draw(per_stage),
+                      p2p=draw(st.sampled_from([0.0, 0.1, 0.5])), allreduce=draw(per_stage),
+                      optimizer=draw(per_stage),
+                      speed=draw(st.dictionaries(st.sampled_from(workers), st.sampled_from([0.5, 0.8, 1.5]),
+                                                 max_size=2)))
+    return Problem(Topology(pp, dp, frozenset(failed)), mb, costs, split=draw(st.booleans()))
