@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.fence import Fence
-from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, get_int
+from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, backoff, get_int
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -330,11 +330,10 @@ def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2
     Polls `is_completed()` with a back-off from `first_poll` to `max_poll` seconds: a transfer that
     is already there costs one call; one that arrives later is noticed within `max_poll`.
     """
-    delay = first_poll
+    delays = backoff(first_poll, max_poll)
     while not work.is_completed():
-        if signal.wait(delay) and not work.is_completed():  # a transfer that made it still counts
+        if signal.wait(next(delays)) and not work.is_completed():  # a transfer that made it still counts
             raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
-        delay = min(2 * delay, max_poll)
     work.wait()  # raises the transfer's own error, if it failed
 
 

@@ -196,7 +196,7 @@ class Keys:
 
 
 def backoff(first: float, most: float) -> Iterator[float]:
-    """Sleeps between polls of the store: `first`, doubling up to `most`, then `most` forever.
+    """Sleeps between polls (of the store, of a work item): `first`, doubling up to `most`, then `most` forever.
 
     A wait that ends soon is seen soon; a long one (a meeting whose last member is still
     importing torch, 8 workers on 2 cores) stops costing a store round trip every few ms, CPU
