@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.runtime.comm import backend_config, backend_spec, local_device
 from schedcomp.runtime.fault.store import LOOPBACK
-from schedcomp.runtime.fault.zygote import take_over
+from schedcomp.runtime.fault.zygote import TORCH_LAZY, take_over
 
 
 def _child(rank: int, fn: Callable[..., Any], world: int, store: str, threads: int, args: tuple[Any, ...],
@@ -75,7 +75,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), timeo
     with tempfile.TemporaryDirectory(prefix="schedcomp-") as folder:
         store = os.path.join(folder, "store")
         port = free_port() if backend is None else 0
-        mp.set_forkserver_preload(["torch", "torch.distributed", "schedcomp.runtime"])  # before its first use
+        # before its first use; torch's lazy imports too, or each process pays for them in its first backward
+        mp.set_forkserver_preload(["torch", "torch.distributed", *TORCH_LAZY, "schedcomp.runtime"])
         context = mp.start_processes(_child, (fn, nprocs, store, threads, args, backend, port, dict(os.environ),
                                               os.getcwd()), nprocs=nprocs, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout

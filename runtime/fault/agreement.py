@@ -38,7 +38,7 @@ from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.membership import FailureDetector, View
 from schedcomp.runtime.fault.protocol import DONE, begin, step, waiting_for
 from schedcomp.runtime.fault.protocol import Evicted as Evicted  # raised by `agree`; importable from here
-from schedcomp.runtime.fault.store import SEALED, Keys, get_int
+from schedcomp.runtime.fault.store import SEALED, Keys, backoff, get_int
 from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
@@ -49,21 +49,25 @@ class AgreementTimeout(RecoveryError):
 
 
 def agree(store: Store, view: View, me: Worker, detector: FailureDetector, *, joiners: Iterable[Worker] = (),
-          propose: bool = True, timeout: float = 60.0, poll: float = 0.005) -> View:
+          propose: bool = True, timeout: float = 60.0, poll: float = 0.005, most: float = 0.02) -> View:
     """Agree with the other survivors on the generation after `view`; return it (sealed).
 
     `view` is the last generation this worker ran (or, for a replacement, any generation it
     knows of: it waits for a later one that admits it, with `propose=False`). `joiners` are
     replacements admitted by this change (workers failed in `view`). On return the detector
     watches the new view's members. The steps are `protocol.step`'s (the model checks those).
+    Between steps that change nothing it sleeps `poll` seconds, backing off to `most` until one does.
     """
     deadline = time.monotonic() + timeout
     r = begin(view, me, detector, joiners=joiners, propose=propose)
+    delays = backoff(poll, most)
     while r.phase != DONE:
         after = step(store, detector, r)
         if after == r:
-            _tick(deadline, poll, waiting_for(store, r))
-        elif after.generation != r.generation and r.winner is not None:
+            _tick(deadline, next(delays), waiting_for(store, r))
+            continue
+        delays = backoff(poll, most)  # progress: the next change is likely soon
+        if after.generation != r.generation and r.winner is not None:
             log.info("worker %s: generation %d superseded (also failed: %s)", me, r.winner.generation,
                      ", ".join(map(str, sorted(after.failed - r.winner.failed))) or "-")
         r = after
@@ -110,7 +114,7 @@ def announce_join(store: Store, me: Worker, incarnation: int) -> None:
     store.add(Keys.events(), 1)
 
 
-def counted_failed(store: Store, me: Worker, *, timeout: float, poll: float = 0.005) -> View:
+def counted_failed(store: Store, me: Worker, *, timeout: float, poll: float = 0.005, most: float = 0.05) -> View:
     """A replacement for `me`, before any sign of life: wait for a proposed view that counts `me` failed; return it.
 
     Until the survivors propose one, they may not know yet that its predecessor died, and a
@@ -121,9 +125,9 @@ def counted_failed(store: Store, me: Worker, *, timeout: float, poll: float = 0.
     predecessor, state and all. Failed sets only grow from one proposal to the next except by an
     admission, which needs our announcement, so every view after this one counts us failed too.
     """
-    deadline = time.monotonic() + timeout
+    deadline, delays = time.monotonic() + timeout, backoff(poll, most)
     while (known := latest_view(store)) is None or me not in known.failed:
-        _tick(deadline, poll, f"no generation counts {me} failed yet, so no replacement of it can be admitted")
+        _tick(deadline, next(delays), f"no generation counts {me} failed yet, so no replacement of it can be admitted")
     return known
 
 

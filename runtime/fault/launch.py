@@ -61,6 +61,7 @@ partitions above).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -89,7 +90,7 @@ from schedcomp.runtime.fault.store import (
     run_store,
     serve_store,
 )
-from schedcomp.runtime.fault.zygote import ForkedProcess, Zygote
+from schedcomp.runtime.fault.zygote import ForkedProcess, Zygote, flush_streams
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -402,4 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    # Every worker is gone and every exit handler ran (logging's included): skip the interpreter's
+    # teardown of torch, seconds of CPU while whoever started the job waits for our exit status.
+    atexit._run_exitfuncs()
+    flush_streams()
+    os._exit(_code)

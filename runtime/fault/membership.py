@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.fence import Fence
-from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, get_int
+from schedcomp.runtime.fault.store import SEALED, Keys, StoreAddress, backoff, get_int
 from schedcomp.topology import Topology, Worker
 
 log = logging.getLogger(__name__)
@@ -330,23 +330,24 @@ def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2
     Polls `is_completed()` with a back-off from `first_poll` to `max_poll` seconds: a transfer that
     is already there costs one call; one that arrives later is noticed within `max_poll`.
     """
-    delay = first_poll
+    delays = backoff(first_poll, max_poll)
     while not work.is_completed():
-        if signal.wait(delay) and not work.is_completed():  # a transfer that made it still counts
+        if signal.wait(next(delays)) and not work.is_completed():  # a transfer that made it still counts
             raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
-        delay = min(2 * delay, max_poll)
     work.wait()  # raises the transfer's own error, if it failed
 
 
-def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: float = 2e-5,
-                   max_poll: float = 1e-3) -> None:
-    """`work.wait()`, but raise `GenerationAborted` as soon as `signal` is set.
+def wait_abortable(work: dist.Work, signal: threading.Event, *, poll: float = 0.02) -> None:
+    """`work.wait()`, but raise `GenerationAborted` once `signal` is set (within `poll` seconds).
 
     `wait_work` polls `is_completed()`, which gloo's point-to-point work items
     never report before `wait()` is called, and gloo's timed `wait` breaks the pair on timeout. So
     a daemon thread makes the blocking call (it releases the GIL) and this thread watches both it
-    and the signal. An abandoned waiter ends when the broken generation's connections close or
-    its operations time out (`fault.groups.Graveyard` keeps the groups alive until then).
+    and the signal: it wakes as soon as the call returns, and looks at the signal every `poll`
+    seconds (a generation breaks far less often than transfers complete: no need to spin for it,
+    on a CPU the training shares with every other worker of the host). An abandoned waiter ends
+    when the broken generation's connections close or its operations time out
+    (`fault.groups.Graveyard` keeps the groups alive until then).
     """
     if work.is_completed():
         work.wait()
@@ -362,10 +363,8 @@ def wait_abortable(work: dist.Work, signal: threading.Event, *, first_poll: floa
             done.set()
 
     threading.Thread(target=block, name=WAITER_THREAD, daemon=True).start()
-    delay = first_poll
-    while not done.wait(delay):
+    while not done.wait(poll):
         if signal.is_set() and not done.is_set():  # a transfer that made it still counts
             raise GenerationAborted("the generation broke while waiting for a transfer: agree on the next one")
-        delay = min(2 * delay, max_poll)
     if errors:
         raise errors[0]

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.membership import GenerationAborted, View
-from schedcomp.runtime.fault.store import SEALED, SUPERSEDED, Keys
+from schedcomp.runtime.fault.store import SEALED, SUPERSEDED, Keys, backoff
 from schedcomp.topology import Topology, Worker
 
 ADOPT, ACK, WAIT, SEAL, PROPOSE_NEXT, RETIRE, DONE = "adopt", "ack", "wait", "seal", "propose-next", "retire", "done"
@@ -166,15 +166,20 @@ class Meeting:
     arrived: bool = False
 
 
-def meet(store: KeyValue, key: str, size: int, signal: threading.Event, poll: float = 0.002) -> None:
-    """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first."""
+def meet(store: KeyValue, key: str, size: int, signal: threading.Event, poll: float = 0.002,
+         most: float = 0.02) -> None:
+    """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first.
+
+    Polls every `poll` seconds, backing off to `most` (`store.backoff`); a broken generation wakes it at once.
+    """
     m: Meeting | str = Meeting(key, size)
+    delays = backoff(poll, most)
     while m != MET:
         got = meet_step(store, m, signal.is_set())
         if got == ABORTED:
             raise GenerationAborted(f"the generation broke before everyone met at {key}: agree on the next one")
         if got == m:
-            signal.wait(poll)
+            signal.wait(next(delays))
         m = got
 
 

@@ -33,6 +33,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -192,6 +193,19 @@ class Keys:
     @staticmethod
     def restored() -> str:
         return "restart/restored"
+
+
+def backoff(first: float, most: float) -> Iterator[float]:
+    """Sleeps between polls (of the store, of a work item): `first`, doubling up to `most`, then `most` forever.
+
+    A wait that ends soon is seen soon; a long one (a meeting whose last member is still
+    importing torch, 8 workers on 2 cores) stops costing a store round trip every few ms, CPU
+    that the member being waited for would otherwise have to share. Start a new one after progress.
+    """
+    delay = first
+    while True:
+        yield delay
+        delay = min(2 * delay, most)
 
 
 def get_int(store: Store, key: str, default: int = -1) -> int:

@@ -25,7 +25,7 @@ from schedcomp.runtime.fault.agreement import (
 )
 from schedcomp.runtime.fault.better import agreed_better, offer_better
 from schedcomp.runtime.fault.membership import FailureDetector, Heartbeat, View
-from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, serve_store
+from schedcomp.runtime.fault.store import Keys, StoreAddress, WorkerEnv, backoff, serve_store
 from schedcomp.topology import Topology, Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -317,6 +317,11 @@ def test_a_replacement_never_acknowledges_a_view_that_still_counts_its_predecess
     # The stale view (generation 1) is superseded by one that counts the predecessor failed
     # (generation 2), and the next one admits the replacement.
     assert set(out.values()) == {View(stale.generation + 2, Topology.of(2, 2))}, out
+
+
+def test_polls_back_off_doubling_up_to_their_most_and_stay_there() -> None:
+    delays = backoff(0.002, 0.02)
+    assert [next(delays) for _ in range(7)] == [0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.02]
 
 
 def test_commit_log_reads_back_each_workers_last_step(job) -> None:
