@@ -18,7 +18,10 @@ launcher, which made itself a child subreaper (Linux `prctl(PR_SET_CHILD_SUBREAP
 
 The preloaded modules must not read a worker's environment at import time: they are imported
 once, before any worker's environment exists (torch reads its thread and device settings when
-first used, not when imported).
+first used, not when imported). `TORCH_LAZY`, preloaded with torch, does read a few debugging
+switches at import (`TORCHDYNAMO_*` translation validation and extended debug, sympy's
+`SYMPY_GROUND_TYPES`): a worker sees the launcher's values of those (the fault launcher passes its
+own environment on, so they agree), not ones set for it alone.
 """
 
 from __future__ import annotations
