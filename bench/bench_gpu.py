@@ -154,6 +154,8 @@ def main() -> int:
         trainer_vs_plain_table(hidden, layers, reps, warmup)
     if 3 in args.parts:
         memory("cuda")
+    if torch.distributed.is_initialized():  # part 2's trainers joined a world of one (NCCL warns if left open)
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -84,7 +84,6 @@ def _worker(rank: int, plan_json: str, split: tuple[int, ...], dtype: str, devic
     for _ in range(ITERATIONS):
         trainer.step(batch)
     trainer.save_trace(trace)
-    trainer.close()  # NCCL warns of (and may leak) a process group left open at exit
 
 
 def run_job(pp: int, dtype: torch.dtype, device: str, folder: str | Path) -> tuple[Plan, list[Any]]:
