@@ -231,6 +231,15 @@ def list_schedule_steps(
                         wake[q] = at
                         push(at, q)
 
+    def deliver_b(slot: int, ready: float) -> None:
+        """The B of `slot` can run from `ready` on."""
+        r = runner[slot]
+        heappush(bq[r], (ready, slot))
+        at = ready if ready > free[r] else free[r]
+        if at < wake[r]:
+            wake[r] = at
+            push(at, r)
+
     for d in range(problem.dp):
         for m in range(problem.count(d)):
             deliver_f((m * problem.dp + d) * stages, 0.0)
@@ -365,8 +374,8 @@ def list_schedule_steps(
                 else:
                     reserved[w] -= d_f[st] * scale
                 mem[w] += d_f[st] * scale
-                if st == last_stage:  # its B, here (a slot's ops run on its runner), where free and wake are `end`
-                    heappush(bqw, (end, slot))
+                if st == last_stage:
+                    deliver_b(slot, end)
                 else:
                     f_end[slot] = end
                     nxt_slot = slot + 1
@@ -379,10 +388,7 @@ def list_schedule_steps(
                         at = ready if ready > free[r] else free[r]
                         if at < wake[r]:
                             wake[r] = at
-                            if at == end:  # (`push`, where the time's list is at hand: most deliveries)
-                                ending.append(r)
-                            else:
-                                push(at, r)
+                            push(at, r)
             elif kind == 1:
                 if first[st]:
                     infl[w] -= scale
@@ -393,20 +399,10 @@ def list_schedule_steps(
                         w_time[w] += dur[w][st * nk + 2] * scale
                 if ahead:
                     open_b[w] -= 1
-                if st > 0:  # the previous stage's B can run once this gradient arrives and its F ended
+                if st > 0:
                     up = slot - 1
-                    r = runner[up]
-                    ready = end + p2p if p2p and r != w else end
-                    if f_end[up] > ready:
-                        ready = f_end[up]
-                    heappush(bq[r], (ready, up))
-                    at = ready if ready > free[r] else free[r]
-                    if at < wake[r]:
-                        wake[r] = at
-                        if at == end:  # (`push`, as above)
-                            ending.append(r)
-                        else:
-                            push(at, r)
+                    ready = end + p2p if p2p and runner[up] != w else end
+                    deliver_b(up, f_end[up] if f_end[up] > ready else ready)
             else:
                 mem[w] += d_w[st] * scale
                 if ahead:
