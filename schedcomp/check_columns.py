@@ -128,8 +128,7 @@ def _within_memory(plan: Any, place: NDArray[np.int64], stage: NDArray[np.int64]
                 sizes[p * mbs:p * mbs + cut.count(p, plan.microbatches)] = cut.sizes(p, plan.microbatches)
         delta = delta * sizes[d * mbs + m]
     # Per worker a running sum over its compute ops, each started from 0.0: every sum is the walk's, bit for bit.
-    counts = np.bincount(x, minlength=n_workers)
-    held = running_sums(delta, x, np.arange(len(x)) - (np.cumsum(counts) - counts)[x], n_workers)
+    held = running_sums(delta, x, n_workers)
     return not (limited & (held > top)).any()
 
 

@@ -13,10 +13,11 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 
-def running_sums(values: NDArray[np.float64], owner: NDArray[np.int64], position: NDArray[np.int64],
-                 n_owners: int) -> NDArray[np.float64]:
+def running_sums(values: NDArray[np.float64], owner: NDArray[np.int64], n_owners: int) -> NDArray[np.float64]:
     """Per value, the sum of its owner's values up to it. `owner`: each value's owner (non-decreasing, below
-    `n_owners`); `position`: where it sits in its owner's row (increasing within an owner; gaps add nothing)."""
+    `n_owners`: each owner's values side by side, in order)."""
+    counts = np.bincount(owner, minlength=n_owners)
+    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]  # (where it sits in its owner's row)
     # All owners at once as the rows of a zero-padded table (padding adds nothing) where that table is not much
     # larger than the values; else owner by owner.
     width = int(position.max()) + 1 if len(position) else 1

@@ -377,12 +377,11 @@ def _given_levels(n: int, cols: np.ndarray, layers: np.ndarray, longest: int) ->
         real = col < n
         if not (layers[col[real]] < layers[real]).all():
             return None
-    low = int(layers.min(initial=0))
-    counts = np.bincount(layers - low)
+    keys = layers - int(layers.min(initial=0))
+    counts = np.bincount(keys)
     if np.count_nonzero(counts) > 2 * longest + 16:
         return None
     # (A stable sort of 16-bit keys is a radix sort.)
-    keys = layers - low
     order = np.argsort(keys.astype(np.int16) if len(counts) < 2**15 else keys, kind="stable")
     return [level for level in np.split(order, np.cumsum(counts)[:-1]) if len(level)]
 

@@ -67,7 +67,7 @@ def worker_peaks(problem: Problem, seqs: Mapping[int, Sequence[int]]) -> dict[in
         deltas = deltas * np.asarray(problem.slot_sizes)[ops // nk]
     owner = np.repeat(np.arange(len(wids)), lens)
     starts = np.cumsum(lens) - lens
-    held = running_sums(deltas, owner, np.arange(len(ops)) - starts[owner], len(wids))
+    held = running_sums(deltas, owner, len(wids))
     return dict(zip(wids, np.maximum.reduceat(held, starts).tolist() if wids else [], strict=True))
 
 
