@@ -21,11 +21,18 @@ DONE     G is sealed: `winner` is the job's view.
 `Meeting` is the other wait of a change of generation: every member must show up (the store
 meeting before a generation's groups are built, the final meeting); it gives up as soon as the
 generation breaks, so nobody waits on a member that died after the agreement.
+
+Both waits are also bounded in time (`agree`'s timeout, `meet`'s): the detector ends them on a
+failure it sees, the bound on one it cannot (a member alive but stuck, a key that never fills).
+Past it a worker raises a `RecoveryTimeout` and leaves the job: it stops taking steps, exactly as
+if it had died between two of them, which the model explores at every step, so a timeout cannot
+make two survivors disagree; the others then see it dead (its launcher's notice, or its heartbeat).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -40,6 +47,16 @@ ADOPT, ACK, WAIT, SEAL, PROPOSE_NEXT, RETIRE, DONE = "adopt", "ack", "wait", "se
 
 class Evicted(RecoveryError):
     """This worker was declared failed by the others: exit, and let the launcher start a replacement."""
+
+
+class RecoveryTimeout(RecoveryError):
+    """A wait of a change of generation ran past its bound: this worker leaves the job (its process
+    exits), and its launcher reports it as any failure. It is never retried in place: giving up
+    between two steps is, to the others, the same as dying there (which the model explores)."""
+
+
+class MeetingTimeout(RecoveryTimeout):
+    """Not every member of a generation arrived at its meeting in time, and none is known failed."""
 
 
 class KeyValue(Protocol):
@@ -166,20 +183,29 @@ class Meeting:
     arrived: bool = False
 
 
-def meet(store: KeyValue, key: str, size: int, signal: threading.Event, poll: float = 0.002,
-         most: float = 0.02) -> None:
+def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeout: float = 180.0,
+         poll: float = 0.002, most: float = 0.02) -> None:
     """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first.
 
     Polls every `poll` seconds, backing off to `most` (`store.backoff`); a broken generation wakes it at once.
+    The signal is the usual way out, but it trips only on a failure the detector sees: a member alive
+    and stuck before the meeting (or a bug that loses an arrival) would hold everyone forever, so past
+    `timeout` seconds (default: `FaultSession`'s agreement timeout) it raises `MeetingTimeout`: the
+    caller leaves the job, see `RecoveryTimeout`.
     """
     m: Meeting | str = Meeting(key, size)
-    delays = backoff(poll, most)
+    deadline, delays = time.monotonic() + timeout, backoff(poll, most)
     while m != MET:
         got = meet_step(store, m, signal.is_set())
         if got == ABORTED:
             raise GenerationAborted(f"the generation broke before everyone met at {key}: agree on the next one")
         if got == m:
-            signal.wait(next(delays))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MeetingTimeout(f"only {store.add(key, 0)} of {size} members arrived at {key} within "
+                                     f"{timeout:g} s, and none is known failed: check the logs of the missing "
+                                     "ones (alive but stuck?) or raise the agreement timeout if they are slow")
+            signal.wait(min(next(delays), left))
         m = got
 
 

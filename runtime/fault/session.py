@@ -62,7 +62,13 @@ log = logging.getLogger(__name__)
 
 
 class FaultSession:
-    """Membership, detection, agreement and process groups of one worker, generation after generation."""
+    """Membership, detection, agreement and process groups of one worker, generation after generation.
+
+    `agree_timeout` bounds each wait of a change of generation: an agreement (`agree`, every call as a
+    whole), a replacement's wait to be counted failed, and each meeting (`meet`: after an agreement, and
+    the final one). Past it they raise a `RecoveryTimeout`: the worker must leave the job (exit), and its
+    launcher reports it as any failure. (`ResilientTrainer` does so, with one line and status 1.)
+    """
 
     def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
                  startup_time: float = 120.0, backend: str | None = None, group_timeout: float = 60.0,
@@ -191,7 +197,7 @@ class FaultSession:
         # sealed generation adopts it, so this holds even when building its groups broke off.
         self.previous = self.view if self.view is not None else sealed_before(self.store, view.generation)
         self.view = view
-        meet(self.store, f"gen{view.generation}/arrived", len(view.members), self.signal)
+        meet(self.store, f"gen{view.generation}/arrived", len(view.members), self.signal, timeout=self.agree_timeout)
         self.groups = regroup(self.store, view, self.me, backend=self.backend, host=self.env.bind,
                               timeout=self.group_timeout, device=self.device,
                               abort=Abort(self.env.store.connect, self.signal), graveyard=self.graveyard)
@@ -210,7 +216,7 @@ class FaultSession:
         key, size = f"gen{self.view.generation}/final", len(self.view.members)
         self._finals.append((key, size))
         if not self.finished():
-            meet(self.store, key, size, self.signal)
+            meet(self.store, key, size, self.signal, timeout=self.agree_timeout)
 
     def finished(self) -> bool:
         """Whether a final meeting this worker went to was complete (then the job is done everywhere)."""
