@@ -182,8 +182,8 @@ class Launcher:
                 time.sleep(self.poll)
             if cut is not None:
                 cut.stop()
-            self._serve_other_hosts()
-            return self.exit_code()
+            self._serve_other_hosts(stop)
+            return 128 + stop[0] if stop else self.exit_code()
         finally:
             if cut is not None:
                 cut.stop()
@@ -200,11 +200,14 @@ class Launcher:
                 slot.proc.kill()
         exit_fenced(message)
 
-    def _serve_other_hosts(self) -> None:
-        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s).
+    def _serve_other_hosts(self, stop: list[int]) -> None:
+        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s),
+        unless a signal asks us to stop (`stop`, filled by `run`'s handlers).
 
         Without this, the store would vanish under workers of other hosts still leaving the job
-        (closing their groups), and they would fence themselves instead of exiting cleanly.
+        (closing their groups), and they would fence themselves instead of exiting cleanly. On a
+        signal the user asked for exactly that: they lose the store, fence themselves (status 75)
+        and their launchers, with no answer for `--store-timeout`, stop what is left and exit 75.
         """
         local = {s.worker for s in self.slots}
         remote = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
@@ -212,6 +215,9 @@ class Launcher:
             return
         beats, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 20 * self.linger
         while time.monotonic() < deadline:
+            if stop:
+                log.warning("signal %d: no longer serving the store to the workers of other hosts", stop[0])
+                return
             now = [get_int(self.store, Keys.heartbeat(w), 0) for w in remote]
             if now != beats:
                 beats, quiet_since = now, time.monotonic()
