@@ -203,10 +203,26 @@ def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeo
             left = deadline - time.monotonic()
             if left <= 0:
                 raise MeetingTimeout(f"only {store.add(key, 0)} of {size} members arrived at {key} within "
-                                     f"{timeout:g} s, and none is known failed: check the logs of the missing "
-                                     "ones (alive but stuck?) or raise the agreement timeout if they are slow")
+                                     f"{timeout:g} s, and none is known failed: {_STUCK}")
             signal.wait(min(next(delays), left))
         m = got
+
+
+def await_keys(store: KeyValue, keys: list[str], signal: threading.Event, *, timeout: float, what: str,
+               poll: float = 0.005) -> None:
+    """Wait until every one of `keys` is in the store (members' records), with `meet`'s bounds: raise
+    `GenerationAborted` as soon as the generation breaks, `MeetingTimeout` past `timeout` seconds.
+    `what` names what is awaited, for the messages."""
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if signal.wait(min(poll, max(0.0, deadline - time.monotonic()))):
+            raise GenerationAborted(f"the generation broke while waiting for {what}: agree on the next one")
+        if time.monotonic() > deadline and (missing := [k for k in keys if not store.check([k])]):
+            raise MeetingTimeout(f"{what}: {len(missing)} of {len(keys)} keys missing after {timeout:g} s "
+                                 f"(e.g. {missing[0]}), and no member is known failed: {_STUCK}")
+
+
+_STUCK = "check the logs of the members missing (alive but stuck?), or raise the agreement timeout if they are slow"
 
 
 def met(store: KeyValue, key: str, size: int) -> bool:

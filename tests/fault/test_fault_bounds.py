@@ -15,7 +15,7 @@ from schedcomp.runtime.fault import agreement
 from schedcomp.runtime.fault.agreement import AgreementTimeout, agree
 from schedcomp.runtime.fault.launch import Launcher
 from schedcomp.runtime.fault.membership import GenerationAborted, View
-from schedcomp.runtime.fault.protocol import MeetingTimeout, RecoveryTimeout, meet
+from schedcomp.runtime.fault.protocol import MeetingTimeout, RecoveryTimeout, await_keys, meet
 from schedcomp.runtime.fault.store import SUPERSEDED, Keys, get_int
 from schedcomp.topology import Topology, Worker
 
@@ -132,6 +132,21 @@ def test_a_meeting_still_ends_on_the_signal_and_when_everyone_arrived() -> None:
     detector.signal.set()
     with pytest.raises(GenerationAborted):
         meet(store, "gen2/arrived", 2, detector.signal, timeout=60.0)
+
+
+def test_waiting_for_members_records_ends_on_the_signal_at_the_deadline_or_once_all_are_there() -> None:
+    store, detector = LivelockStore(Clock(), superseding=True), QuietDetector()
+    keys = ["gen3/progress/0:0", "gen3/progress/1:0"]
+    store.compare_set(keys[0], "", "{}")
+    with pytest.raises(MeetingTimeout) as caught:
+        await_keys(store, keys, detector.signal, timeout=0.05, what="every member's record at gen3/progress")
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1 and "1 of 2 keys missing" in message and keys[1] in message, message
+    store.compare_set(keys[1], "", "{}")
+    await_keys(store, keys, detector.signal, timeout=0.05, what="records")  # all there: returns
+    detector.signal.set()
+    with pytest.raises(GenerationAborted):
+        await_keys(store, ["gen3/never"], detector.signal, timeout=60.0, what="records")
 
 
 def test_timeouts_are_never_taken_for_a_failure_to_recover_from() -> None:
