@@ -9,7 +9,7 @@
         it = got.info["iteration"]; session.commit(it - 1)
     while it < iterations:
         try:
-            run iteration `it` (waits: wait_work(work, session.signal); after STEP: session.commit(it))
+            run iteration `it` (waits: wait_abortable(work, session.signal); after STEP: session.commit(it))
             it += 1
             switch = session.boundary(it - 1)      # a replacement is due to enter now?
             if switch: session.admit(switch); hand_over(it)
@@ -111,7 +111,7 @@ class FaultSession:
 
     @property
     def signal(self) -> threading.Event:
-        """Set when the current generation is broken: pass it to `wait_work`."""
+        """Set when the current generation is broken: pass it to `wait_abortable` (or `wait_work`)."""
         return self.detector.signal
 
     @property
