@@ -34,7 +34,8 @@ incarnation 0 and the respawn budget (`--respawn`) starts over, so a job starts 
 
 (`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
 the store must outlive the job: put it where failures are least likely, or give it no workers;
-once its own workers are done it keeps serving while other hosts' workers still beat. A whole
+once its own workers are done it keeps serving while other hosts' workers still beat (a signal
+ends that at once: they lose the store and fence themselves). A whole
 host lost is detected by heartbeats (`detection_time`), since no launcher is left there to
 leave death notices; its workers' replacements can be started by a new launcher on another
 host with `--workers ... --store ... --incarnation 1`.
