@@ -157,6 +157,7 @@ def test_timeouts_are_never_taken_for_a_failure_to_recover_from() -> None:
         assert not issubclass(timeout, (GenerationAborted, RuntimeError))
 
 
+@pytest.mark.slow  # starts a worker process (a bare interpreter: about a second)
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() -> None:
     # This host runs 0:0 only; 1:0 runs elsewhere and keeps beating. Once 0:0 finished, the launcher
