@@ -183,8 +183,8 @@ class Launcher:
                 time.sleep(self.poll)
             if cut is not None:
                 cut.stop()
-            self._serve_other_hosts(stop)
-            return 128 + stop[0] if stop else self.exit_code()
+            interrupted = self._serve_other_hosts(stop)
+            return 128 + interrupted if interrupted is not None else self.exit_code()
         finally:
             if cut is not None:
                 cut.stop()
@@ -201,9 +201,9 @@ class Launcher:
                 slot.proc.kill()
         exit_fenced(message)
 
-    def _serve_other_hosts(self, stop: list[int]) -> None:
+    def _serve_other_hosts(self, stop: list[int]) -> int | None:
         """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s),
-        unless a signal asks us to stop (`stop`, filled by `run`'s handlers).
+        unless a signal asks us to stop (`stop`, filled by `run`'s handlers): returns that signal.
 
         Without this, the store would vanish under workers of other hosts still leaving the job
         (closing their groups), and they would fence themselves instead of exiting cleanly. On a
@@ -213,18 +213,19 @@ class Launcher:
         local = {s.worker for s in self.slots}
         remote = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
         if self.server is None or not remote:
-            return
+            return None
         beats, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 20 * self.linger
         while time.monotonic() < deadline:
             if stop:
                 log.warning("signal %d: no longer serving the store to the workers of other hosts", stop[0])
-                return
+                return stop[0]
             now = [get_int(self.store, Keys.heartbeat(w), 0) for w in remote]
             if now != beats:
                 beats, quiet_since = now, time.monotonic()
             elif time.monotonic() - quiet_since > self.linger:
-                return
+                return None
             time.sleep(min(0.5, self.linger / 4))
+        return None
 
     def step(self) -> bool:
         """One round of watching: restart, reap, notify, fence, replace. False once nothing is left to watch."""
