@@ -49,9 +49,12 @@ class Evicted(RecoveryError):
     """This worker was declared failed by the others: exit, and let the launcher start a replacement."""
 
 
+AGREEMENT_TIMEOUT = 180.0  # seconds: `FaultSession`'s default bound on each wait of a change of generation
+
+
 class RecoveryTimeout(RecoveryError):
     """A wait of a change of generation ran past its bound: this worker leaves the job (its process
-    exits), and its launcher reports it as any failure. It is never retried in place: giving up
+    exits; `ResilientTrainer` goes through its last resort). It is never retried in place: giving up
     between two steps is, to the others, the same as dying there (which the model explores)."""
 
 
@@ -183,15 +186,14 @@ class Meeting:
     arrived: bool = False
 
 
-def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeout: float = 180.0,
+def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeout: float = AGREEMENT_TIMEOUT,
          poll: float = 0.002, most: float = 0.02) -> None:
     """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first.
 
     Polls every `poll` seconds, backing off to `most` (`store.backoff`); a broken generation wakes it at once.
     The signal is the usual way out, but it trips only on a failure the detector sees: a member alive
     and stuck before the meeting (or a bug that loses an arrival) would hold everyone forever, so past
-    `timeout` seconds (default: `FaultSession`'s agreement timeout) it raises `MeetingTimeout`: the
-    caller leaves the job, see `RecoveryTimeout`.
+    `timeout` seconds it raises `MeetingTimeout`: the caller leaves the job, see `RecoveryTimeout`.
     """
     m: Meeting | str = Meeting(key, size)
     deadline, delays = time.monotonic() + timeout, backoff(poll, most)

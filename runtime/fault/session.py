@@ -53,7 +53,7 @@ from schedcomp.runtime.fault.agreement import (
 )
 from schedcomp.runtime.fault.groups import Abort, Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import WAITER_THREAD, FailureDetector, Heartbeat, View
-from schedcomp.runtime.fault.protocol import meet, met
+from schedcomp.runtime.fault.protocol import AGREEMENT_TIMEOUT, meet, met
 from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.fault.store import Keys, WorkerEnv
 from schedcomp.topology import Worker
@@ -67,12 +67,13 @@ class FaultSession:
     `agree_timeout` bounds each wait of a change of generation: an agreement (`agree`, every call as a
     whole), a replacement's wait to be counted failed, and each meeting (`meet`: after an agreement, and
     the final one). Past it they raise a `RecoveryTimeout`: the worker must leave the job (exit), and its
-    launcher reports it as any failure. (`ResilientTrainer` does so, with one line and status 1.)
+    launcher reports it as any failure. (`ResilientTrainer` hands it to its last resort: a restart from
+    checkpoints, else one line and status 1.)
     """
 
     def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
                  startup_time: float = 120.0, backend: str | None = None, group_timeout: float = 60.0,
-                 agree_timeout: float = 180.0, lead: int = 2) -> None:
+                 agree_timeout: float = AGREEMENT_TIMEOUT, lead: int = 2) -> None:
         self.env, self.me = env, env.worker
         # None: NCCL (with gloo for the CPU) when every local worker has a GPU, gloo otherwise (`comm.pick_backend`)
         self.backend = backend or pick_backend()
