@@ -163,7 +163,7 @@ def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() 
     # This host runs 0:0 only; 1:0 runs elsewhere and keeps beating. Once 0:0 finished, the launcher
     # serves the store to it while it beats (up to 20 x linger s); a Ctrl-C must end that at once.
     launcher = Launcher([sys.executable, "-c", "pass"], pp=1, dp=2, workers=[Worker(0, 0)], poll=0.01,
-                        linger=1.0)
+                        linger=2.5)  # alone, it stops only after 2.5 s without a beat
     remote = launcher.address.connect()
     done = threading.Event()
 
