@@ -53,7 +53,9 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
-  taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP).
+  taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP). So does a
+  wait of a change of generation that ran past the agreement timeout (`RecoveryTimeout`); without
+  checkpoints either ends the worker with one line and status 1, which its launcher reports.
 
 The ledger: each worker counts, per micro-batch, the weight gradients it accumulated in an
 iteration; the counts ride along in the stage's gradient all-reduce, so after STEP every replica
@@ -92,6 +94,7 @@ from schedcomp.runtime.fault.policies import (
     refuse_chunks,
     refuse_moves,
 )
+from schedcomp.runtime.fault.protocol import RecoveryTimeout
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
@@ -380,8 +383,10 @@ class ResilientTrainer:
                     i = switches.recover(self, e, kept=action is OnFailure.KEEP)
                 except Evicted:
                     raise
-                except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint
+                except RecoveryError as lost:  # a stage lost every replica, or a wait timed out: restart
                     self.last_resort.give_up(lost)
+            except RecoveryTimeout as e:  # at an admission or the final meeting (`RecoveryTimeout`: never retried)
+                self.last_resort.give_up(e)
         self.last_resort.close()
         view = self.session.view
         assert view is not None
