@@ -7,6 +7,7 @@ micro-batch (its home pipeline or a peer it was re-routed to) loads the same sam
 A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's share (its M chunks
 together) into pieces of unequal sizes instead: piece m holds the rows `piece_rows` gives, rounded to
 whole samples, and its loss is weighted by its rows over the global batch's (`Iteration.scale_of`).
+The ledger of resilient jobs counts, per regular micro-batch, the rows of it each piece holds (`held_rows`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chun
         )
     offset = pipeline * microbatches * per
     return offset + start, offset + stop
+
+
+def held_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, per: int) -> list[tuple[int, int]]:
+    """What micro-batch `microbatch` of `pipeline` holds of each regular micro-batch of that pipeline (`per`
+    rows each), under `cut`: (its chunk index, rows), for every one it overlaps. The pieces of a pipeline
+    cover its share once (`Cut.rows`), so each regular micro-batch's rows over them sum to exactly `per`."""
+    start, stop = cut.rows(pipeline, microbatch, per)
+    return [(chunk_index(pipeline, m, microbatches), min(stop, (m + 1) * per) - max(start, m * per))
+            for m in range(start // per, (stop + per - 1) // per)]
 
 
 def take_rows(value: Tensors, start: int, stop: int) -> Tensors:

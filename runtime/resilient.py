@@ -88,9 +88,11 @@ from schedcomp.runtime.fault.policies import (
     cut_of,
     cuts_of,
     may_cut_elsewhere,
+    may_recut,
     recovery_policy,
     refuse_chunks,
     refuse_moves,
+    refuse_recut,
 )
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Report
@@ -166,6 +168,7 @@ class ResilientTrainer:
         self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
         refuse_chunks(self.policy, self.chunks)
         self.options.refuse_chunks(self.chunks)
+        refuse_recut(self.policy, may_recut(plans))  # from a cache's index: before its plans are read
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
         self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
                                                                                              SwiftPolicy)) else set()
@@ -207,6 +210,7 @@ class ResilientTrainer:
         plan = self._plans(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
         self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
         self.refuse_cut(plan)
+        refuse_recut(self.policy, bool(plan.cut))  # a function's plans: known as it serves them
         return plan
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -224,9 +228,6 @@ class ResilientTrainer:
         view = session.start() if session.view is None else session.view
         plan = self.plan_for(view.topology)
         refuse_chunks(self.policy, plan.topology.chunks)  # a plan source that is a function: known only now
-        if plan.cut:  # its ledger and lossy recovery count whole micro-batches
-            raise RuntimeSetupError("the plan re-cuts micro-batches: resilient jobs run whole ones, use "
-                                    "PipelineTrainer for a re-cut plan")
         stages = plan.topology.stages
         if stages != job.stages:  # a function's first plan has chunks: the model splits otherwise
             built.clear()
@@ -327,7 +328,8 @@ class ResilientTrainer:
         assert report is not None and it.ledger is not None
         chunks = self.trainer.plan.topology.chunks if self.trainer is not None else 1
         # each chunk a worker holds adds its W of a micro-batch: counted once per chunk, reported once
-        report.ledger[i] = (it.ledger / chunks if chunks > 1 else it.ledger).tolist()
+        counted = it.counted()  # in regular micro-batches (a re-cut plan's counts rows: `Iteration.count`)
+        report.ledger[i] = (counted / chunks if chunks > 1 else counted).tolist()
         report.completed_at[i] = time.time()
         loss = it.loss()
         if loss is not None:

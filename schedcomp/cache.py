@@ -83,6 +83,9 @@ class PlanCache:
     """Per-layer costs, when the plans may re-partition the layers (`costs` is then the job's stage model)."""
     partition: Partition | None = None
     """The job's partition, with `layers`."""
+    recut: bool = False
+    """Whether failure plans may re-cut micro-batches (`precompile(recut=True)`); a plan read from disk that
+    re-cuts is refused otherwise, so a job can tell from the index alone (`runtime.fault.policies.may_recut`)."""
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -166,6 +169,9 @@ class PlanCache:
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
                 raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
+            if plan.cut and not self.recut:
+                raise PlanFormatError("it re-cuts micro-batches but the index says the cache's plans keep whole ones "
+                                      "(precompile --recut writes \"recut\": true)")
             check(plan)
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
@@ -202,6 +208,7 @@ class PlanCache:
             **({"chunks": self.chunks, "placement": self.placement} if self.chunks > 1 else {}),
             **({"layers": self.layers.to_dict(), "partition": list(self.partition or ())}
                if self.layers is not None else {}),
+            **({"recut": True} if self.recut else {}),  # (written only when set: an index without it reads as before)
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
                            "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
         }
@@ -232,6 +239,9 @@ class PlanCache:
                 raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
             costs.check_workers(job)
             layers, partition = _index_layers(data, job, costs)
+            recut = data.get("recut", False)
+            if not isinstance(recut, bool):
+                raise PlanFormatError(f"'recut' must be true or false, got {recut!r}")
             entries = data["scenarios"]
             if not isinstance(entries, list):
                 raise PlanFormatError("'scenarios' must be a list")
@@ -249,7 +259,7 @@ class PlanCache:
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
-                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition)
+                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition, recut=recut)
 
 
 def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tuple[LayerCosts | None, Partition | None]:
@@ -296,6 +306,7 @@ def precompile(
     placement: str = LOOP,
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
+    recut: bool = False,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
@@ -304,11 +315,18 @@ def precompile(
     every plan within fault-free ZB-H1's per-stage peak). `chunks` and `placement` give each worker
     several model chunks (virtual stages, see `schedcomp.topology`); `costs` then has one entry per
     virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
-    `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition."""
+    `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition. `recut` is
+    `compile`'s too: a failure plan may cut the failed workers' micro-batches into pieces (`schedcomp.recut`),
+    and the index says so."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
     limits.check_job(pp, dp, microbatches)
+    if not isinstance(recut, bool):
+        raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
+    if recut and chunks > 1:  # refused before any compile (`recut.recut` would refuse the first failure plan)
+        raise SchedcompError(f"re-cut micro-batches run one stage per worker, not chunks={chunks}: drop recut or the "
+                             "virtual stages")
     if costs is not None and not isinstance(costs, CostModel):
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     from schedcomp.compiler import unit_costs
@@ -327,12 +345,12 @@ def precompile(
         layer_costs, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures, chunks=chunks, placement=placement,
-                      layers=layer_costs, partition=job_partition)
+                      layers=layer_costs, partition=job_partition, recut=recut)
     root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement,
-             _scenario_layers(layer_costs, c.perm), job_partition) for c in todo]
+             _scenario_layers(layer_costs, c.perm), job_partition, recut) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -368,10 +386,10 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
-        partition = args
+        partition, recut = args
     layered = {"layers": layers, "partition": partition, "costs": None} if layers is not None else {"costs": costs}
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", solver=solver, time_limit=time_limit,
-                   memory_limit=memory_limit, chunks=chunks, placement=placement, **layered)
+                   memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, **layered)
     if path is None:
         return key, plan, None
     digest = cachefiles.write_plan(Path(path), plan)

@@ -1,5 +1,6 @@
 """Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
-`logging`), and which ones a job with virtual stages, or whose plans move layers, refuses.
+`logging`), and which ones a job with virtual stages, whose plans move layers, or whose plans re-cut
+micro-batches, refuses.
 
 The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
 `fault.swift` (logging-based recovery).
@@ -79,6 +80,26 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None])
     raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but the plans cut the "
                             f"model in {len(cuts)} ways ({shown}): use policy='rollback' (the default), which moves "
                             "layers at a plan switch")
+
+
+def refuse_recut(policy: RecoveryPolicy, recut: bool) -> None:
+    """Refuse, in one line, a policy that works with whole micro-batches when the plans may re-cut them
+    (lossy: its residual streams, lost chunks and rescaling; logging: its boundary logs and replay)."""
+    if recut and isinstance(policy, (LossyPolicy, SwiftPolicy)):
+        raise RuntimeSetupError(f"the {policy.name} policy works with whole micro-batches, but this plan source "
+                                "re-cuts them (precompile --recut): use policy='rollback' (the default), or a cache "
+                                "precompiled without --recut")
+
+
+def may_recut(plans: Any) -> bool:
+    """Whether a plan source may serve plans that re-cut micro-batches (`schedcomp.cut`): a cache precompiled
+    with `recut` (its index says so; `ImprovingPlans` then compiles with it too), or one holding such plans in
+    memory. A plain function's are known only as it serves them (False)."""
+    cache = getattr(plans, "cache", plans)
+    if getattr(cache, "recut", False) is True:
+        return True
+    held = getattr(cache, "plans", None)
+    return isinstance(held, Mapping) and any(isinstance(plan, Plan) and plan.cut for plan in held.values())
 
 
 def cut_of(plan: Plan, model: Any) -> Partition | None:
