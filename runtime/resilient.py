@@ -54,11 +54,14 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
   taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP).
+- Re-cut micro-batches (`precompile --recut`): rollback and restart run pieces like any micro-batch;
+  lossy and logging-based recovery refuse such a source (`policies.refuse_recut`).
 
-The ledger: each worker counts, per micro-batch, the weight gradients it accumulated in an
-iteration; the counts ride along in the stage's gradient all-reduce, so after STEP every replica
-holds, for its stage, how many times each micro-batch's gradient entered the update it applied.
-`Report.ledger[i]` is that vector for iteration i (all ones when every sample counted once).
+The ledger: each worker counts, per regular micro-batch, the samples whose weight gradients it accumulated
+in an iteration (whole micro-batches, or the rows each re-cut piece holds of it: `Iteration.count`); the
+counts ride along in the stage's gradient all-reduce, so after STEP every replica holds, for its stage, how
+often each micro-batch's samples entered the update it applied. `Report.ledger[i]` is that vector for
+iteration i, in micro-batches (all ones, exactly, when every sample counted once).
 """
 
 from __future__ import annotations
@@ -328,7 +331,7 @@ class ResilientTrainer:
         assert report is not None and it.ledger is not None
         chunks = self.trainer.plan.topology.chunks if self.trainer is not None else 1
         # each chunk a worker holds adds its W of a micro-batch: counted once per chunk, reported once
-        counted = it.counted()  # in regular micro-batches (a re-cut plan's counts rows: `Iteration.count`)
+        counted = it.counted()  # in regular micro-batches (a re-cut plan counts rows)
         report.ledger[i] = (counted / chunks if chunks > 1 else counted).tolist()
         report.completed_at[i] = time.time()
         loss = it.loss()
