@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from recut_cache import DP, PP, M, precompile_recut
 
 from schedcomp.cache import PlanCache, precompile
 from schedcomp.check import check
@@ -18,15 +19,10 @@ from schedcomp.errors import PlanFormatError, SchedcompError, ScheduleError
 from schedcomp.repair import lookup_or_repair, repair
 from schedcomp.topology import Worker
 
-# pp 2, dp 3, M 3: a failed worker's 3 micro-batches over 2 peers re-cut to 1.5 each (whole ones: 2 and 1)
-PP, DP, M = 2, 3, 3
-
 
 @pytest.fixture(scope="module")
 def recut_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("recut")
-    precompile(PP, DP, M, 1, time_limit=1.0, recut=True, directory=out)
-    return out
+    return precompile_recut(tmp_path_factory.mktemp("plans"))
 
 
 def test_the_index_records_recut_and_a_load_serves_the_re_cut_plans(recut_dir: Path) -> None:

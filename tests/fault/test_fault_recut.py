@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import pytest
 from fault_procs import run_job
+from recut_cache import DP, PP, precompile_recut
+from recut_cache import M as MICROBATCHES
 from resilient_procs import HERE, ROWS, assert_matches_reference, chaos_reference
 
 from schedcomp.cache import PlanCache, precompile
 from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
-PP, DP, MICROBATCHES, ITERATIONS = 2, 3, 3, 4
+ITERATIONS = 4
 VICTIM = Worker(1, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_survivors_switch_to_a_re_cut_plan_and_train_the_fault_free_model(tmp_path) -> None:
-    precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, recut=True, directory=tmp_path)
-    cache = PlanCache.load(tmp_path)
+    cache = PlanCache.load(precompile_recut(tmp_path))
     switched = cache.lookup([VICTIM])
     # the plan the survivors switch to really re-cuts (and is faster than whole micro-batches would be)
     assert switched.cut.pipelines.keys() == {VICTIM.pipeline}

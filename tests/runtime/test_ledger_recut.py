@@ -12,8 +12,9 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from recut_cache import DP, PP, M, precompile_recut
 
-from schedcomp.cache import PlanCache, precompile
+from schedcomp.cache import PlanCache
 from schedcomp.compiler import compile
 from schedcomp.cut import Cut
 from schedcomp.errors import PlanFormatError, RuntimeSetupError
@@ -98,14 +99,10 @@ def test_a_plan_without_a_cut_counts_whole_microbatches_as_before() -> None:
 
 # ---- refusals -----------------------------------------------------------------------------------------------
 
-PP, DP, M = 2, 3, 3
-
 
 @pytest.fixture(scope="module")
 def recut_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plans")
-    precompile(PP, DP, M, 1, time_limit=1.0, recut=True, directory=out)
-    return out
+    return precompile_recut(tmp_path_factory.mktemp("plans"))
 
 
 def trainer(plans: object, tmp_path: Path, policy: str):
