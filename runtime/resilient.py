@@ -78,7 +78,7 @@ from torch import Tensor, nn
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.partition import Partition
-from schedcomp.runtime.data import Tensors
+from schedcomp.runtime.data import PieceRows, Tensors
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault import switches
 from schedcomp.runtime.fault.agreement import Evicted
@@ -93,6 +93,7 @@ from schedcomp.runtime.fault.policies import (
     may_cut_elsewhere,
     may_recut,
     recovery_policy,
+    recuts_of,
     refuse_chunks,
     refuse_moves,
     refuse_recut,
@@ -172,6 +173,7 @@ class ResilientTrainer:
         refuse_chunks(self.policy, self.chunks)
         self.options.refuse_chunks(self.chunks)
         refuse_recut(self.policy, may_recut(plans))  # from a cache's index: before its plans are read
+        self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
         self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
                                                                                              SwiftPolicy)) else set()
@@ -322,7 +324,9 @@ class ResilientTrainer:
                 hook(i, index, ins)
 
         trainer.iteration = i
-        self.record(i, trainer.run_iteration(self.batch_for(i), step=self.step_for(i), ledger=ledger, before=before,
+        batch = self.batch_for(i)
+        self.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
+        self.record(i, trainer.run_iteration(batch, step=self.step_for(i), ledger=ledger, before=before,
                                              started=self.policy.on_iteration))
 
     def record(self, i: int, it: Iteration) -> None:

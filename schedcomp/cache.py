@@ -26,6 +26,7 @@ from typing import Any
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import (
     CostModelError,
     PlanFormatError,
@@ -84,8 +85,10 @@ class PlanCache:
     partition: Partition | None = None
     """The job's partition, with `layers`."""
     recut: bool = False
-    """Whether failure plans may re-cut micro-batches (`precompile(recut=True)`); a plan read from disk that
-    re-cuts is refused otherwise, so a job can tell from the index alone (`runtime.fault.policies.may_recut`)."""
+    """Whether failure plans may re-cut micro-batches (`precompile(recut=True)`)."""
+    cuts: dict[Key, Cut] = field(default_factory=dict)
+    """The cut of each scenario whose plan re-cuts, as the index gives it; a plan read from disk must have its
+    scenario's, so a job knows from the index alone what its plans cut (`runtime.fault.policies.recuts_of`)."""
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -169,9 +172,9 @@ class PlanCache:
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
                 raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
-            if plan.cut and not self.recut:
-                raise PlanFormatError("it re-cuts micro-batches but the index says the cache's plans keep whole ones "
-                                      "(precompile --recut writes \"recut\": true)")
+            if plan.cut != self.cuts.get(key, NO_CUT):
+                raise PlanFormatError(f"its cut of micro-batches ({plan.cut.to_json() or 'none'}) is not the one the "
+                                      f"index gives ({self.cuts[key].to_json() if key in self.cuts else 'none'})")
             check(plan)
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
@@ -192,6 +195,11 @@ class PlanCache:
     def save(self, directory: str | Path) -> None:
         """Write every plan held in memory and the index to `directory` (created if missing)."""
         root = cachefiles.make_directory(directory)
+        for key, plan in self.plans.items():  # the index gives each re-cut plan's cut (`cuts`)
+            self.cuts.pop(key, None)
+            self.cuts.update({key: plan.cut} if plan.cut else {})
+        if self.cuts and not self.recut:
+            raise PlanFormatError("this cache holds plans that re-cut micro-batches: set its recut to True to save it")
         for key in self.keys():
             path = root / (key_name(key) + ".json")
             if key in self.plans and not (self.files.get(key) == path and key in self.digests and path.exists()):
@@ -210,7 +218,8 @@ class PlanCache:
                if self.layers is not None else {}),
             **({"recut": True} if self.recut else {}),  # (written only when set: an index without it reads as before)
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
-                           "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
+                           "file": key_name(key) + ".json", "sha256": self.digests[key],
+                           **({"cut": self.cuts[key].to_json()} if key in self.cuts else {})} for key in self.keys()],
         }
         fileio.write_atomic(root / INDEX, fileio.dumps_json(index, indent=1) + "\n", PlanFormatError)
 
@@ -246,10 +255,13 @@ class PlanCache:
             if not isinstance(entries, list):
                 raise PlanFormatError("'scenarios' must be a list")
             limits.SCENARIOS.check(len(entries), "the index")
-            files, digests = {}, {}
+            files, digests, cuts = {}, {}, {}
             for n, entry in enumerate(entries):
                 failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
                 key: Key = (failed, classes)
+                cut = cachefiles.entry_cut(entry, n, dp, mbs, recut)
+                if cut:
+                    cuts[key] = cut
                 # Only the scenario's own name is taken: no '..', no absolute path, no other directory.
                 if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
                     raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
@@ -259,7 +271,8 @@ class PlanCache:
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
-                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition, recut=recut)
+                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition, recut=recut,
+                   cuts=cuts)
 
 
 def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tuple[LayerCosts | None, Partition | None]:
@@ -355,14 +368,14 @@ def precompile(
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (key, plan, digest) in enumerate(pool.imap(_compile_one, args)):
-                _record(cache, key, plan, root, digest)
+            for i, (key, plan, digest, cut) in enumerate(pool.imap(_compile_one, args)):
+                _record(cache, key, plan, root, digest, cut)
                 if progress:
                     progress(i + 1, len(todo), key_name(key))
     else:
         for i, a in enumerate(args):
-            key, plan, digest = _compile_one(a, keep=True)
-            _record(cache, key, plan, root, digest)
+            key, plan, digest, cut = _compile_one(a, keep=True)
+            _record(cache, key, plan, root, digest, cut)
             if progress:
                 progress(i + 1, len(todo), key_name(key))
     log.info("precompiled %d scenarios in %.1f s", len(todo), time.perf_counter() - began)
@@ -371,7 +384,9 @@ def precompile(
     return cache
 
 
-def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None) -> None:
+def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None, cut: Cut) -> None:
+    if cut:
+        cache.cuts[key] = cut
     if plan is not None:
         cache.plans[key] = plan
     if root is not None:
@@ -380,9 +395,9 @@ def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, di
         cache.digests[key] = digest
 
 
-def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None]:
+def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None, Cut]:
     """Compile one scenario; write it to its file when there is one, and return the plan only when it is
-    not written (or `keep`), so worker processes send back just the key."""
+    not written (or `keep`), so worker processes send back just the key, digest and cut (for the index)."""
     from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
@@ -391,9 +406,9 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", solver=solver, time_limit=time_limit,
                    memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, **layered)
     if path is None:
-        return key, plan, None
+        return key, plan, None, plan.cut
     digest = cachefiles.write_plan(Path(path), plan)
-    return key, plan if keep else None, digest
+    return key, plan if keep else None, digest, plan.cut
 
 
 def _scenario_layers(layers: LayerCosts | None, perm: tuple[int, ...]) -> LayerCosts | None:

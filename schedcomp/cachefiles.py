@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from schedcomp import fileio
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError, SchedcompTypeError
 from schedcomp.ir import Plan
 from schedcomp.topology import Topology
@@ -44,6 +45,23 @@ def entry(item: Any, n: int, pp: int, dp: int) -> tuple[tuple[tuple[int, int], .
         raise PlanFormatError(f"scenario {n}: 'sha256' must be the 64-hex-digit digest of its plan file")
     failed = tuple(sorted((w.pipeline, w.stage) for w in topo.failed))
     return failed, tuple(classes), item.get("file"), digest
+
+
+def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: bool) -> Cut:
+    """Index scenario `n`'s cut of micro-batches (`"cut"`, written for a plan that re-cuts; none: whole ones),
+    which must fit the job, and may be there only in an index that says its plans re-cut."""
+    if "cut" not in item:
+        return NO_CUT
+    if not recut:
+        raise PlanFormatError(f"scenario {n} has a 'cut' but the index does not say \"recut\": true")
+    try:
+        cut = Cut.from_json(item["cut"])
+    except PlanFormatError as exc:
+        raise PlanFormatError(f"scenario {n}: {exc}") from None
+    problem = cut.problem(dp, microbatches) or ("its 'cut' is empty" if not cut else None)
+    if problem:
+        raise PlanFormatError(f"scenario {n}: {problem}")
+    return cut
 
 
 def read_verified(path: Path, root: Path | None, digest: str | None) -> bytes:

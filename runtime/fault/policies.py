@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from schedcomp.cut import Cut
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition
@@ -93,13 +94,19 @@ def refuse_recut(policy: RecoveryPolicy, recut: bool) -> None:
 
 def may_recut(plans: Any) -> bool:
     """Whether a plan source may serve plans that re-cut micro-batches (`schedcomp.cut`): a cache precompiled
-    with `recut` (its index says so; `ImprovingPlans` then compiles with it too), or one holding such plans in
-    memory. A plain function's are known only as it serves them (False)."""
+    with `recut` (its index says so; `ImprovingPlans` then compiles with it too), or one whose plans re-cut.
+    A plain function's are known only as it serves them (False)."""
+    return getattr(getattr(plans, "cache", plans), "recut", False) is True or bool(recuts_of(plans))
+
+
+def recuts_of(plans: Any) -> list[Cut]:
+    """The cuts of micro-batches of the plans a source may serve, as far as known in advance: those a cache's
+    index gives (`PlanCache.cuts`, no plan read) and those of the plans it holds; none for a plain function."""
     cache = getattr(plans, "cache", plans)
-    if getattr(cache, "recut", False) is True:
-        return True
-    held = getattr(cache, "plans", None)
-    return isinstance(held, Mapping) and any(isinstance(plan, Plan) and plan.cut for plan in held.values())
+    indexed, held = getattr(cache, "cuts", None), getattr(cache, "plans", None)
+    found = list(indexed.values()) if isinstance(indexed, Mapping) else []
+    return found + ([plan.cut for plan in held.values() if isinstance(plan, Plan) and plan.cut]
+                    if isinstance(held, Mapping) else [])
 
 
 def cut_of(plan: Plan, model: Any) -> Partition | None:

@@ -5,13 +5,13 @@ records it, loading keeps checking every plan against it, old indexes read as be
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+import re
 from pathlib import Path
 
 import pytest
-from recut_cache import DP, PP, M, precompile_recut
+from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
 
-from schedcomp.cache import PlanCache, precompile
+from schedcomp.cache import PlanCache, canonical, precompile
 from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.compiler import compile
@@ -25,14 +25,19 @@ def recut_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return precompile_recut(tmp_path_factory.mktemp("plans"))
 
 
-def test_the_index_records_recut_and_a_load_serves_the_re_cut_plans(recut_dir: Path) -> None:
-    assert json.loads((recut_dir / "index.json").read_text())["recut"] is True
+def test_the_index_records_recut_and_each_cut_and_a_load_serves_the_re_cut_plans(recut_dir: Path) -> None:
+    index = json.loads((recut_dir / "index.json").read_text())
+    assert index["recut"] is True and index["version"] == 1
     cache = PlanCache.load(recut_dir)
     assert cache.recut and not cache.plans  # known from the index alone, before any plan is read
     plan = cache.lookup([Worker(1, 1)])
     assert plan.cut.pipelines.keys() == {1} and sum(plan.cut.sizes(1, M)) == M
     check(plan)
     assert not cache.lookup([]).cut  # the fault-free plan has nothing to re-cut
+    cache.preload()
+    assert cache.cuts == {key: p.cut for key, p in cache.plans.items() if p.cut} and len(cache.cuts) == 2
+    assert {json.dumps(e.get("cut")) for e in index["scenarios"] if e["failed"]} == \
+        {json.dumps(c.to_json()) for c in cache.cuts.values()}
 
 
 def test_precompile_cli_recut_writes_the_same_cache(recut_dir: Path, tmp_path: Path) -> None:
@@ -43,17 +48,35 @@ def test_precompile_cli_recut_writes_the_same_cache(recut_dir: Path, tmp_path: P
 
 
 def test_an_index_without_recut_reads_as_before_and_refuses_a_re_cut_plan(recut_dir: Path, tmp_path: Path) -> None:
-    index = json.loads((recut_dir / "index.json").read_text())
-    del index["recut"]  # as precompile wrote every index before --recut
-    for entry in index["scenarios"]:
-        (tmp_path / entry["file"]).write_bytes((recut_dir / entry["file"]).read_bytes())
-    (tmp_path / "index.json").write_text(json.dumps(index))
-    cache = PlanCache.load(tmp_path)
-    assert not cache.recut
+    cache = PlanCache.load(copy_cache(recut_dir, tmp_path, as_whole))  # as precompile wrote indexes before --recut
+    assert not cache.recut and not cache.cuts
     assert not cache.lookup([]).cut
-    with pytest.raises(PlanFormatError, match="re-cuts micro-batches but the index says the cache's plans keep "
-                                              "whole ones"):
+    with pytest.raises(PlanFormatError, match=r"its cut of micro-batches \(\{'2': .*\) is not the one the index "
+                                              r"gives \(none\)"):
         cache.lookup([Worker(1, 1)])
+
+
+def test_a_plan_whose_cut_is_not_its_index_entrys_is_refused(recut_dir: Path, tmp_path: Path) -> None:
+    def other_cut(index: dict) -> None:
+        for entry in index["scenarios"]:
+            if "cut" in entry:
+                entry["cut"] = {"2": [0.0, 1.0, 3.0]}
+
+    cache = PlanCache.load(copy_cache(recut_dir, tmp_path, other_cut))
+    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+        cache.lookup([Worker(1, 1)])
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda index: index.pop("recut"), "scenario 1 has a 'cut' but the index does not say \"recut\": true"),
+    (lambda index: index["scenarios"][1].update(cut={"3": [0.0, 3.0]}), "names pipeline 3, outside pipelines 0..2"),
+    (lambda index: index["scenarios"][1].update(cut={"2": [0.0, 2.0]}), "covers 2 micro-batches but the plan has 3"),
+    (lambda index: index["scenarios"][1].update(cut={"2": [0.0, 0.0, 3.0]}), "boundaries must increase"),
+    (lambda index: index["scenarios"][1].update(cut={}), "its 'cut' is empty"),
+])
+def test_a_malformed_cut_in_the_index_is_refused_at_load(recut_dir: Path, tmp_path: Path, edit, message: str) -> None:
+    with pytest.raises(PlanFormatError, match=re.escape(message)):
+        PlanCache.load(copy_cache(recut_dir, tmp_path, edit))
 
 
 def test_a_whole_cache_writes_no_recut_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
@@ -83,10 +106,13 @@ def test_lookup_or_repair_repairs_from_a_plan_that_keeps_whole_microbatches(recu
     check(plan)
 
 
-def test_a_cache_held_in_memory_may_hold_re_cut_plans_only_when_it_says_so(tmp_path: Path) -> None:
-    plan = compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
-    fault_free = compile(PP, DP, M)
-    cache = PlanCache(PP, DP, M, plan.costs, 1, plans={((), ()): fault_free, (((2, 1),), ()): replace(plan)})
-    cache.save(tmp_path)  # written as it is held: a re-cut plan under an index that says whole ones
-    with pytest.raises(PlanFormatError, match="re-cuts micro-batches"):
-        PlanCache.load(tmp_path).lookup([Worker(1, 1)])
+def test_a_cache_held_in_memory_saves_re_cut_plans_only_when_it_says_so(tmp_path: Path) -> None:
+    plan = compile(PP, DP, M, failed=["2:1"], recut=True, solver="greedy")  # the canonical scenario of one failure
+    key = canonical(plan.topology, plan.costs).key
+    cache = PlanCache(PP, DP, M, plan.costs, 1, plans={((), ()): compile(PP, DP, M), key: plan})
+    with pytest.raises(PlanFormatError, match="holds plans that re-cut micro-batches: set its recut to True"):
+        cache.save(tmp_path)
+    cache.recut = True
+    cache.save(tmp_path)
+    loaded = PlanCache.load(tmp_path)
+    assert loaded.cuts == {key: plan.cut} and loaded.lookup([Worker(1, 1)]).cut.pipelines.keys() == {1}

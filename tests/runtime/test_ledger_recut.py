@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from recut_cache import DP, PP, M, precompile_recut
+from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
 
 from schedcomp.cache import PlanCache
 from schedcomp.compiler import compile
@@ -160,14 +160,42 @@ def test_a_plan_function_serving_a_re_cut_plan_is_refused_as_it_serves_it(tmp_pa
 
 def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refusal(recut_cache: Path,
                                                                                  tmp_path: Path) -> None:
-    import json
-
-    index = json.loads((recut_cache / "index.json").read_text())
-    del index["recut"]
-    for entry in index["scenarios"]:
-        (tmp_path / entry["file"]).write_bytes((recut_cache / entry["file"]).read_bytes())
-    (tmp_path / "index.json").write_text(json.dumps(index))
     # The index says whole micro-batches; the lossy policy reads every plan at construction (to refuse plans
     # that move layers), and reading checks each against the index: refused there too, not at a failure.
-    with pytest.raises(PlanFormatError, match="re-cuts micro-batches but the index says"):
-        trainer(PlanCache.load(tmp_path), tmp_path, "lossy")
+    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+        trainer(PlanCache.load(copy_cache(recut_cache, tmp_path, as_whole)), tmp_path, "lossy")
+
+
+# ---- batches too small for a re-cut plan: refused at the first iteration, not at the failure -------------------
+
+
+def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_plan_is_read(recut_cache: Path,
+                                                                                         tmp_path: Path) -> None:
+    cache = PlanCache.load(recut_cache)
+    rt = trainer(cache, tmp_path, "rollback")
+    assert rt.pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
+    chunks = DP * M
+    rt.pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    assert rt.pieces.per == 2
+    with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
+                                                r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
+                                                r"batch of 9 rows\): use a larger batch"):
+        rt.pieces.check((torch.zeros(chunks, 1), None), chunks)
+    rt.pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+    assert rt.pieces.checked == {2 * chunks}
+
+
+def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(monkeypatch) -> None:
+    from schedcomp.runtime.data import PieceRows
+    from schedcomp.runtime.fault import switches
+
+    monkeypatch.setattr(switches, "follow", lambda rt: None)  # the switch's collective part: no job here
+    plan = compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
+    for per, switched in ((1, False), (2, True)):  # pieces of half a micro-batch: 2 rows per micro-batch hold them
+        used: list = []
+        rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
+                             pieces=PieceRows([], per=per), refuse_cut=lambda p: None,
+                             trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
+        rt.session.view = None
+        switches.improve(rt, 3)
+        assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
