@@ -116,3 +116,32 @@ def test_a_cache_held_in_memory_saves_re_cut_plans_only_when_it_says_so(tmp_path
     cache.save(tmp_path)
     loaded = PlanCache.load(tmp_path)
     assert loaded.cuts == {key: plan.cut} and loaded.lookup([Worker(1, 1)]).cut.pipelines.keys() == {1}
+
+
+@pytest.mark.slow  # a background compile process
+@pytest.mark.timeout(120)
+def test_improving_plans_over_a_re_cut_cache_repairs_whole_and_compiles_pieces(recut_dir: Path) -> None:
+    # 0:1 and 1:0 dead, a cache of one failure: the repair starts from the fault-free plan (the cached plans of
+    # either failure alone re-cut) and keeps whole micro-batches; the background compile re-cuts, as the cache's
+    # own plans do, and is faster.
+    import time
+
+    from schedcomp.improving import ImprovingPlans
+    from schedcomp.simulator import simulate
+    from schedcomp.topology import Topology
+
+    plans = ImprovingPlans(PlanCache.load(recut_dir), time_limit=1.0)
+    try:
+        topology = Topology.of(PP, DP, [Worker(0, 1), Worker(1, 0)])
+        repaired = plans.lookup(topology)
+        assert repaired.solver == "repair" and not repaired.cut
+        deadline = time.monotonic() + 100
+        while plans.pending(topology) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        better = plans.improved(topology)
+        assert better is not None and better.cut and simulate(better).period < simulate(repaired).period
+        assert better.to_text() == compile(PP, DP, M, failed=[Worker(0, 1), Worker(1, 0)], schedule="adaptive",
+                                           time_limit=1.0, recut=True,
+                                           memory_limit=repaired.costs.memory_limit).to_text()
+    finally:
+        plans.close()
