@@ -7,11 +7,11 @@ plan's size and with no solving.
 
 On disk a cache is a directory: `index.json` (job shape, cost model, one entry per scenario with the
 SHA-256 of its plan file, and its cut of micro-batches if it re-cuts) and one plan JSON per scenario, read
-on first use. Nothing read from disk is
-trusted: the index is size- and depth-bounded and type-checked; a plan file must be named exactly as
-its scenario (so no `..`, absolute path or other directory), be a regular file inside the cache
-directory (no symlink out, no device), match its digest, and hold a plan for the index's job and
-scenario (and its cut) that passes `check`, before `lookup` returns it. All files are written atomically.
+on first use. Nothing read from disk is trusted: the index is size- and depth-bounded and type-checked; a
+plan file must be named exactly as its scenario (so no `..`, absolute path or other directory), be a
+regular file inside the cache directory (no symlink out, no device), match its digest, and hold a plan
+for the index's job and scenario (and its cut) that passes `check`, before `lookup` returns it. All files
+are written atomically.
 """
 
 from __future__ import annotations
