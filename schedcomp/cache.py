@@ -44,7 +44,6 @@ from schedcomp.scenarios import (  # canonical forms of failure sets; also re-ex
     canonical,
     canonical_costs,
     key_name,
-    legacy_key_name,
     relabel,
     scenarios,
 )
@@ -249,24 +248,7 @@ class PlanCache:
                 raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
             costs.check_workers(job)
             layers, partition = _index_layers(data, job, costs)
-            recut = data.get("recut", False)
-            if not isinstance(recut, bool):
-                raise PlanFormatError(f"'recut' must be true or false, got {recut!r}")
-            entries = data["scenarios"]
-            if not isinstance(entries, list):
-                raise PlanFormatError("'scenarios' must be a list")
-            limits.SCENARIOS.check(len(entries), "the index")
-            files, digests, cuts = {}, {}, {}
-            for n, entry in enumerate(entries):
-                failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
-                key: Key = (failed, classes)
-                cut = cachefiles.entry_cut(entry, n, dp, mbs, recut)
-                if cut:
-                    cuts[key] = cut
-                # Only the scenario's own name is taken: no '..', no absolute path, no other directory.
-                if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
-                    raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
-                files[key], digests[key] = root / file, digest
+            recut, files, digests, cuts = cachefiles.scenario_entries(data, root, pp, dp, mbs)
         except KeyError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: missing {exc}") from None
         except SchedcompError as exc:
