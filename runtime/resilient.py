@@ -369,7 +369,10 @@ class ResilientTrainer:
     def run(self, iterations: int) -> Report:
         """Train until iteration `iterations - 1` is done; returns this worker's report."""
         self.iterations = iterations
-        i = self.start()
+        try:
+            i = self.start()
+        except RecoveryTimeout as e:  # joining timed out: one line, then a restart or a clean exit
+            self.last_resort.give_up(e)
         assert self.report is not None
         while True:
             try:
@@ -394,7 +397,7 @@ class ResilientTrainer:
                     raise
                 except RecoveryError as lost:  # a stage lost every replica, or a wait timed out: restart
                     self.last_resort.give_up(lost)
-            except RecoveryTimeout as e:  # at an admission or the final meeting (`RecoveryTimeout`: never retried)
+            except RecoveryTimeout as e:  # at an admission (`RecoveryTimeout`: never retried; the final meeting has none)
                 self.last_resort.give_up(e)
         self.last_resort.close()
         view = self.session.view

@@ -22,8 +22,9 @@ DONE     G is sealed: `winner` is the job's view.
 meeting before a generation's groups are built, the final meeting); it gives up as soon as the
 generation breaks, so nobody waits on a member that died after the agreement.
 
-Both waits are also bounded in time (`agree`'s timeout, `meet`'s): the detector ends them on a
-failure it sees, the bound on one it cannot (a member alive but stuck, a key that never fills).
+Both waits are also bounded in time (`agree`'s timeout, `meet`'s; not the final meeting, see
+`FaultSession.finish`): the detector ends them on a failure it sees, the bound on one it cannot (a
+member alive but stuck, a key that never fills).
 Past it a worker raises a `RecoveryTimeout` and leaves the job: it stops taking steps, exactly as
 if it had died between two of them, which the model explores at every step, so a timeout cannot
 make two survivors disagree; the others then see it dead (its launcher's notice, or its heartbeat).
@@ -186,17 +187,18 @@ class Meeting:
     arrived: bool = False
 
 
-def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeout: float = AGREEMENT_TIMEOUT,
-         poll: float = 0.002, most: float = 0.02) -> None:
+def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *,
+         timeout: float | None = AGREEMENT_TIMEOUT, poll: float = 0.002, most: float = 0.02) -> None:
     """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first.
 
     Polls every `poll` seconds, backing off to `most` (`store.backoff`); a broken generation wakes it at once.
     The signal is the usual way out, but it trips only on a failure the detector sees: a member alive
     and stuck before the meeting (or a bug that loses an arrival) would hold everyone forever, so past
     `timeout` seconds it raises `MeetingTimeout`: the caller leaves the job, see `RecoveryTimeout`.
+    `timeout=None` waits for the meeting or the signal only (the final meeting: see `FaultSession.finish`).
     """
     m: Meeting | str = Meeting(key, size)
-    deadline, delays = time.monotonic() + timeout, backoff(poll, most)
+    deadline, delays = time.monotonic() + (float("inf") if timeout is None else timeout), backoff(poll, most)
     while m != MET:
         got = meet_step(store, m, signal.is_set())
         if got == ABORTED:

@@ -192,6 +192,9 @@ class LastResort:
     def give_up(self, error: BaseException) -> NoReturn:
         """The job cannot go on by re-planning: ask for a restart (or, without checkpoints, just leave)."""
         me, session = self.session.me, self.session
+        if session.view is None:  # never joined a generation: there is no job to restart from here
+            log.error("worker %s: %s (before joining the job)", me, _one_line(error))
+            self.leave(1)
         if self.schedule is None:
             log.error("worker %s: %s (no checkpoints to restart from: pass checkpoint=CheckpointPolicy(...))",
                       me, _one_line(error))

@@ -217,7 +217,10 @@ class FaultSession:
         key, size = f"gen{self.view.generation}/final", len(self.view.members)
         self._finals.append((key, size))
         if not self.finished():
-            meet(self.store, key, size, self.signal, timeout=self.agree_timeout)
+            # No deadline: an arrival cannot be taken back, so a worker giving up here would leave a
+            # meeting that later completes, and restart (or fail) a job that finished everywhere. A slow
+            # member is legitimate here (a checkpoint save in flight); a dead or silent one trips the signal.
+            meet(self.store, key, size, self.signal, timeout=None)
 
     def finished(self) -> bool:
         """Whether a final meeting this worker went to was complete (then the job is done everywhere)."""

@@ -16,7 +16,7 @@ from schedcomp.runtime.fault.agreement import AgreementTimeout, agree
 from schedcomp.runtime.fault.launch import Launcher
 from schedcomp.runtime.fault.membership import GenerationAborted, View
 from schedcomp.runtime.fault.protocol import MeetingTimeout, RecoveryTimeout, await_keys, meet
-from schedcomp.runtime.fault.store import SUPERSEDED, Keys, get_int
+from schedcomp.runtime.fault.store import SUPERSEDED, Keys
 from schedcomp.topology import Topology, Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,6 +134,28 @@ def test_a_meeting_still_ends_on_the_signal_and_when_everyone_arrived() -> None:
         meet(store, "gen2/arrived", 2, detector.signal, timeout=60.0)
 
 
+def test_the_final_meeting_waits_for_a_slow_member_past_the_agreement_timeout(monkeypatch) -> None:
+    # An arrival cannot be taken back: a worker giving up at the final meeting would restart (or fail) a job
+    # that then finishes everywhere. So `finish` waits with no deadline; only the signal ends it early.
+    from schedcomp.runtime.fault import session as session_module
+    store, detector = LivelockStore(Clock(), superseding=True), QuietDetector()
+    deadlines: list[object] = []
+
+    def recording_meet(*args, **kwargs):
+        deadlines.append(kwargs.get("timeout", "the default"))
+        meet(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "meet", recording_meet)
+    fake = SimpleNamespace(view=View.initial(1, 2), store=store, signal=detector.signal, agree_timeout=0.05,
+                           _finals=[])
+    fake.finished = lambda: session_module.FaultSession.finished(fake)
+    late = threading.Timer(0.3, lambda: store.add("gen0/final", 1))  # the other member arrives after 6 timeouts
+    late.start()
+    session_module.FaultSession.finish(fake)  # returns once met, no MeetingTimeout
+    late.join()
+    assert deadlines == [None] and fake.finished()
+
+
 def test_waiting_for_members_records_ends_on_the_signal_at_the_deadline_or_once_all_are_there() -> None:
     store, detector = LivelockStore(Clock(), superseding=True), QuietDetector()
     keys = ["gen3/progress/0:0", "gen3/progress/1:0"]
@@ -165,15 +187,17 @@ def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() 
     launcher = Launcher([sys.executable, "-c", "pass"], pp=1, dp=2, workers=[Worker(0, 0)], poll=0.01,
                         linger=2.5)  # alone, it stops only after 2.5 s without a beat
     remote = launcher.address.connect()
-    done = threading.Event()
+    done, serving = threading.Event(), launcher._serve_other_hosts
 
-    def other_host() -> None:
-        interrupted = False
+    def interrupted_serving(stop: list[int]) -> int | None:  # the Ctrl-C comes once 0:0 is done and it serves 1:0
+        os.kill(os.getpid(), signal.SIGINT)  # run's handler records it; the serving loop must see it
+        return serving(stop)
+
+    launcher._serve_other_hosts = interrupted_serving  # type: ignore[method-assign]
+
+    def other_host() -> None:  # without the signal, these beats would keep the store served 20 x linger s
         while not done.is_set():
             remote.add(Keys.heartbeat(Worker(1, 0)), 1)
-            if not interrupted and launcher.slots[0].returncode is not None:  # 0:0 is done: it lingers now
-                interrupted = True
-                os.kill(os.getpid(), signal.SIGINT)  # handled by the main thread, inside `run`
             done.wait(0.01)
 
     beating = threading.Thread(target=other_host, daemon=True)
@@ -184,4 +208,23 @@ def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() 
         done.set()
         beating.join()
     assert code == 128 + signal.SIGINT
-    assert launcher.slots[0].returncode == 0 and get_int(remote, Keys.heartbeat(Worker(1, 0))) > 0
+    assert launcher.slots[0].returncode == 0
+
+
+def test_a_timeout_before_joining_leaves_with_one_line_and_status_1(tmp_path, caplog) -> None:
+    # A worker whose join timed out has no generation to restart from: it ends with one line, not a traceback
+    # (and not an assertion about a view it never had), even with checkpoints configured.
+    from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
+
+    class Left(Exception):
+        pass
+
+    def leave(code: int):
+        raise Left(code)
+
+    session = SimpleNamespace(me=ME, view=None)
+    with pytest.raises(Left) as left:
+        LastResort(CheckpointPolicy(tmp_path), session, leave=leave).give_up(  # type: ignore[arg-type]
+            AgreementTimeout("no generation admitted 0:0 within 1 s: raise the agreement timeout"))
+    assert left.value.args == (1,)
+    assert any("before joining the job" in r.getMessage() and "\n" not in r.getMessage() for r in caplog.records)
