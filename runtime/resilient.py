@@ -397,7 +397,7 @@ class ResilientTrainer:
                     raise
                 except RecoveryError as lost:  # a stage lost every replica, or a wait timed out: restart
                     self.last_resort.give_up(lost)
-            except RecoveryTimeout as e:  # at an admission (`RecoveryTimeout`: never retried; the final meeting has none)
+            except RecoveryTimeout as e:  # at an admission: never retried (the final meeting has no deadline)
                 self.last_resort.give_up(e)
         self.last_resort.close()
         view = self.session.view

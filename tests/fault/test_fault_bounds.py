@@ -12,10 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from schedcomp.runtime.fault import agreement
+from schedcomp.runtime.fault import session as session_module
 from schedcomp.runtime.fault.agreement import AgreementTimeout, agree
 from schedcomp.runtime.fault.launch import Launcher
 from schedcomp.runtime.fault.membership import GenerationAborted, View
 from schedcomp.runtime.fault.protocol import MeetingTimeout, RecoveryTimeout, await_keys, meet
+from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.store import SUPERSEDED, Keys
 from schedcomp.topology import Topology, Worker
 
@@ -137,7 +139,6 @@ def test_a_meeting_still_ends_on_the_signal_and_when_everyone_arrived() -> None:
 def test_the_final_meeting_waits_for_a_slow_member_past_the_agreement_timeout(monkeypatch) -> None:
     # An arrival cannot be taken back: a worker giving up at the final meeting would restart (or fail) a job
     # that then finishes everywhere. So `finish` waits with no deadline; only the signal ends it early.
-    from schedcomp.runtime.fault import session as session_module
     store, detector = LivelockStore(Clock(), superseding=True), QuietDetector()
     deadlines: list[object] = []
 
@@ -214,7 +215,6 @@ def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() 
 def test_a_timeout_before_joining_leaves_with_one_line_and_status_1(tmp_path, caplog) -> None:
     # A worker whose join timed out has no generation to restart from: it ends with one line, not a traceback
     # (and not an assertion about a view it never had), even with checkpoints configured.
-    from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 
     class Left(Exception):
         pass
