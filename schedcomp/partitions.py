@@ -77,6 +77,12 @@ def held_stages(partition: Partition) -> tuple[int, ...]:
     return tuple(s for s, n in enumerate(partition) if n)
 
 
+def held_ends(partition: Partition) -> tuple[int, int]:
+    """A pipeline's first and last held stage: the forwards LOAD feeds (inputs, targets)."""
+    held = held_stages(partition)
+    return held[0], held[-1]
+
+
 def next_stage(partition: Partition) -> tuple[int, ...]:
     """Per stage, the next held stage after it (len(partition) past the last): where an F sends its output."""
     out, nxt = [0] * len(partition), len(partition)
@@ -128,3 +134,12 @@ def worker_segments(partitions: Partitions, failed: Collection[Worker] = ()) -> 
 def span_of(partition: Partition, stage: int) -> range:
     """The layers `stage` holds under `partition` (empty where it holds none)."""
     return spans(partition)[stage]
+
+
+Reach = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+"""Per pipeline, (`next_stage`, `previous_stage`) of its partition: where each stage's neighbours are."""
+
+
+def reach(partitions: Partitions) -> Reach:
+    """Each pipeline's neighbour tables (one computation per plan, read per transfer)."""
+    return tuple((next_stage(p), previous_stage(p)) for p in partitions)
