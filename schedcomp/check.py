@@ -166,7 +166,8 @@ class _Checker(TransferRules, OrderRules):
         stops = self.event_indexes(self.order_ranks, self.order_stops)  # events passed -> where it stopped
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
-                         self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut)
+                         self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut, self.reach,
+                         dict(self.plan.pipeline_costs))
 
     def where(self, at: int) -> Where:
         """A packed place (rank << 32 | index) as (worker, index)."""

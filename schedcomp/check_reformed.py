@@ -12,12 +12,14 @@ collectives can run, in the one global layer order (`segments_passed`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError
+from schedcomp.partition import spans
 from schedcomp.partitions import Reach, as_partitions, held_ends, reach, segments, span_of
 from schedcomp.topology import Worker
 
@@ -52,6 +54,10 @@ def reformed_rules(checker: Any) -> Reach:
                    "partition" if not has else "keeps plan.partition but has a cost model in plan.pipeline_costs: "
                    "drop it (plan.costs serves it)")
             fail(None, None, f"pipeline {d} {why}")
+    layers = plan.layer_allreduce
+    if len(layers) != sum(partitions[0]) or not all(isinstance(x, float) and 0 <= x < math.inf for x in layers):
+        fail(None, None, f"plan.layer_allreduce must give one non-negative time per layer ({sum(partitions[0])} "
+                         f"floats), got {len(layers)} values: a segment's all-reduce sums its layers'")
     base = plan.costs
     for d, costs in sorted(plan.pipeline_costs.items()):
         if not (type(d) is int and 0 <= d < topo.dp) or not isinstance(costs, CostModel):
@@ -62,6 +68,13 @@ def reformed_rules(checker: Any) -> Reach:
             if getattr(costs, name) != getattr(base, name):
                 fail(None, None, f"the cost model of pipeline {d} has another {name} than plan.costs: the job's "
                                  "links, speeds and units are one")
+    for d, own in enumerate(partitions):  # each stage's all-reduce is its layers' (what segments split)
+        stage_allreduce = plan.costs_of(d).allreduce
+        for s, span in enumerate(spans(own)):
+            total = math.fsum(layers[i] for i in span)
+            if abs(total - stage_allreduce[s]) > 1e-9 * max(1.0, abs(total)):
+                fail(None, None, f"pipeline {d}'s stage {s} has allreduce {stage_allreduce[s]:g} but its layers' "
+                                 f"plan.layer_allreduce sum to {total:g}: give the stage costs of the same layers")
     return reach(partitions)
 
 

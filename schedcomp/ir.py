@@ -277,6 +277,9 @@ class Plan:
     pipeline_costs: Mapping[int, CostModel] = field(default_factory=dict)
     """The stage cost model of each pipeline whose partition is not `partition` (keyed by pipeline; its
     memory limit is its workers'): `costs_of`. Empty without `partitions`."""
+    layer_allreduce: tuple[float, ...] = ()
+    """With `partitions`: each layer's gradient all-reduce time, so a segment's collective takes its layers'
+    sum (`schedcomp.partitions.segments`); each stage's `allreduce` is its layers' sum. Empty without them."""
 
     def costs_of(self, pipeline: int) -> CostModel:
         """The stage cost model of `pipeline`'s ops and workers: its own where it was re-formed, else `costs`."""

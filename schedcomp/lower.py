@@ -25,7 +25,7 @@ takes the op-by-op path below, which gives the same streams or names the first p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -55,13 +55,17 @@ def lower(
     lower_bound: float | None = None,
     meta: Mapping[str, Any] | None = None,
     pipeline_costs: Mapping[int, CostModel] | None = None,
+    layer_allreduce: Sequence[float] = (),
 ) -> Plan:
     """Turn `order` into instruction streams; the result is checked by `schedcomp.check.check`.
-    `pipeline_costs`: with `order.partitions`, the stage cost model of each pipeline whose partition is not
-    `order.partition` (`Plan.pipeline_costs`)."""
+    With `order.partitions`: `pipeline_costs`, the stage cost model of each pipeline whose partition is not
+    `order.partition`, and `layer_allreduce`, each layer's all-reduce time (`Plan.pipeline_costs`,
+    `Plan.layer_allreduce`)."""
     with paused_gc():  # (the op-by-op path makes many small acyclic objects: see `schedcomp.gcpause`)
         plan = _lower(order, costs, solver, lower_bound, meta)
-    return plan if not pipeline_costs else replace(plan, pipeline_costs=dict(pipeline_costs))
+    if not pipeline_costs and not layer_allreduce:
+        return plan
+    return replace(plan, pipeline_costs=dict(pipeline_costs or {}), layer_allreduce=tuple(map(float, layer_allreduce)))
 
 
 def _lower(

@@ -131,6 +131,7 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
         partition=plan.partition,
         partitions=partitions,
         pipeline_costs={mapping[d]: renamed(c) for d, c in plan.pipeline_costs.items()},
+        layer_allreduce=plan.layer_allreduce,
     )
 
 

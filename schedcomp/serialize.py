@@ -26,7 +26,8 @@ rather than run it with the model cut elsewhere.
 A plan with per-pipeline partitions (`schedcomp.partitions`: re-formed pipelines) is written as version 4:
 `"partition"` (the pipelines that keep it), `"partitions": [[4, 4, 4, 4], ..., [6, 0, 5, 5]]` (one per
 pipeline) and `"pipeline_costs": {"3": {...CostModel.to_dict()...}}` (the cost model of each pipeline whose
-partition is not `partition`), with a cut or none (its last boundaries are then the pipelines' shares).
+partition is not `partition`), `"layer_allreduce"` (per layer, what a segment's collective sums), with a
+cut or none (its last boundaries are then the pipelines' shares).
 
 PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
 `torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
@@ -56,7 +57,7 @@ from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
-from schedcomp.partition import as_partition
+from schedcomp.partition import MAX_LAYERS, as_partition
 from schedcomp.partitions import as_partitions
 from schedcomp.streamcolumns import JSON_PLAIN, columns_of, json_lists
 from schedcomp.topology import Topology, Worker
@@ -86,7 +87,7 @@ __all__ = [
 ]
 
 _HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs",
-                "cut", "partition", "partitions", "pipeline_costs")
+                "cut", "partition", "partitions", "pipeline_costs", "layer_allreduce")
 
 
 # ---- header (everything but the streams) -------------------------------------------------------
@@ -110,7 +111,8 @@ def _header(plan: Plan) -> dict[str, Any]:
         **({"cut": plan.cut.to_json()} if plan.cut else {}),
         **({"partition": list(plan.partition)} if plan.partition is not None else {}),
         **({"partitions": [list(p) for p in plan.partitions],
-            "pipeline_costs": {str(d): c.to_dict() for d, c in sorted(plan.pipeline_costs.items())}}
+            "pipeline_costs": {str(d): c.to_dict() for d, c in sorted(plan.pipeline_costs.items())},
+            "layer_allreduce": list(plan.layer_allreduce)}
            if plan.partitions is not None else {}),
     }
 
@@ -153,7 +155,7 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads versions "
                               f"{', '.join(map(str, VERSIONS))}: recompile the plan with this version")
     reformed = version == VERSION_PARTITIONS
-    for key in ("partitions", "pipeline_costs"):
+    for key in ("partitions", "pipeline_costs", "layer_allreduce"):
         if (key in data) != reformed:
             raise PlanFormatError(f"{what}: a version-{VERSION_PARTITIONS} plan has {key!r} (re-formed pipelines) "
                                   f"and other versions none; this one has version {version}"
@@ -209,8 +211,17 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         if "partition" in data else None,
         **({"partitions": as_partitions(data["partitions"], topology.dp, topology.pp, topology.failed,
                                         f"{what}: 'partitions'"),
-            "pipeline_costs": pipeline_costs} if reformed else {}),
+            "pipeline_costs": pipeline_costs,
+            "layer_allreduce": _per_layer(data["layer_allreduce"], what)} if reformed else {}),
     }
+
+
+def _per_layer(value: object, what: str) -> tuple[float, ...]:
+    """'layer_allreduce': one finite non-negative time per layer (their count is checked against the partitions)."""
+    if not isinstance(value, list) or len(value) > MAX_LAYERS or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value):
+        raise PlanFormatError(f"{what}: 'layer_allreduce' must be a list of one non-negative time per layer")
+    return tuple(float(x) for x in value)
 
 
 def _pipeline_costs(data: Mapping[str, Any], topology: Topology, what: str) -> dict[int, CostModel]:

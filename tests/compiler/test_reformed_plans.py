@@ -50,7 +50,7 @@ def reformed_plan(*, cut: Cut | None = None, limit: float | None = None) -> Plan
     own = stage_costs(LAYERS, reformed)
     if limit is not None:
         costs, own = costs.with_memory_limit(limit), own.with_memory_limit(limit)
-    return lower(order, costs, pipeline_costs={1: own})
+    return lower(order, costs, pipeline_costs={1: own}, layer_allreduce=LAYERS.costs.allreduce)
 
 
 def test_a_re_formed_pipeline_sends_over_its_gap_and_loads_at_its_held_ends() -> None:
@@ -89,7 +89,8 @@ def test_check_refuses_an_op_re_routed_to_a_worker_holding_other_layers() -> Non
            Worker(1, 0): (*_serial(1, 0, 2), *_serial(0, 0, 2)[3:])}
     order = Order(topo, 2, ops, partition=(2, 2), partitions=((2, 2), (4, 0)))
     layers = LayerCosts.even(CostModel.uniform(2), 2)
-    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))})
+    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))},
+                 layer_allreduce=layers.costs.allreduce)
     with pytest.raises(ValidationError, match="holding its layers"):
         check(plan)
 
@@ -124,6 +125,8 @@ def test_check_holds_a_re_formed_worker_to_its_own_memory_limit() -> None:
     ({"partitions": None}, "without plan.partitions"),
     ({"cut": Cut.of({1: (0.0, 1.0, 2.0)})}, "shares=True"),
     ({"cut": Cut.of({1: (0.0, 1.0, 1.5)}, shares=True)}, "shares total 3.5"),
+    ({"layer_allreduce": (0.0,) * 5}, "one non-negative time per layer"),
+    ({"layer_allreduce": (0.0,) * 5 + (1.0,)}, "stage 2 has allreduce 0 but its layers'"),
 ])
 def test_check_refuses_inconsistent_partitions_costs_and_shares(change: dict[str, object], says: str) -> None:
     with pytest.raises(ValidationError, match=says):
@@ -175,6 +178,8 @@ def test_global_rows_keep_whole_shares_exact_and_cover_re_balanced_shares_once()
     (lambda d: d.update(partitions=[[2, 2, 2], [3, 0]]), "3 layer counts"),
     (lambda d: d.update(partitions="x"), "list"),
     (lambda d: d.update(partitions=[[2, 2, 2], [6, 0, 0]]), "place 2"),
+    (lambda d: d.update(layer_allreduce=[0, -1]), "'layer_allreduce'"),
+    (lambda d: d.pop("layer_allreduce"), "'layer_allreduce'"),
 ])
 def test_bad_version_4_files_are_refused_in_one_line(edit, says: str) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(reformed_plan().to_json())

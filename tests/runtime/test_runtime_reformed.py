@@ -20,7 +20,8 @@ def test_a_plan_with_re_formed_pipelines_is_refused_in_one_line_before_any_proce
     ops = {w: tuple(Op(k, w.pipeline, m, w.stage) for m in range(2) for k in (OpKind.F, OpKind.B, OpKind.W))
            for w in (Worker(0, 0), Worker(0, 1), Worker(1, 0))}
     order = Order(Topology.of(2, 2, ["1:1"]), 2, ops, partition=(2, 2), partitions=((2, 2), (4, 0)))
-    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))})
+    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))},
+                 layer_allreduce=layers.costs.allreduce)
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
     with pytest.raises(RuntimeSetupError, match="re-formed pipelines") as exc:
         PipelineTrainer(plan, model, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1),
