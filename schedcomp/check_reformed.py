@@ -55,11 +55,12 @@ def reformed_rules(checker: Any) -> Reach:
                    "drop it (plan.costs serves it)")
             fail(None, None, f"pipeline {d} {why}")
     layers = plan.layer_allreduce
-    if len(layers) != sum(partitions[0]) or not all(isinstance(x, float) and 0 <= x < math.inf for x in layers):
+    if not isinstance(layers, tuple) or len(layers) != sum(partitions[0]) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in layers):
         fail(None, None, f"plan.layer_allreduce must give one non-negative time per layer ({sum(partitions[0])} "
                          f"floats), got {len(layers)} values: a segment's all-reduce sums its layers'")
     base = plan.costs
-    for d, costs in sorted(plan.pipeline_costs.items()):
+    for d, costs in sorted(plan.pipeline_costs.items(), key=lambda item: str(item[0])):  # (keys of any type)
         if not (type(d) is int and 0 <= d < topo.dp) or not isinstance(costs, CostModel):
             fail(None, None, f"plan.pipeline_costs maps pipelines 0..{topo.dp - 1} to CostModels, got {d!r}")
         if costs.pp != topo.pp:

@@ -84,3 +84,18 @@ def test_compile_refuses_reform_it_cannot_build_in_one_line(kwargs: dict[str, ob
     with pytest.raises(ScheduleError, match=says) as exc:
         compile(**args)  # type: ignore[arg-type]
     assert "\n" not in str(exc.value)
+
+
+def test_the_cli_compiles_a_re_formed_plan(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from schedcomp.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["compile", "--pp", "4", "--dp", "2", "--microbatches", "4", "--failed", "1:2", "--layers", "2",
+                 "--reform", "1", "--json", "-o", str(out)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["reform"]["pipelines"] == [1] and facts["within_memory_limit"] is True
+    plan = Plan.from_json(out.read_text())
+    assert plan.partitions is not None and plan.partitions[1][2] == 0
+    assert simulate(plan).period == pytest.approx(facts["period"])
