@@ -202,3 +202,20 @@ def test_relabelling_moves_each_pipeline_s_partition_and_costs_and_repair_refuse
     check(swapped)
     with pytest.raises(ScheduleError, match="re-formed pipelines"):
         repair(reformed_plan(), Worker(0, 1))
+
+
+def test_check_names_the_cycle_when_a_pipeline_deadlocks_beside_a_re_formed_one() -> None:
+    # pp 2, dp 2, 0:1 failed, pipeline 0 re-formed onto 0:0; pipeline 1's two workers wait for each other
+    # (1:0 runs B0 before F1, 1:1 runs F1 and B1 before F0), so 0:0 waits in ALLREDUCE for both segments.
+    topo = Topology.of(2, 2, ["0:1"])
+    seq = {Worker(1, 0): [(F, 0), (B, 0), (W, 0), (F, 1), (B, 1), (W, 1)],
+           Worker(1, 1): [(F, 1), (B, 1), (W, 1), (F, 0), (B, 0), (W, 0)]}
+    ops = {w: tuple(Op(k, 1, m, w.stage) for k, m in s) for w, s in seq.items()}
+    ops[Worker(0, 0)] = _serial(0, 0, 2)
+    layers = LayerCosts.even(CostModel.uniform(2), 2)
+    order = Order(topo, 2, ops, partition=(2, 2), partitions=((4, 0), (2, 2)))
+    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={0: stage_costs(layers, (4, 0))},
+                 layer_allreduce=layers.costs.allreduce)
+    with pytest.raises(ValidationError, match=r"deadlock: 1:0 instruction \d+ \(B0\.1\) waits for 1:1") as exc:
+        check(plan)
+    assert "0:0" not in str(exc.value).split("\n")[0]  # 0:0 only waits in ALLREDUCE: no part of the cycle
