@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schedcomp import compile
 from schedcomp.check import check
@@ -99,3 +101,19 @@ def test_the_cli_compiles_a_re_formed_plan(tmp_path, capsys) -> None:  # type: i
     plan = Plan.from_json(out.read_text())
     assert plan.partitions is not None and plan.partitions[1][2] == 0
     assert simulate(plan).period == pytest.approx(facts["period"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 3), st.integers(1, 3), st.data())
+def test_random_re_formed_jobs_compile_to_plans_that_check_round_trip_and_time_alike(  # type: ignore[no-untyped-def]
+        pp: int, dp: int, k: int, data) -> None:
+    d = data.draw(st.integers(0, dp - 1))
+    dead = data.draw(st.sets(st.integers(0, pp - 1), min_size=1, max_size=pp - 1))
+    m = data.draw(st.integers(pp, pp + 2))
+    plan = compile(pp=pp, dp=dp, microbatches=m, failed=[(d, s) for s in dead], layers=k, reform=(d,),
+                   memory_limit=None)
+    assert plan.partitions is not None and all(plan.partitions[d][s] == 0 for s in dead)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    check(again)
+    assert simulate(again, validate=False).iteration_ends == simulate(plan).iteration_ends
