@@ -7,9 +7,12 @@ micro-batch (its home pipeline or a peer it was re-routed to) loads the same sam
 A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's share (its M chunks
 together) into pieces of unequal sizes instead: piece m holds the rows `piece_rows` gives, rounded to
 whole samples, and its loss is weighted by its rows over the global batch's (`Iteration.scale_of`).
+The ledger of resilient jobs counts, per regular micro-batch, the rows of it each piece holds (`held_rows`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -66,12 +69,60 @@ def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chun
     per = rows // chunks
     start, stop = cut.rows(pipeline, microbatch, per)
     if stop <= start:
-        raise RuntimeSetupError(
-            f"micro-batch {microbatch} of pipeline {pipeline} is a piece of {cut.size(pipeline, microbatch):.3g} "
-            f"micro-batches, no whole sample of the {per} per micro-batch: use a larger batch with this re-cut plan"
-        )
+        what = _no_sample(cut, pipeline, microbatch, per)
+        raise RuntimeSetupError(f"micro-batch {microbatch} of pipeline {pipeline} {what}: use a larger batch with this "
+                                "re-cut plan")
     offset = pipeline * microbatches * per
     return offset + start, offset + stop
+
+
+def _no_sample(cut: Cut, pipeline: int, microbatch: int, per: int) -> str:
+    return (f"is a piece of {cut.size(pipeline, microbatch):.3g} micro-batches, no whole sample of the {per} per "
+            "micro-batch")
+
+
+@dataclass
+class PieceRows:
+    """The re-cut plans a job may switch to (their cuts: `runtime.fault.policies.recuts_of`), checked against
+    each size of global batch the first time it comes: every piece must hold a whole sample (`piece_rows`),
+    refused at the job's first iteration rather than when a failure switches to the plan."""
+
+    cuts: list[Cut]
+    checked: set[int] = field(default_factory=set)
+    per: int | None = None  # rows per regular micro-batch of the last batch checked
+
+    def check(self, batch: tuple[Tensors, Tensors], chunks: int) -> None:
+        """Refuse (one line) a batch too small for a piece of one of the cuts; `chunks`: dp x microbatches."""
+        rows = batch_rows(batch[0]) if isinstance(batch, (tuple, list)) and batch else 0
+        if rows == 0 or rows % chunks:  # refused by the iteration itself, as always
+            return
+        self.per = rows // chunks
+        if rows not in self.checked:
+            for cut in self.cuts:
+                problem = empty_piece(cut, self.per)
+                if problem:
+                    raise RuntimeSetupError(f"a re-cut plan this job may switch to has a piece that {problem} (a "
+                                            f"batch of {rows} rows): use a larger batch, or plans without --recut")
+            self.checked.add(rows)
+
+
+def empty_piece(cut: Cut, per: int) -> str | None:
+    """What piece of `cut` holds no whole sample of `per` rows per regular micro-batch, or None."""
+    for p, b in cut.bounds:
+        for m in range(len(b) - 1):
+            start, stop = cut.rows(p, m, per)
+            if stop <= start:
+                return _no_sample(cut, p, m, per)
+    return None
+
+
+def held_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, per: int) -> list[tuple[int, int]]:
+    """What micro-batch `microbatch` of `pipeline` holds of each regular micro-batch of that pipeline (`per`
+    rows each), under `cut`: (its chunk index, rows), for every one it overlaps. The pieces of a pipeline
+    cover its share once (`Cut.rows`), so each regular micro-batch's rows over them sum to exactly `per`."""
+    start, stop = cut.rows(pipeline, microbatch, per)
+    return [(chunk_index(pipeline, m, microbatches), min(stop, (m + 1) * per) - max(start, m * per))
+            for m in range(start // per, (stop + per - 1) // per)]
 
 
 def take_rows(value: Tensors, start: int, stop: int) -> Tensors:

@@ -21,7 +21,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
-from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, piece_rows
+from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, held_rows, piece_rows
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.semantics import ACT, semantics_of
@@ -46,7 +46,7 @@ class Iteration:
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
-    ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE
+    ledger: Tensor | None = None  # per-chunk count of weight gradients accumulated, summed by ALLREDUCE (`count`)
     keep_sent: bool = False  # keep every sent tensor until the iteration is dropped (lossy recovery)
     meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
     stages: dict[int, Stage] = field(default_factory=dict)  # every chunk held, by virtual stage (default: `stage`)
@@ -172,10 +172,33 @@ class Iteration:
         """The sum of this worker's scaled micro-batch losses (last stage; None elsewhere)."""
         return torch.stack(list(self.losses.values())).sum() if self.losses else None
 
+    @property
+    def ledger_unit(self) -> int:
+        """What one whole micro-batch counts in the ledger: 1, or its rows when the plan re-cuts some (see `count`)."""
+        return batch_rows(self.inputs) // self.chunks if self.plan.cut else 1
+
     def count(self, key: Key) -> None:
-        """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs)."""
-        if self.ledger is not None:
+        """Note that this micro-batch's weight gradients are now in `.grad` (the ledger of resilient jobs).
+
+        The ledger has one entry per regular micro-batch (`chunk_index`) and counts samples: a whole
+        micro-batch adds 1; under a re-cut plan every op adds, to each regular micro-batch it overlaps, the
+        rows of it that it holds (`data.held_rows`; a whole micro-batch: all of them). Counts are integers,
+        so their sums are exact (in the all-reduce's float32 too, below 2**24), and `counted` divides by the
+        unit once: exactly 1.0 for a micro-batch whose every sample counted once.
+        """
+        if self.ledger is None:
+            return
+        if not self.plan.cut:
             self.ledger[chunk_index(key[0], key[1], self.plan.microbatches)] += 1
+            return
+        for index, rows in held_rows(self.plan.cut, key[0], key[1], self.plan.microbatches, self.ledger_unit):
+            self.ledger[index] += rows
+
+    def counted(self) -> Tensor:
+        """The ledger in regular micro-batches (see `count`)."""
+        assert self.ledger is not None
+        unit = self.ledger_unit
+        return self.ledger / unit if unit != 1 else self.ledger
 
     def finish(self) -> None:
         """Wait for this iteration's sends, then check the stream left nothing behind."""

@@ -54,7 +54,7 @@ from schedcomp.ir import Plan
 from schedcomp.runtime.comm import channels
 from schedcomp.runtime.data import as_tuple
 from schedcomp.runtime.executor import Iteration
-from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.protocol import await_keys
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryHost, RollbackPolicy, StepDecision
 from schedcomp.runtime.fault.residual import residuals, skipped_chunks
 from schedcomp.runtime.fault.rollback import Rollback
@@ -180,13 +180,13 @@ def _rows(batch: tuple, chunks: int) -> int:
 
 
 def _exchange(rt: RecoveryHost, prefix: str, record: dict, poll: float = 0.002) -> dict[Worker, dict]:
-    """Publish this worker's record under `prefix` and read every member's (gives up if the generation breaks)."""
+    """Publish this worker's record under `prefix` and read every member's (gives up if the generation breaks,
+    `MeetingTimeout` past the agreement timeout: see `protocol.await_keys`)."""
     session = rt.session
     assert session.view is not None
     store, members = session.store, session.view.members
     store.set(f"{prefix}/{session.me}", json.dumps(record))
     keys = [f"{prefix}/{w}" for w in members]
-    while not store.check(keys):
-        if session.signal.wait(poll):
-            raise GenerationAborted("a member failed while the survivors exchanged their progress: agree again")
+    await_keys(store, keys, session.signal, timeout=session.agree_timeout, what=f"every member's record at {prefix}",
+               poll=poll)
     return {w: json.loads(store.get(k)) for w, k in zip(members, keys, strict=True)}

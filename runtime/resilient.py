@@ -53,12 +53,17 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
 - A worker declared failed while alive (`Evicted`) raises: exit non-zero and the launcher
   replaces it. When recovery cannot re-plan (a stage lost every replica), the worker asks for a
   restart of the whole job from its latest checkpoint and exits (`fault.restart`; checkpoints are
-  taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP).
+  taken with `checkpoint=CheckpointPolicy(dir, every)`, after the commit record of STEP). So does a
+  wait of a change of generation that ran past the agreement timeout (`RecoveryTimeout`); without
+  checkpoints either ends the worker with one line and status 1, which its launcher reports.
+- Re-cut micro-batches (`precompile --recut`): rollback and restart run pieces like any micro-batch;
+  lossy and logging-based recovery refuse such a source (`policies.refuse_recut`).
 
-The ledger: each worker counts, per micro-batch, the weight gradients it accumulated in an
-iteration; the counts ride along in the stage's gradient all-reduce, so after STEP every replica
-holds, for its stage, how many times each micro-batch's gradient entered the update it applied.
-`Report.ledger[i]` is that vector for iteration i (all ones when every sample counted once).
+The ledger: each worker counts, per regular micro-batch, the samples whose weight gradients it accumulated
+in an iteration (whole micro-batches, or the rows each re-cut piece holds of it: `Iteration.count`); the
+counts ride along in the stage's gradient all-reduce, so after STEP every replica holds, for its stage, how
+often each micro-batch's samples entered the update it applied. `Report.ledger[i]` is that vector for
+iteration i, in micro-batches (all ones, exactly, when every sample counted once).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from torch import Tensor, nn
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.partition import Partition
-from schedcomp.runtime.data import Tensors
+from schedcomp.runtime.data import PieceRows, Tensors
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault import switches
 from schedcomp.runtime.fault.agreement import Evicted
@@ -88,10 +93,14 @@ from schedcomp.runtime.fault.policies import (
     cut_of,
     cuts_of,
     may_cut_elsewhere,
+    may_recut,
     recovery_policy,
+    recuts_of,
     refuse_chunks,
     refuse_moves,
+    refuse_recut,
 )
+from schedcomp.runtime.fault.protocol import RecoveryTimeout
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Report
 from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
@@ -166,6 +175,8 @@ class ResilientTrainer:
         self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
         refuse_chunks(self.policy, self.chunks)
         self.options.refuse_chunks(self.chunks)
+        refuse_recut(self.policy, may_recut(plans))  # from a cache's index: before its plans are read
+        self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
         self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
                                                                                              SwiftPolicy)) else set()
@@ -207,6 +218,7 @@ class ResilientTrainer:
         plan = self._plans(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
         self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
         self.refuse_cut(plan)
+        refuse_recut(self.policy, bool(plan.cut))  # a function's plans: known as it serves them
         return plan
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -224,9 +236,6 @@ class ResilientTrainer:
         view = session.start() if session.view is None else session.view
         plan = self.plan_for(view.topology)
         refuse_chunks(self.policy, plan.topology.chunks)  # a plan source that is a function: known only now
-        if plan.cut:  # its ledger and lossy recovery count whole micro-batches
-            raise RuntimeSetupError("the plan re-cuts micro-batches: resilient jobs run whole ones, use "
-                                    "PipelineTrainer for a re-cut plan")
         stages = plan.topology.stages
         if stages != job.stages:  # a function's first plan has chunks: the model splits otherwise
             built.clear()
@@ -318,7 +327,9 @@ class ResilientTrainer:
                 hook(i, index, ins)
 
         trainer.iteration = i
-        self.record(i, trainer.run_iteration(self.batch_for(i), step=self.step_for(i), ledger=ledger, before=before,
+        batch = self.batch_for(i)
+        self.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
+        self.record(i, trainer.run_iteration(batch, step=self.step_for(i), ledger=ledger, before=before,
                                              started=self.policy.on_iteration))
 
     def record(self, i: int, it: Iteration) -> None:
@@ -327,7 +338,8 @@ class ResilientTrainer:
         assert report is not None and it.ledger is not None
         chunks = self.trainer.plan.topology.chunks if self.trainer is not None else 1
         # each chunk a worker holds adds its W of a micro-batch: counted once per chunk, reported once
-        report.ledger[i] = (it.ledger / chunks if chunks > 1 else it.ledger).tolist()
+        counted = it.counted()  # in regular micro-batches (a re-cut plan counts rows)
+        report.ledger[i] = (counted / chunks if chunks > 1 else counted).tolist()
         report.completed_at[i] = time.time()
         loss = it.loss()
         if loss is not None:
@@ -380,8 +392,10 @@ class ResilientTrainer:
                     i = switches.recover(self, e, kept=action is OnFailure.KEEP)
                 except Evicted:
                     raise
-                except RecoveryError as lost:  # a stage lost every replica: restart from a checkpoint
+                except RecoveryError as lost:  # a stage lost every replica, or a wait timed out: restart
                     self.last_resort.give_up(lost)
+            except RecoveryTimeout as e:  # at an admission or the final meeting (`RecoveryTimeout`: never retried)
+                self.last_resort.give_up(e)
         self.last_resort.close()
         view = self.session.view
         assert view is not None

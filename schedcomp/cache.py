@@ -6,11 +6,12 @@ concrete failure set, takes the canonical plan and renames its pipelines back, i
 plan's size and with no solving.
 
 On disk a cache is a directory: `index.json` (job shape, cost model, one entry per scenario with the
-SHA-256 of its plan file) and one plan JSON per scenario, read on first use. Nothing read from disk is
-trusted: the index is size- and depth-bounded and type-checked; a plan file must be named exactly as
-its scenario (so no `..`, absolute path or other directory), be a regular file inside the cache
-directory (no symlink out, no device), match its digest, and hold a plan for the index's job and
-scenario that passes `check`, before `lookup` returns it. All files are written atomically.
+SHA-256 of its plan file, and its cut of micro-batches if it re-cuts) and one plan JSON per scenario, read
+on first use. Nothing read from disk is trusted: the index is size- and depth-bounded and type-checked; a
+plan file must be named exactly as its scenario (so no `..`, absolute path or other directory), be a
+regular file inside the cache directory (no symlink out, no device), match its digest, and hold a plan
+for the index's job and scenario (and its cut) that passes `check`, before `lookup` returns it. All files
+are written atomically.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
 from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import (
     CostModelError,
     PlanFormatError,
@@ -42,7 +44,6 @@ from schedcomp.scenarios import (  # canonical forms of failure sets; also re-ex
     canonical,
     canonical_costs,
     key_name,
-    legacy_key_name,
     relabel,
     scenarios,
 )
@@ -83,6 +84,11 @@ class PlanCache:
     """Per-layer costs, when the plans may re-partition the layers (`costs` is then the job's stage model)."""
     partition: Partition | None = None
     """The job's partition, with `layers`."""
+    recut: bool = False
+    """Whether failure plans may re-cut micro-batches (`precompile(recut=True)`)."""
+    cuts: dict[Key, Cut] = field(default_factory=dict)
+    """The cut of each scenario whose plan re-cuts, as the index gives it; a plan read from disk must have its
+    scenario's, so a job knows from the index alone what its plans cut (`runtime.fault.policies.recuts_of`)."""
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -166,6 +172,9 @@ class PlanCache:
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
                 raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
+            if plan.cut != self.cuts.get(key, NO_CUT):
+                raise PlanFormatError(f"its cut of micro-batches ({plan.cut.to_json() or 'none'}) is not the one the "
+                                      f"index gives ({self.cuts[key].to_json() if key in self.cuts else 'none'})")
             check(plan)
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
@@ -186,6 +195,11 @@ class PlanCache:
     def save(self, directory: str | Path) -> None:
         """Write every plan held in memory and the index to `directory` (created if missing)."""
         root = cachefiles.make_directory(directory)
+        for key, plan in self.plans.items():  # the index gives each re-cut plan's cut (`cuts`)
+            self.cuts.pop(key, None)
+            self.cuts.update({key: plan.cut} if plan.cut else {})
+        if self.cuts and not self.recut:
+            raise PlanFormatError("this cache holds plans that re-cut micro-batches: set its recut to True to save it")
         for key in self.keys():
             path = root / (key_name(key) + ".json")
             if key in self.plans and not (self.files.get(key) == path and key in self.digests and path.exists()):
@@ -202,8 +216,10 @@ class PlanCache:
             **({"chunks": self.chunks, "placement": self.placement} if self.chunks > 1 else {}),
             **({"layers": self.layers.to_dict(), "partition": list(self.partition or ())}
                if self.layers is not None else {}),
+            **({"recut": True} if self.recut else {}),  # (written only when set: an index without it reads as before)
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
-                           "file": key_name(key) + ".json", "sha256": self.digests[key]} for key in self.keys()],
+                           "file": key_name(key) + ".json", "sha256": self.digests[key],
+                           **({"cut": self.cuts[key].to_json()} if key in self.cuts else {})} for key in self.keys()],
         }
         fileio.write_atomic(root / INDEX, fileio.dumps_json(index, indent=1) + "\n", PlanFormatError)
 
@@ -232,24 +248,14 @@ class PlanCache:
                 raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
             costs.check_workers(job)
             layers, partition = _index_layers(data, job, costs)
-            entries = data["scenarios"]
-            if not isinstance(entries, list):
-                raise PlanFormatError("'scenarios' must be a list")
-            limits.SCENARIOS.check(len(entries), "the index")
-            files, digests = {}, {}
-            for n, entry in enumerate(entries):
-                failed, classes, file, digest = cachefiles.entry(entry, n, pp, dp)
-                key: Key = (failed, classes)
-                # Only the scenario's own name is taken: no '..', no absolute path, no other directory.
-                if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
-                    raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
-                files[key], digests[key] = root / file, digest
+            recut, files, digests, cuts = cachefiles.scenario_entries(data, root, pp, dp, mbs)
         except KeyError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: missing {exc}") from None
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
-                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition)
+                   root=root, chunks=chunks, placement=placement, layers=layers, partition=partition, recut=recut,
+                   cuts=cuts)
 
 
 def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tuple[LayerCosts | None, Partition | None]:
@@ -296,6 +302,7 @@ def precompile(
     placement: str = LOOP,
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
+    recut: bool = False,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
@@ -304,11 +311,18 @@ def precompile(
     every plan within fault-free ZB-H1's per-stage peak). `chunks` and `placement` give each worker
     several model chunks (virtual stages, see `schedcomp.topology`); `costs` then has one entry per
     virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
-    `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition."""
+    `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition. `recut` is
+    `compile`'s too: a failure plan may cut the failed workers' micro-batches into pieces (`schedcomp.recut`),
+    and the index says so."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
     limits.check_job(pp, dp, microbatches)
+    if not isinstance(recut, bool):
+        raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
+    if recut and chunks > 1:  # refused before any compile (`recut.recut` would refuse the first failure plan)
+        raise SchedcompError(f"re-cut micro-batches run one stage per worker, not chunks={chunks}: drop recut or the "
+                             "virtual stages")
     if costs is not None and not isinstance(costs, CostModel):
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     from schedcomp.compiler import unit_costs
@@ -327,24 +341,24 @@ def precompile(
         layer_costs, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     todo = scenarios(pp, dp, max_failures, costs)
     cache = PlanCache(pp, dp, microbatches, costs, max_failures, chunks=chunks, placement=placement,
-                      layers=layer_costs, partition=job_partition)
+                      layers=layer_costs, partition=job_partition, recut=recut)
     root = cachefiles.make_directory(directory) if directory is not None else None
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement,
-             _scenario_layers(layer_costs, c.perm), job_partition) for c in todo]
+             _scenario_layers(layer_costs, c.perm), job_partition, recut) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (key, plan, digest) in enumerate(pool.imap(_compile_one, args)):
-                _record(cache, key, plan, root, digest)
+            for i, (key, plan, digest, cut) in enumerate(pool.imap(_compile_one, args)):
+                _record(cache, key, plan, root, digest, cut)
                 if progress:
                     progress(i + 1, len(todo), key_name(key))
     else:
         for i, a in enumerate(args):
-            key, plan, digest = _compile_one(a, keep=True)
-            _record(cache, key, plan, root, digest)
+            key, plan, digest, cut = _compile_one(a, keep=True)
+            _record(cache, key, plan, root, digest, cut)
             if progress:
                 progress(i + 1, len(todo), key_name(key))
     log.info("precompiled %d scenarios in %.1f s", len(todo), time.perf_counter() - began)
@@ -353,7 +367,9 @@ def precompile(
     return cache
 
 
-def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None) -> None:
+def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None, cut: Cut) -> None:
+    if cut:
+        cache.cuts[key] = cut
     if plan is not None:
         cache.plans[key] = plan
     if root is not None:
@@ -362,20 +378,20 @@ def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, di
         cache.digests[key] = digest
 
 
-def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None]:
+def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None, Cut]:
     """Compile one scenario; write it to its file when there is one, and return the plan only when it is
-    not written (or `keep`), so worker processes send back just the key."""
+    not written (or `keep`), so worker processes send back just the key, digest and cut (for the index)."""
     from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
-        partition = args
+        partition, recut = args
     layered = {"layers": layers, "partition": partition, "costs": None} if layers is not None else {"costs": costs}
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", solver=solver, time_limit=time_limit,
-                   memory_limit=memory_limit, chunks=chunks, placement=placement, **layered)
+                   memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, **layered)
     if path is None:
-        return key, plan, None
+        return key, plan, None, plan.cut
     digest = cachefiles.write_plan(Path(path), plan)
-    return key, plan if keep else None, digest
+    return key, plan if keep else None, digest, plan.cut
 
 
 def _scenario_layers(layers: LayerCosts | None, perm: tuple[int, ...]) -> LayerCosts | None:

@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from schedcomp import fileio
+from schedcomp import fileio, limits
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError, SchedcompTypeError
 from schedcomp.ir import Plan
+from schedcomp.scenarios import Key, key_name, legacy_key_name
 from schedcomp.topology import Topology
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -44,6 +46,48 @@ def entry(item: Any, n: int, pp: int, dp: int) -> tuple[tuple[tuple[int, int], .
         raise PlanFormatError(f"scenario {n}: 'sha256' must be the 64-hex-digit digest of its plan file")
     failed = tuple(sorted((w.pipeline, w.stage) for w in topo.failed))
     return failed, tuple(classes), item.get("file"), digest
+
+
+def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microbatches: int
+                     ) -> tuple[bool, dict[Key, Path], dict[Key, str], dict[Key, Cut]]:
+    """The index's scenarios: whether its plans may re-cut micro-batches (`"recut"`), and by scenario its plan
+    file, its digest and (for a plan that re-cuts) its cut."""
+    recut = data.get("recut", False)
+    if not isinstance(recut, bool):
+        raise PlanFormatError(f"'recut' must be true or false, got {recut!r}")
+    entries = data["scenarios"]
+    if not isinstance(entries, list):
+        raise PlanFormatError("'scenarios' must be a list")
+    limits.SCENARIOS.check(len(entries), "the index")
+    files, digests, cuts = {}, {}, {}
+    for n, item in enumerate(entries):
+        failed, classes, file, digest = entry(item, n, pp, dp)
+        key: Key = (failed, classes)
+        # Only the scenario's own name is taken: no '..', no absolute path, no other directory.
+        if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
+            raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
+        files[key], digests[key] = root / file, digest
+        cut = entry_cut(item, n, dp, microbatches, recut)
+        if cut:
+            cuts[key] = cut
+    return recut, files, digests, cuts
+
+
+def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: bool) -> Cut:
+    """Index scenario `n`'s cut of micro-batches (`"cut"`, written for a plan that re-cuts; none: whole ones),
+    which must fit the job, and may be there only in an index that says its plans re-cut."""
+    if "cut" not in item:
+        return NO_CUT
+    if not recut:
+        raise PlanFormatError(f"scenario {n} has a 'cut' but the index does not say \"recut\": true")
+    try:
+        cut = Cut.from_json(item["cut"])
+    except PlanFormatError as exc:
+        raise PlanFormatError(f"scenario {n}: {exc}") from None
+    problem = cut.problem(dp, microbatches) or ("its 'cut' is empty" if not cut else None)
+    if problem:
+        raise PlanFormatError(f"scenario {n}: {problem}")
+    return cut
 
 
 def read_verified(path: Path, root: Path | None, digest: str | None) -> bytes:

@@ -7,6 +7,8 @@ starts a full compile of that failure set in a background process, under the rep
 limit. `improved(topology)` returns the compiled plan once it is done and only if it is faster than the
 repaired one (simulated; None before, or when the compile failed or did not do better), so the trainer
 can switch to it at an iteration boundary every worker agrees on (`runtime/fault/agreement.offer_better`).
+For a cache precompiled with `recut` the compile may re-cut micro-batches too; a repaired plan keeps whole
+ones (`repair` moves whole micro-batches, so it starts from a cached plan that keeps them).
 
 `lookup` itself never returns the compiled plan: every worker of a job must run the same plan, and a
 worker whose compile finished first would otherwise get a different one. Both answers are deterministic
@@ -160,7 +162,7 @@ class ImprovingPlans:
                    "layers": cache.layers.to_dict() if cache.layers is not None else None,
                    "partition": list(cache.partition) if cache.partition is not None else None,
                    "solver": self.solver, "time_limit": self.time_limit, "memory_limit": limit,
-                   "chunks": cache.chunks, "placement": cache.placement,
+                   "chunks": cache.chunks, "placement": cache.placement, "recut": cache.recut,
                    "cache": str(cache.root) if cache.root is not None else None,
                    "repair_memory_limit": self.memory_limit}
         try:
@@ -225,7 +227,7 @@ def _compile_request(folder: Path) -> None:
     plan = compile(r["pp"], r["dp"], r["microbatches"], failed=failed, schedule="adaptive",
                    costs=None if layers is not None else CostModel.from_dict(r["costs"]), solver=r["solver"],
                    time_limit=r["time_limit"], memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
-                   placement=r["placement"], layers=layers, partition=r.get("partition"))
+                   placement=r["placement"], layers=layers, partition=r.get("partition"), recut=r.get("recut", False))
     result: dict[str, Any] = {"period": simulate(plan).period, "repaired_period": None}
     if r["cache"] is not None:
         cache = PlanCache.load(r["cache"])

@@ -109,7 +109,9 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
     """`plans.lookup(failed)` (a `PlanCache`), or on a miss the cached plan of the largest set of the
     failed workers in rank order that it holds, repaired around the rest one at a time: a cache of every
     k-failure set then serves more failures at once, with no compile. Deterministic, so every rank of a
-    job that calls it gets the same plan (`ResilientTrainer(lambda t: lookup_or_repair(cache, t), ...)`)."""
+    job that calls it gets the same plan (`ResilientTrainer(lambda t: lookup_or_repair(cache, t), ...)`).
+    `repair` moves whole micro-batches, so a cached plan that re-cuts them (`precompile --recut`) is passed
+    over for a smaller set's (the fault-free plan never re-cuts)."""
     try:
         return plans.lookup(failed)  # type: ignore[no-any-return]
     except RecoveryError as miss:
@@ -118,6 +120,8 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
             try:
                 plan: Plan = plans.lookup(workers[:n])
             except RecoveryError:
+                continue
+            if plan.cut:
                 continue
             for w in workers[n:]:
                 plan = repair(plan, w, validate=validate, memory_limit=memory_limit)

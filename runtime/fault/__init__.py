@@ -10,7 +10,8 @@ training loop around it):
 - `agreement`: one view per generation for every survivor; joins; commit records.
 - `protocol`: the agreement's steps and the meetings of a change of generation, one store
   operation per step (what `tests/fault/test_fault_protocol.py` model-checks); every wait in them
-  gives up when the failure detector finds a member dead.
+  gives up when the failure detector finds a member dead, and past the agreement timeout
+  (`RecoveryTimeout`: `AgreementTimeout`, `MeetingTimeout`; the worker then leaves the job).
 - `groups`: process groups per generation on `PrefixStore(f"gen{G}")`, without the dead; their
   construction gives up when the generation breaks (`Abort`).
 - `transfer`: stage state as plain data: replica recovery, step snapshots for undo.
@@ -31,6 +32,7 @@ training loop around it):
 from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job, switch_iteration
 from schedcomp.runtime.fault.groups import Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import FailureDetector, GenerationAborted, Heartbeat, View, wait_work
+from schedcomp.runtime.fault.protocol import MeetingTimeout, RecoveryTimeout
 from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
@@ -50,7 +52,9 @@ __all__ = [
     "Graveyard",
     "Groups",
     "Heartbeat",
+    "MeetingTimeout",
     "RecoveryPolicy",
+    "RecoveryTimeout",
     "RestartPolicy",
     "Rollback",
     "RollbackPolicy",

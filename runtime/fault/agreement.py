@@ -36,7 +36,7 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError
 from schedcomp.runtime.fault.membership import FailureDetector, View
-from schedcomp.runtime.fault.protocol import DONE, begin, step, waiting_for
+from schedcomp.runtime.fault.protocol import DONE, RecoveryTimeout, begin, step, waiting_for
 from schedcomp.runtime.fault.protocol import Evicted as Evicted  # raised by `agree`; importable from here
 from schedcomp.runtime.fault.store import SEALED, Keys, backoff, get_int
 from schedcomp.topology import Worker
@@ -44,7 +44,7 @@ from schedcomp.topology import Worker
 log = logging.getLogger(__name__)
 
 
-class AgreementTimeout(RecoveryError):
+class AgreementTimeout(RecoveryTimeout):
     """The survivors did not agree on a generation in time."""
 
 
@@ -57,14 +57,22 @@ def agree(store: Store, view: View, me: Worker, detector: FailureDetector, *, jo
     replacements admitted by this change (workers failed in `view`). On return the detector
     watches the new view's members. The steps are `protocol.step`'s (the model checks those).
     Between steps that change nothing it sleeps `poll` seconds, backing off to `most` until one does.
+
+    `timeout` bounds the whole call, however many generations come and go meanwhile (workers failing
+    one after another, a bug that supersedes every view): past it, `AgreementTimeout`. Giving up is
+    leaving the protocol between two steps, which the others cannot tell from dying there; the
+    caller's process must then exit (`FaultSession`), so its launcher reports it as any failure.
     """
     deadline = time.monotonic() + timeout
     r = begin(view, me, detector, joiners=joiners, propose=propose)
-    delays = backoff(poll, most)
+    first, delays = r.generation, backoff(poll, most)
     while r.phase != DONE:
+        if time.monotonic() > deadline:
+            went_by = f" (generations {first} to {r.generation - 1} came and went)" if r.generation > first else ""
+            raise AgreementTimeout(f"{waiting_for(store, r)} within {timeout:g} s{went_by}: {_CHECK}")
         after = step(store, detector, r)
         if after == r:
-            _tick(deadline, next(delays), waiting_for(store, r))
+            time.sleep(next(delays))
             continue
         delays = backoff(poll, most)  # progress: the next change is likely soon
         if after.generation != r.generation and r.winner is not None:
@@ -99,9 +107,12 @@ def sealed_before(store: Store, generation: int) -> View | None:
     return None
 
 
+_CHECK = "raise the agreement timeout or check that the workers can reach the store"
+
+
 def _tick(deadline: float, poll: float, what: str) -> None:
     if time.monotonic() > deadline:
-        raise AgreementTimeout(f"{what}: raise the agreement timeout or check that the workers can reach the store")
+        raise AgreementTimeout(f"{what}: {_CHECK}")
     time.sleep(poll)
 
 

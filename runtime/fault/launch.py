@@ -34,7 +34,8 @@ incarnation 0 and the respawn budget (`--respawn`) starts over, so a job starts 
 
 (`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
 the store must outlive the job: put it where failures are least likely, or give it no workers;
-once its own workers are done it keeps serving while other hosts' workers still beat. A whole
+once its own workers are done it keeps serving while other hosts' workers still beat (a signal
+ends that at once: they lose the store and fence themselves). A whole
 host lost is detected by heartbeats (`detection_time`), since no launcher is left there to
 leave death notices; its workers' replacements can be started by a new launcher on another
 host with `--workers ... --store ... --incarnation 1`.
@@ -182,8 +183,8 @@ class Launcher:
                 time.sleep(self.poll)
             if cut is not None:
                 cut.stop()
-            self._serve_other_hosts()
-            return self.exit_code()
+            interrupted = self._serve_other_hosts(stop)
+            return 128 + interrupted if interrupted is not None else self.exit_code()
         finally:
             if cut is not None:
                 cut.stop()
@@ -200,24 +201,31 @@ class Launcher:
                 slot.proc.kill()
         exit_fenced(message)
 
-    def _serve_other_hosts(self) -> None:
-        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s).
+    def _serve_other_hosts(self, stop: list[int]) -> int | None:
+        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s),
+        unless a signal asks us to stop (`stop`, filled by `run`'s handlers): returns that signal.
 
         Without this, the store would vanish under workers of other hosts still leaving the job
-        (closing their groups), and they would fence themselves instead of exiting cleanly.
+        (closing their groups), and they would fence themselves instead of exiting cleanly. On a
+        signal the user asked for exactly that: they lose the store, fence themselves (status 75)
+        and their launchers, with no answer for `--store-timeout`, stop what is left and exit 75.
         """
         local = {s.worker for s in self.slots}
         remote = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
         if self.server is None or not remote:
-            return
+            return None
         beats, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 20 * self.linger
         while time.monotonic() < deadline:
+            if stop:
+                log.warning("signal %d: no longer serving the store to the workers of other hosts", stop[0])
+                return stop[0]
             now = [get_int(self.store, Keys.heartbeat(w), 0) for w in remote]
             if now != beats:
                 beats, quiet_since = now, time.monotonic()
             elif time.monotonic() - quiet_since > self.linger:
-                return
+                return None
             time.sleep(min(0.5, self.linger / 4))
+        return None
 
     def step(self) -> bool:
         """One round of watching: restart, reap, notify, fence, replace. False once nothing is left to watch."""

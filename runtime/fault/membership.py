@@ -328,7 +328,10 @@ def wait_work(work: dist.Work, signal: threading.Event, *, first_poll: float = 2
     """`work.wait()`, except that it raises `GenerationAborted` as soon as `signal` is set.
 
     Polls `is_completed()` with a back-off from `first_poll` to `max_poll` seconds: a transfer that
-    is already there costs one call; one that arrives later is noticed within `max_poll`.
+    is already there costs one call; one that arrives later is noticed within `max_poll`. Only for
+    work items that report their own completion, which they also do when they fail at the group's
+    timeout (collectives, NCCL). A gloo point-to-point item reports nothing before `wait()`: here
+    only the signal would end it, so wait for those with `wait_abortable`.
     """
     delays = backoff(first_poll, max_poll)
     while not work.is_completed():

@@ -1,5 +1,6 @@
 """Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
-`logging`), and which ones a job with virtual stages, or whose plans move layers, refuses.
+`logging`), and which ones a job with virtual stages, whose plans move layers, or whose plans re-cut
+micro-batches, refuses.
 
 The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
 `fault.swift` (logging-based recovery).
@@ -12,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from schedcomp.cut import Cut
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition
@@ -79,6 +81,32 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None])
     raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but the plans cut the "
                             f"model in {len(cuts)} ways ({shown}): use policy='rollback' (the default), which moves "
                             "layers at a plan switch")
+
+
+def refuse_recut(policy: RecoveryPolicy, recut: bool) -> None:
+    """Refuse, in one line, a policy that works with whole micro-batches when the plans may re-cut them
+    (lossy: its residual streams, lost chunks and rescaling; logging: its boundary logs and replay)."""
+    if recut and isinstance(policy, (LossyPolicy, SwiftPolicy)):
+        raise RuntimeSetupError(f"the {policy.name} policy works with whole micro-batches, but this plan source "
+                                "re-cuts them (precompile --recut): use policy='rollback' (the default), or a cache "
+                                "precompiled without --recut")
+
+
+def may_recut(plans: Any) -> bool:
+    """Whether a plan source may serve plans that re-cut micro-batches (`schedcomp.cut`): a cache precompiled
+    with `recut` (its index says so; `ImprovingPlans` then compiles with it too), or one whose plans re-cut.
+    A plain function's are known only as it serves them (False)."""
+    return getattr(getattr(plans, "cache", plans), "recut", False) is True or bool(recuts_of(plans))
+
+
+def recuts_of(plans: Any) -> list[Cut]:
+    """The cuts of micro-batches of the plans a source may serve, as far as known in advance: those a cache's
+    index gives (`PlanCache.cuts`, no plan read) and those of the plans it holds; none for a plain function."""
+    cache = getattr(plans, "cache", plans)
+    indexed, held = getattr(cache, "cuts", None), getattr(cache, "plans", None)
+    found = list(indexed.values()) if isinstance(indexed, Mapping) else []
+    return found + ([plan.cut for plan in held.values() if isinstance(plan, Plan) and plan.cut]
+                    if isinstance(held, Mapping) else [])
 
 
 def cut_of(plan: Plan, model: Any) -> Partition | None:

@@ -21,11 +21,18 @@ DONE     G is sealed: `winner` is the job's view.
 `Meeting` is the other wait of a change of generation: every member must show up (the store
 meeting before a generation's groups are built, the final meeting); it gives up as soon as the
 generation breaks, so nobody waits on a member that died after the agreement.
+
+Both waits are also bounded in time (`agree`'s timeout, `meet`'s): the detector ends them on a
+failure it sees, the bound on one it cannot (a member alive but stuck, a key that never fills).
+Past it a worker raises a `RecoveryTimeout` and leaves the job: it stops taking steps, exactly as
+if it had died between two of them, which the model explores at every step, so a timeout cannot
+make two survivors disagree; the others then see it dead (its launcher's notice, or its heartbeat).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -40,6 +47,19 @@ ADOPT, ACK, WAIT, SEAL, PROPOSE_NEXT, RETIRE, DONE = "adopt", "ack", "wait", "se
 
 class Evicted(RecoveryError):
     """This worker was declared failed by the others: exit, and let the launcher start a replacement."""
+
+
+AGREEMENT_TIMEOUT = 180.0  # seconds: `FaultSession`'s default bound on each wait of a change of generation
+
+
+class RecoveryTimeout(RecoveryError):
+    """A wait of a change of generation ran past its bound: this worker leaves the job (its process
+    exits; `ResilientTrainer` goes through its last resort). It is never retried in place: giving up
+    between two steps is, to the others, the same as dying there (which the model explores)."""
+
+
+class MeetingTimeout(RecoveryTimeout):
+    """Not every member of a generation arrived at its meeting in time, and none is known failed."""
 
 
 class KeyValue(Protocol):
@@ -166,21 +186,45 @@ class Meeting:
     arrived: bool = False
 
 
-def meet(store: KeyValue, key: str, size: int, signal: threading.Event, poll: float = 0.002,
-         most: float = 0.02) -> None:
+def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *, timeout: float = AGREEMENT_TIMEOUT,
+         poll: float = 0.002, most: float = 0.02) -> None:
     """Wait until `size` workers arrived at `key`; raise `GenerationAborted` if the generation breaks first.
 
     Polls every `poll` seconds, backing off to `most` (`store.backoff`); a broken generation wakes it at once.
+    The signal is the usual way out, but it trips only on a failure the detector sees: a member alive
+    and stuck before the meeting (or a bug that loses an arrival) would hold everyone forever, so past
+    `timeout` seconds it raises `MeetingTimeout`: the caller leaves the job, see `RecoveryTimeout`.
     """
     m: Meeting | str = Meeting(key, size)
-    delays = backoff(poll, most)
+    deadline, delays = time.monotonic() + timeout, backoff(poll, most)
     while m != MET:
         got = meet_step(store, m, signal.is_set())
         if got == ABORTED:
             raise GenerationAborted(f"the generation broke before everyone met at {key}: agree on the next one")
         if got == m:
-            signal.wait(next(delays))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MeetingTimeout(f"only {store.add(key, 0)} of {size} members arrived at {key} within "
+                                     f"{timeout:g} s, and none is known failed: {_STUCK}")
+            signal.wait(min(next(delays), left))
         m = got
+
+
+def await_keys(store: KeyValue, keys: list[str], signal: threading.Event, *, timeout: float, what: str,
+               poll: float = 0.005) -> None:
+    """Wait until every one of `keys` is in the store (members' records), with `meet`'s bounds: raise
+    `GenerationAborted` as soon as the generation breaks, `MeetingTimeout` past `timeout` seconds.
+    `what` names what is awaited, for the messages."""
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if signal.wait(min(poll, max(0.0, deadline - time.monotonic()))):
+            raise GenerationAborted(f"the generation broke while waiting for {what}: agree on the next one")
+        if time.monotonic() > deadline and (missing := [k for k in keys if not store.check([k])]):
+            raise MeetingTimeout(f"{what}: {len(missing)} of {len(keys)} keys missing after {timeout:g} s "
+                                 f"(e.g. {missing[0]}), and no member is known failed: {_STUCK}")
+
+
+_STUCK = "check the logs of the members missing (alive but stuck?), or raise the agreement timeout if they are slow"
 
 
 def met(store: KeyValue, key: str, size: int) -> bool:

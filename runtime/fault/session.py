@@ -9,7 +9,7 @@
         it = got.info["iteration"]; session.commit(it - 1)
     while it < iterations:
         try:
-            run iteration `it` (waits: wait_work(work, session.signal); after STEP: session.commit(it))
+            run iteration `it` (waits: wait_abortable(work, session.signal); after STEP: session.commit(it))
             it += 1
             switch = session.boundary(it - 1)      # a replacement is due to enter now?
             if switch: session.admit(switch); hand_over(it)
@@ -53,7 +53,7 @@ from schedcomp.runtime.fault.agreement import (
 )
 from schedcomp.runtime.fault.groups import Abort, Generation, Graveyard, Groups, regroup
 from schedcomp.runtime.fault.membership import WAITER_THREAD, FailureDetector, Heartbeat, View
-from schedcomp.runtime.fault.protocol import meet, met
+from schedcomp.runtime.fault.protocol import AGREEMENT_TIMEOUT, meet, met
 from schedcomp.runtime.fault.rollback import Rollback, rollback_decision
 from schedcomp.runtime.fault.store import Keys, WorkerEnv
 from schedcomp.topology import Worker
@@ -62,11 +62,18 @@ log = logging.getLogger(__name__)
 
 
 class FaultSession:
-    """Membership, detection, agreement and process groups of one worker, generation after generation."""
+    """Membership, detection, agreement and process groups of one worker, generation after generation.
+
+    `agree_timeout` bounds each wait of a change of generation: an agreement (`agree`, every call as a
+    whole), a replacement's wait to be counted failed, and each meeting (`meet`: after an agreement, and
+    the final one). Past it they raise a `RecoveryTimeout`: the worker must leave the job (exit), and its
+    launcher reports it as any failure. (`ResilientTrainer` hands it to its last resort: a restart from
+    checkpoints, else one line and status 1.)
+    """
 
     def __init__(self, env: WorkerEnv, *, detection_time: float = 3.0, heartbeat: float | None = None,
                  startup_time: float = 120.0, backend: str | None = None, group_timeout: float = 60.0,
-                 agree_timeout: float = 180.0, lead: int = 2) -> None:
+                 agree_timeout: float = AGREEMENT_TIMEOUT, lead: int = 2) -> None:
         self.env, self.me = env, env.worker
         # None: NCCL (with gloo for the CPU) when every local worker has a GPU, gloo otherwise (`comm.pick_backend`)
         self.backend = backend or pick_backend()
@@ -105,7 +112,7 @@ class FaultSession:
 
     @property
     def signal(self) -> threading.Event:
-        """Set when the current generation is broken: pass it to `wait_work`."""
+        """Set when the current generation is broken: pass it to `wait_abortable` (or `wait_work`)."""
         return self.detector.signal
 
     @property
@@ -191,7 +198,7 @@ class FaultSession:
         # sealed generation adopts it, so this holds even when building its groups broke off.
         self.previous = self.view if self.view is not None else sealed_before(self.store, view.generation)
         self.view = view
-        meet(self.store, f"gen{view.generation}/arrived", len(view.members), self.signal)
+        meet(self.store, f"gen{view.generation}/arrived", len(view.members), self.signal, timeout=self.agree_timeout)
         self.groups = regroup(self.store, view, self.me, backend=self.backend, host=self.env.bind,
                               timeout=self.group_timeout, device=self.device,
                               abort=Abort(self.env.store.connect, self.signal), graveyard=self.graveyard)
@@ -210,7 +217,7 @@ class FaultSession:
         key, size = f"gen{self.view.generation}/final", len(self.view.members)
         self._finals.append((key, size))
         if not self.finished():
-            meet(self.store, key, size, self.signal)
+            meet(self.store, key, size, self.signal, timeout=self.agree_timeout)
 
     def finished(self) -> bool:
         """Whether a final meeting this worker went to was complete (then the job is done everywhere)."""

@@ -51,6 +51,7 @@ from schedcomp.runtime.fault.agreement import pending_joins, propose_switch
 from schedcomp.runtime.fault.boundary_log import BoundaryLog, LoggingPolicy
 from schedcomp.runtime.fault.checkpoint import complete_iterations, restore
 from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.protocol import await_keys
 from schedcomp.runtime.fault.recovery import RecoveryHost, RollbackPolicy
 from schedcomp.runtime.fault.restart import CheckpointPolicy
 from schedcomp.runtime.fault.rollback import Rollback
@@ -211,9 +212,8 @@ class SwiftPolicy(RollbackPolicy):
         assert session.view is not None and trainer is not None and report is not None
         me, view, store = session.me, session.view, session.store
         key = f"swift/gen{view.generation}"
-        while not store.check([key]):
-            if session.signal.wait(0.005):
-                raise GenerationAborted("a member failed before the survivors said what to replay")
+        await_keys(store, [key], session.signal, timeout=session.agree_timeout,
+                   what=f"the survivors' record of what to replay ({key})")
         record = json.loads(store.get(key))
         rerun, source = int(record["rerun"]), int(record["from"][str(me.stage)])
         trainer.seed = record["seed"]  # the survivors' random streams, whatever this process was given

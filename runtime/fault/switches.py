@@ -6,7 +6,8 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
   iteration or roll back (`roll_back`: undo this worker's step if it made one, switch to the plan of the new
   failed set), hand the state to replacements; returns the iteration to run next;
 - `admit(rt, completed)`: at an iteration boundary, admit the replacements due there, regroup, hand over;
-- `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on;
+- `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on
+  (not to a re-cut one with a piece too small for the job's batches: `data.PieceRows`);
 - at start, `join_as_replacement(rt)` (a replacement's state from a donor, or the logging policy's replay)
   or `resume(rt, stages)` (the agreed checkpoint restored, per layer into the plan's cut).
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from schedcomp.errors import RecoveryError
 from schedcomp.ir import Plan
+from schedcomp.runtime.data import empty_piece
 from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state, send_held_state
 from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.report import Recovery, Rejoined
@@ -175,7 +177,10 @@ def admit(rt: Any, completed: int) -> None:
 def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
-    if plan is not None:
+    problem = empty_piece(plan.cut, rt.pieces.per) if plan is not None and rt.pieces.per is not None else None
+    if problem:  # every member ran the same batches: all keep their plan
+        log.warning("not switching to the better plan: its piece %s at this batch size", problem)
+    elif plan is not None:
         rt.refuse_cut(plan)
         rt.trainer.use_plan(plan)
         follow(rt)

@@ -33,6 +33,9 @@ def register(subparsers: Any) -> None:
     add_layer_arguments(p)
     p.add_argument("--max-failures", "-k", type=int, required=True, metavar="K", help="most failed workers at once")
     add_solver_arguments(p, default="greedy")
+    p.add_argument("--recut", action="store_true",
+                   help="failure plans may split the failed workers' micro-batches into pieces sized for the peers "
+                   "that take them (as compile --recut); the index records it")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
     p.add_argument("--jobs", "-j", type=positive_int, default=min(4, os.cpu_count() or 1),
                    help="compile in this many processes (default: CPUs, at most 4)")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         cache = precompile(args.pp, args.dp, args.microbatches, args.max_failures, costs=costs,
                            solver=args.solver, time_limit=args.time_limit,
                            memory_limit=args.memory_limit or FAULT_FREE, directory=args.output, progress=bar,
-                           jobs=args.jobs, chunks=chunks, placement=placement, **layer_options(args))
+                           jobs=args.jobs, chunks=chunks, placement=placement, recut=args.recut,
+                           **layer_options(args))
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
     report = cache.memory_report()

@@ -12,13 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedcomp.cache import PlanCache, canonical, legacy_key_name, precompile, relabel, scenarios
+from schedcomp.cache import PlanCache, canonical, precompile, relabel, scenarios
 from schedcomp.check import check
 from schedcomp.cli import main
 from schedcomp.cli.progress import ProgressBar
 from schedcomp.compiler import compile
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError, RecoveryError
+from schedcomp.scenarios import legacy_key_name
 from schedcomp.simulator import simulate
 from schedcomp.topology import Topology, Worker
 

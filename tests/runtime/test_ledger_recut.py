@@ -1,0 +1,201 @@
+"""The ledger of resilient jobs under re-cut plans counts samples (`Iteration.count`, `data.held_rows`): every
+regular micro-batch sums to exactly one count over the pieces that cover it, whatever the cut. Also the
+policies that work with whole micro-batches refuse re-cut plans in one line, at construction (a cache's
+index says so) or as a plan function serves one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
+
+from schedcomp.cache import PlanCache
+from schedcomp.compiler import compile
+from schedcomp.cut import Cut
+from schedcomp.errors import PlanFormatError, RuntimeSetupError
+from schedcomp.ir import InstrKind
+from schedcomp.runtime.data import held_rows
+from schedcomp.runtime.iteration import Iteration
+from schedcomp.topology import Topology, Worker
+
+
+def ledger_of(plan: object, dp: int, microbatches: int, per: int) -> Iteration:
+    """An iteration that only counts (no stage, no communication), on a batch of `per` rows per micro-batch."""
+    return Iteration(plan=plan, worker=Worker(0, 0), stage=SimpleNamespace(index=0), comm=None,
+                     inputs=torch.zeros(dp * microbatches * per, 1), targets=None, boundaries=(),
+                     ledger=torch.zeros(dp * microbatches, dtype=torch.float64))
+
+
+@st.composite
+def cuts(draw: st.DrawFn) -> tuple[Cut, int, int, int]:
+    """A random cut of some pipelines of a job (pieces of any sizes, crossing micro-batch boundaries or not),
+    with a row count per micro-batch that gives every piece at least one row."""
+    dp, microbatches = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    per = draw(st.integers(1, 40))
+    bounds = {}
+    for p in draw(st.sets(st.integers(0, dp - 1), min_size=1)):
+        inner = draw(st.lists(st.integers(1, microbatches * per - 1), unique=True, max_size=12)) \
+            if microbatches * per > 1 else []
+        # boundaries anywhere in a row (rounded by `Cut.rows`), never two in one row: no empty piece
+        bounds[p] = [0.0, *(r / per + draw(st.floats(-0.49, 0.49)) / per for r in sorted(inner)),
+                     float(microbatches)]
+    cut = Cut.of(bounds)
+    for p, b in cut.bounds:
+        assume(all(stop > start for start, stop in (cut.rows(p, m, per) for m in range(len(b) - 1))))
+    return cut, dp, microbatches, per
+
+
+@settings(max_examples=300, deadline=None)
+@given(cuts())
+def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tuple[Cut, int, int, int]) -> None:
+    cut, dp, microbatches, per = case
+    rows = [0] * (dp * microbatches)
+    for p in range(dp):
+        for m in range(cut.count(p, microbatches)):
+            for index, held in held_rows(cut, p, m, microbatches, per):
+                assert 0 < held <= per
+                rows[index] += held
+    assert rows == [per] * (dp * microbatches)
+    it = ledger_of(SimpleNamespace(cut=cut, microbatches=microbatches, topology=SimpleNamespace(dp=dp)), dp,
+                   microbatches, per)
+    for p in range(dp):
+        for m in range(cut.count(p, microbatches)):
+            it.count((p, m))
+    assert it.ledger_unit == per
+    assert it.counted().tolist() == [1.0] * (dp * microbatches)  # exactly: integers divided once
+
+
+def test_held_rows_of_a_piece_across_a_microbatch_boundary() -> None:
+    cut = Cut.of({1: (0.0, 0.3, 0.9, 1.7, 2.1, 3.0)})  # rows 0-2, 2-6, 6-12, 12-15, 15-21 of 7 per micro-batch
+    assert held_rows(cut, 1, 2, 3, 7) == [(3, 1), (4, 5)]  # rows 6 of micro-batch 0, 7-11 of micro-batch 1
+    assert held_rows(cut, 0, 2, 3, 7) == [(2, 7)]  # a pipeline not re-cut: its micro-batch whole
+
+
+def test_a_re_cut_plans_streams_count_every_microbatch_once_per_stage() -> None:
+    # What the all-reduce sums: every live worker of a stage counts its W (or fused B) ops.
+    plan = compile(2, 3, 3, failed=["1:1"], recut=True, memory_limit=None)
+    assert plan.cut
+    per = 4
+    for stage in range(plan.topology.pp):
+        it = ledger_of(plan, 3, 3, per)
+        for worker in plan.topology.stage_group(stage):
+            for ins in plan.streams[worker]:
+                if ins.kind in (InstrKind.W, InstrKind.BW):
+                    it.count((ins.op.pipeline, ins.op.microbatch))
+        assert it.counted().tolist() == [1.0] * 9, stage
+
+
+def test_a_plan_without_a_cut_counts_whole_microbatches_as_before() -> None:
+    plan = compile(2, 2, 2)
+    it = ledger_of(plan, 2, 2, 3)
+    it.count((1, 0))
+    assert it.ledger_unit == 1 and it.ledger.tolist() == [0.0, 0.0, 1.0, 0.0] and it.counted() is it.ledger
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recut_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return precompile_recut(tmp_path_factory.mktemp("plans"))
+
+
+def trainer(plans: object, tmp_path: Path, policy: str):
+    from torch import nn
+
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    options = ({"policy": policy} if policy != "logging" else
+               {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
+    return ResilientTrainer(plans, lambda s, n: nn.Linear(2, 2), lambda y, t: y, lambda p: None, lambda i: None,
+                            session=object(), **options)
+
+
+@pytest.mark.parametrize("policy", ["lossy", "logging"])
+def test_whole_microbatch_policies_refuse_a_re_cut_cache_from_its_index(recut_cache: Path, tmp_path: Path,
+                                                                        policy: str) -> None:
+    cache = PlanCache.load(recut_cache)
+    name = "lossy" if policy == "lossy" else "swift"
+    with pytest.raises(RuntimeSetupError, match=f"^the {name} policy works with whole micro-batches, but this plan "
+                                                "source re-cuts them"):
+        trainer(cache, tmp_path, policy)
+    assert not cache.plans  # refused from the index: no plan was read
+
+
+def test_whole_microbatch_policies_refuse_improving_plans_over_a_re_cut_cache(recut_cache: Path,
+                                                                             tmp_path: Path) -> None:
+    from schedcomp.improving import ImprovingPlans
+
+    with pytest.raises(RuntimeSetupError, match="re-cuts them"):
+        trainer(ImprovingPlans(PlanCache.load(recut_cache)), tmp_path, "lossy")
+
+
+def test_rollback_and_restart_take_a_re_cut_cache(recut_cache: Path, tmp_path: Path) -> None:
+    from torch import nn
+
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    for policy in ("rollback", "restart"):
+        options = {"checkpoint": CheckpointPolicy(tmp_path / policy, 1)} if policy == "restart" else {}
+        rt = ResilientTrainer(PlanCache.load(recut_cache), lambda s, n: nn.Linear(2, 2), lambda y, t: y,
+                              lambda p: None, lambda i: None, session=object(), policy=policy, **options)
+        assert rt.plan_for(Topology.of(PP, DP, [Worker(1, 1)])).cut  # served, not refused
+
+
+def test_a_plan_function_serving_a_re_cut_plan_is_refused_as_it_serves_it(tmp_path: Path) -> None:
+    whole, recut = compile(PP, DP, M), compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
+    lossy = trainer(lambda t: recut if t.failed else whole, tmp_path, "lossy")  # not known in advance
+    assert lossy.plan_for(whole.topology) is whole
+    with pytest.raises(RuntimeSetupError, match="the lossy policy works with whole micro-batches"):
+        lossy.plan_for(recut.topology)
+
+
+def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refusal(recut_cache: Path,
+                                                                                 tmp_path: Path) -> None:
+    # The index says whole micro-batches; the lossy policy reads every plan at construction (to refuse plans
+    # that move layers), and reading checks each against the index: refused there too, not at a failure.
+    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+        trainer(PlanCache.load(copy_cache(recut_cache, tmp_path, as_whole)), tmp_path, "lossy")
+
+
+# ---- batches too small for a re-cut plan: refused at the first iteration, not at the failure -------------------
+
+
+def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_plan_is_read(recut_cache: Path,
+                                                                                         tmp_path: Path) -> None:
+    cache = PlanCache.load(recut_cache)
+    rt = trainer(cache, tmp_path, "rollback")
+    assert rt.pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
+    chunks = DP * M
+    rt.pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    assert rt.pieces.per == 2
+    with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
+                                                r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
+                                                r"batch of 9 rows\): use a larger batch"):
+        rt.pieces.check((torch.zeros(chunks, 1), None), chunks)
+    rt.pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+    assert rt.pieces.checked == {2 * chunks}
+
+
+def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(monkeypatch) -> None:
+    from schedcomp.runtime.data import PieceRows
+    from schedcomp.runtime.fault import switches
+
+    monkeypatch.setattr(switches, "follow", lambda rt: None)  # the switch's collective part: no job here
+    plan = compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
+    for per, switched in ((1, False), (2, True)):  # pieces of half a micro-batch: 2 rows per micro-batch hold them
+        used: list = []
+        rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
+                             pieces=PieceRows([], per=per), refuse_cut=lambda p: None,
+                             trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
+        rt.session.view = None
+        switches.improve(rt, 3)
+        assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
