@@ -33,6 +33,15 @@ from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
 
+
+def refuse_reformed(plan: Plan) -> None:
+    """Refuse, in one line, a plan with per-pipeline partitions (re-formed pipelines, `schedcomp.partitions`):
+    the runtime does not run them yet (rows by share, per-segment all-reduce and layer moves between
+    pipelines of different depths are the runtime half, still to come)."""
+    if plan.partitions is not None:
+        raise RuntimeSetupError("the plan has re-formed pipelines (per-pipeline partitions), which the runtime "
+                                "does not run yet: compile the job with one partition for every pipeline")
+
 class PipelineTrainer:
     """Train one pipeline stage per process by executing a compiled plan's instruction streams.
 
@@ -88,6 +97,7 @@ class PipelineTrainer:
         self.seed = seed
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
         self.options.refuse_chunks(plan.topology.chunks)  # before any process group is made
+        refuse_reformed(plan)
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
@@ -148,6 +158,7 @@ class PipelineTrainer:
         if job_shape(plan) != self.shape:
             raise RuntimeSetupError(f"plan is for {describe_shape(job_shape(plan))} but this job runs "
                                     f"{describe_shape(self.shape)}: compile the plan for this job's shape")
+        refuse_reformed(plan)  # (every rank alike, before anything collective)
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)

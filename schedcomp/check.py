@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from schedcomp import limits
+from schedcomp import check_reformed, limits
 from schedcomp.check_columns import scan_columns
 from schedcomp.check_order import OrderRules, error_grid, text_of
+from schedcomp.check_reformed import reformed_rules
 from schedcomp.check_transfers import TransferRules
 from schedcomp.check_walk import walk
 from schedcomp.cut import Cut
@@ -46,6 +47,7 @@ from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Plan
 from schedcomp.memory import memory_levels, show_memory, stream_deltas
 from schedcomp.partition import as_partition
+from schedcomp.partitions import Reach
 from schedcomp.planindex import PlanIndex, TensorTable
 from schedcomp.streamcolumns import columns_of
 from schedcomp.topology import Worker
@@ -94,7 +96,7 @@ def index_of(plan: Plan) -> PlanIndex | None:
 
 def memory_profile(plan: Plan, worker: Worker) -> tuple[float, ...]:
     """Activation memory `worker` holds after each instruction of its stream."""
-    return memory_levels(stream_deltas(plan.costs, plan.streams[worker], worker.stage, plan.cut))
+    return memory_levels(stream_deltas(plan.costs_of(worker.pipeline), plan.streams[worker], worker.stage, plan.cut))
 
 
 def peak_memory(plan: Plan) -> dict[Worker, float]:
@@ -147,6 +149,7 @@ class _Checker(TransferRules, OrderRules):
         self.order_stops = array("q")  # ... and to which instruction (set from events passed by `index`)
         self.by_rank: list[Worker | None] = []  # the streams' workers by rank, None for failed ones
         self.lengths: list[int] = []  # the streams' lengths by rank, 0 for failed ones
+        self.reach: Reach | None = None  # per pipeline its neighbour tables, with per-pipeline partitions
 
     def run(self) -> None:
         self.scan()
@@ -163,7 +166,8 @@ class _Checker(TransferRules, OrderRules):
         stops = self.event_indexes(self.order_ranks, self.order_stops)  # events passed -> where it stopped
         streams, by_rank = self.plan.streams, self.by_rank
         return PlanIndex(self.pp, self.mbs, tuple(by_rank), self.sent, self.received, self.consumer,
-                         self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut)
+                         self.order_ranks, stops, streams, self.plan.costs, self.ns, self.plan.cut, self.reach,
+                         dict(self.plan.pipeline_costs))
 
     def where(self, at: int) -> Where:
         """A packed place (rank << 32 | index) as (worker, index)."""
@@ -198,6 +202,12 @@ class _Checker(TransferRules, OrderRules):
                                   "for every worker, or none")
         if not isinstance(plan.cut, Cut):
             self.fail(None, None, f"plan.cut must be a schedcomp.cut.Cut, got {type(plan.cut).__name__}")
+        if plan.cut.shares and plan.partitions is None:
+            self.fail(None, None, "a cut with shares other than M (re-balanced pipelines) needs per-pipeline "
+                                  "partitions (plan.partitions): only re-formed pipelines re-balance the batch")
+        if plan.cut and not plan.cut.shares and plan.partitions is not None:
+            self.fail(None, None, "with per-pipeline partitions a cut gives each pipeline's share (Cut.of(..., "
+                                  "shares=True)), as the plan's JSON reads it")
         cut_problem = plan.cut.problem(dp, plan.microbatches)  # its pieces cover each pipeline's share once
         if cut_problem:
             self.fail(None, None, cut_problem)
@@ -206,6 +216,8 @@ class _Checker(TransferRules, OrderRules):
                 as_partition(plan.partition, ns, "plan.partition")
             except PlanFormatError as exc:
                 self.fail(None, None, str(exc))
+        if plan.partitions is not None or plan.pipeline_costs:
+            self.reach = reformed_rules(self)
         for w in plan.streams:
             live = (isinstance(w, Worker) and type(w.pipeline) is int and type(w.stage) is int  # ranks index lists
                     and 0 <= w.pipeline < dp and 0 <= w.stage < pp and not (failed and w in failed))
@@ -226,7 +238,9 @@ class _Checker(TransferRules, OrderRules):
         self.tail = [([], [])] * self.nw  # placeholders for failed ranks; live ones get their own below
         limits.check_job(ns, dp, mbs)  # before the table sized by the job's slots (a LimitError otherwise)
         columns = columns_of(plan.streams)
-        if columns is None or not scan_columns(self, columns):  # (a lowered plan's columns settle the sound case)
+        # A lowered plan's columns settle the sound case; re-formed pipelines take the walk, whose rules know
+        # their gaps and per-pipeline costs.
+        if columns is None or self.reach is not None or not scan_columns(self, columns):
             walk(self)
 
     # ---- exactly once, same worker, dependency order --------------------------------------
@@ -243,6 +257,9 @@ class _Checker(TransferRules, OrderRules):
             topo, ns, mbs = self.plan.topology, self.ns, self.mbs
             counts = np.array([self.plan.cut.count(d, self.plan.microbatches) for d in range(topo.dp)])
             sound |= np.repeat((np.arange(topo.dp * mbs) % mbs) >= np.repeat(counts, mbs), ns)
+        if self.reach is not None:  # re-formed pipelines: no op at a gap, every op where its layers are
+            check_reformed.gap_and_span_failure(self, f, b, w, bw)
+            sound |= check_reformed.absent_slots(self)
         if not sound.all():
             slot = int(np.argmin(sound))
             self.slot_failure(slot, *(None if at < 0 else at for at in (f[slot], b[slot], w[slot], bw[slot])))
@@ -299,8 +316,9 @@ class _Checker(TransferRules, OrderRules):
         ns, loads, comp = self.ns, self.loads, self.comp
         # The F of every slot at the first or last stage, visited in stream order (packed places sort so).
         slots = self.plan.topology.dp * self.mbs * ns
-        edge = [(at, slot) for slot in {*range(0, slots, ns), *range(ns - 1, slots, ns)}
-                if (at := comp[slot * 4]) >= 0]
+        ends = {*range(0, slots, ns), *range(ns - 1, slots, ns)} if self.reach is None else \
+            check_reformed.edge_slots(self)  # a re-formed pipeline's first and last held stages
+        edge = [(at, slot) for slot in ends if (at := comp[slot * 4]) >= 0]
         for at, slot in sorted(edge):
             load = loads.get(slot)
             if load is None or load >> 32 != at >> 32 or load > at:
@@ -311,8 +329,8 @@ class _Checker(TransferRules, OrderRules):
                 self.fail(*self.where(at), "loads a micro-batch no forward here uses: drop it")
 
     def memory(self) -> None:
-        costs = self.plan.costs
         for w, (i, held) in sorted(self.over.items()):
+            costs = self.plan.costs_of(w.pipeline)
             peak = max(memory_profile(self.plan, w))
             where = f" (stage {w.stage}'s)" if isinstance(costs.memory_limit, tuple) else ""
             self.fail(w, i, f"holds {show_memory(held, costs)}, above memory_limit{where} "

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from schedcomp.check_reformed import segments_passed
 from schedcomp.ir import Instruction, Plan, staged_text
+from schedcomp.partitions import segments
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -213,8 +215,12 @@ class OrderRules:
             active = active[cur[active] < end[active]]
         arrived_mask = live & (cur == end)  # at their ALLREDUCE
         stage = np.arange(nw) % pp
-        complete = np.bincount(stage[arrived_mask], minlength=pp) == np.bincount(stage[live], minlength=pp)
-        through = everyone[complete[stage[everyone]]]  # whole stage groups at ALLREDUCE pass it, and STEP
+        if self.plan.partitions is None:
+            complete = np.bincount(stage[arrived_mask], minlength=pp) == np.bincount(stage[live], minlength=pp)
+            through = everyone[complete[stage[everyone]]]  # whole stage groups at ALLREDUCE pass it, and STEP
+        else:  # per-pipeline partitions: each segment's holders, in the one layer order
+            passed = segments_passed(self.plan, {self.by_rank[r] for r in np.flatnonzero(arrived_mask).tolist()})
+            through = np.array(sorted(w.pipeline * pp + w.stage for w in passed), np.int64)
         at[through] = reduce_event[through] + 1
         moves_r.append(through)
         moves_at.append(at[through])
@@ -243,8 +249,16 @@ class OrderRules:
             if tensor is not None:
                 x, j = self.where(self.sent[tensor])
                 return x, f"{x} instruction {j} ({streams[x][j]})"
-            late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
-            return late, f"{late} to reach ALLREDUCE"
+            if self.plan.partitions is None:
+                late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
+                return late, f"{late} to reach ALLREDUCE"
+            # Per-pipeline partitions: a holder of one of its segments that is not at ALLREDUCE, or else one
+            # that is but waits itself (for an earlier segment).
+            at_reduce = set().union(*arrived.values())
+            peers = {h for seg in segments(self.plan.partitions, self.plan.topology.failed) if w in seg.holders
+                     for h in seg.holders if h in stuck and h != w}
+            late = min((v for v in peers if v not in at_reduce), default=None) or min(peers)
+            return late, f"{late} to reach ALLREDUCE" if late not in at_reduce else f"{late} to reduce a segment"
 
         w, walk = min(stuck), []
         while w not in walk:

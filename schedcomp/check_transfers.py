@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
+from schedcomp import check_reformed
 from schedcomp.ir import Instruction, Plan
 from schedcomp.opcolumns import OP_CODES
 from schedcomp.planindex import TensorTable
@@ -81,13 +82,15 @@ class _Columns:
     """One side's transfers, with what the rules read of each."""
 
     def __init__(self, side: TransferColumns, ns: int, comp: NDArray[np.int64], plan: Plan,
-                 by_rank: list[Worker | None]) -> None:
+                 by_rank: list[Worker | None], checker: Any = None) -> None:
         self.plan, self.by_rank = plan, by_rank  # for messages only
         self.n = len(side.here)
         self.here, self.slot, self.peers, self.peer_rank = side.here, side.slot, side.peers, side.peer_rank
         rows, kcode, opk = TRANSFER_ROWS, side.kind, side.op_kind
         allowed = np.array([[k in SEMANTICS[r].op_kinds for k in _KIND_ID] + [False] for r in rows], dtype=bool)
         self.step = np.array([SEMANTICS[r].peer_stage for r in rows], dtype=np.int64)[kcode]
+        if checker is not None and checker.reach is not None:  # re-formed pipelines: neighbours across gaps
+            self.step = check_reformed.steps(checker, side.slot, side.stage, self.step)
         self.channel = np.array([SEMANTICS[r].channel for r in rows], dtype=np.int64)[kcode]
         to = side.stage + self.step
         self.kind_ok = allowed[kcode, opk] & (to >= 0) & (to < ns)  # opk -1 reads the last, False, column
@@ -132,6 +135,7 @@ class TransferRules:
     consumer: TensorTable
     transfer_events: tuple[Any, ...]
     channels: tuple[Any, ...]
+    reach: Any  # per pipeline its neighbour tables, with per-pipeline partitions (`check_reformed`), or None
 
     def fail(self, worker: Worker | None, index: int | None, problem: str) -> NoReturn:
         raise NotImplementedError
@@ -196,7 +200,7 @@ class TransferRules:
         if ns != pp:
             self.handoffs()  # type: ignore[attr-defined]
         by_rank = self.by_rank
-        sends = _Columns(_scanned(self.sends, self.send_kinds), ns, comp, self.plan, by_rank)
+        sends = _Columns(_scanned(self.sends, self.send_kinds), ns, comp, self.plan, by_rank, self)
         self.sends, self.send_kinds = array("q"), []  # (read into columns)
         slot, rank, ins = sends.slot, sends.rank, sends.instruction
         target = sends.place((slot + sends.step) * 4)  # the F of the peer's slot: where it is consumed
@@ -230,7 +234,7 @@ class TransferRules:
         ])
         self.sent = self._table(tensor, sends.here)  # the pairing `PlanIndex` keeps
 
-        recvs = _Columns(_scanned(self.recvs, self.recv_kinds), ns, comp, self.plan, by_rank)
+        recvs = _Columns(_scanned(self.recvs, self.recv_kinds), ns, comp, self.plan, by_rank, self)
         self.recvs, self.recv_kinds = array("q"), []
         rslot, rrank, rins = recvs.slot, recvs.rank, recvs.instruction
         consumer = recvs.place(rslot * 4 + recvs.opk)
@@ -278,14 +282,18 @@ class TransferRules:
         # that have a next stage (F) plus slots that have a previous one (B or BW). Only if not, look for
         # the first one that is not.
         runs = self.plan.cut.total(self.plan.topology.dp, self.plan.microbatches)  # (pipeline, micro-batch) pairs
-        if len(sent) != 2 * runs * (ns - 1) - len(local):
+        reformed = self.reach is not None  # re-formed pipelines: boundaries between held stages only
+        links = check_reformed.link_counts(self) if reformed else 2 * runs * (ns - 1)
+        if len(sent) != links - len(local):
             for cid, at in self.placed():
                 k, slot = cid & 3, cid >> 2
                 s = slot % ns
                 w, i = self.by_rank[at >> 32], at & _LOW
-                if k == 0 and s < ns - 1 and slot * 2 not in sent and slot * 2 not in local:
+                up = check_reformed.has_neighbour(self, slot, True) if reformed else s < ns - 1
+                down = check_reformed.has_neighbour(self, slot, False) if reformed else s > 0
+                if k == 0 and up and slot * 2 not in sent and slot * 2 not in local:
                     self.fail(w, i, "its output is never sent to the next stage: add a SEND_ACT after it")
-                if (k == 1 or k == 3) and s > 0 and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
+                if (k == 1 or k == 3) and down and slot * 2 + 1 not in sent and slot * 2 + 1 not in local:
                     self.fail(w, i, "its input gradient is never sent to the previous stage: add a SEND_GRAD after it")
         if not received.has_all(sent.key_array()):  # one array test; the loop names the first unreceived
             for tensor, at in sent.items():

@@ -17,6 +17,7 @@ from typing import Any
 from schedcomp.ir import Instruction, OpKind
 from schedcomp.memory import stage_deltas
 from schedcomp.opcolumns import OP_CODES
+from schedcomp.partitions import held_ends
 from schedcomp.semantics import (
     ROLE_ALLREDUCE,
     ROLE_COMPUTE,
@@ -61,12 +62,16 @@ def walk(checker: Any) -> None:
     role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
     cut = plan.cut or None  # re-cut micro-batches hold their activation times their size (None: a
     # plain truth test per instruction, not Cut.__bool__)
+    # Re-formed pipelines: per pipeline its first and last held stage, the ones LOAD feeds.
+    ends = None if checker.reach is None else [held_ends(p) for p in plan.partitions]
     for w in checker.workers:
         ws = w.stage
         rank = w.pipeline * pp + ws
-        top = tops[ws]
+        own = plan.pipeline_costs.get(w.pipeline)  # a re-formed pipeline's workers: its own costs and limits
+        costs = plan.costs if own is None else own
+        top = tops[ws] if own is None else own.stage_limits[ws] + _EPS * max(1.0, own.stage_limits[ws])
         limited = top != _INF  # memory is tracked only under a limit
-        deltas, held = (stage_deltas(plan.costs, ws) if limited else _NO_DELTAS), 0.0
+        deltas, held = (stage_deltas(costs, ws) if limited else _NO_DELTAS), 0.0
         # With virtual stages each chunk has its own activation size: its deltas, by its stage.
         chunk_deltas = {s: stage_deltas(plan.costs, s) for s in topo.chunks_of(ws)} if chunked else {}
         reduce: list[int] = []
@@ -119,7 +124,7 @@ def walk(checker: Any) -> None:
                     if held > top and w not in checker.over:
                         checker.over[w] = (i, held)
             elif role == ROLE_LOAD:
-                if op.kind is not OpKind.F or 0 < os < ns - 1:
+                if op.kind is not OpKind.F or (0 < os < ns - 1 if ends is None else os not in ends[d]):
                     checker.fail(w, i, f"{semantics_of(kind).rule}: drop it")
                 if slot in loads:
                     checker.fail(w, i, f"{op} is loaded twice (first at instruction {loads[slot] & _LOW})")

@@ -44,6 +44,7 @@ def compile(
     recut: bool = False,
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
+    reform: Iterable[int] | None = None,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
@@ -71,6 +72,11 @@ def compile(
     failures (`schedcomp.repartition`); the plan then carries its `partition`, the fault-free plan the
     job's. `partition` is the job's (layers per stage; default: even). With layer costs `costs` is derived.
     With both `layers` and `recut`, each partition the search schedules in full may also re-cut.
+
+    `reform` (pipelines that lost workers, with `layers`): re-form them instead of re-routing, Oobleck-style:
+    each one's live workers hold all the layers, the others keep the job's partition, and the global batch
+    is re-balanced over the pipelines by throughput (`schedcomp.reform`). Every pipeline that lost workers
+    must be named. The plan carries `partitions` and per-pipeline costs (`schedcomp.partitions`).
     """
     if not isinstance(recut, bool):
         raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
@@ -99,6 +105,16 @@ def compile(
     if layers is not None or partition is not None:
         layers, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
+
+    if reform is not None:
+        if not isinstance(layers, LayerCosts) or job_partition is None:
+            raise ScheduleError("reform needs per-layer costs to re-partition the re-formed pipelines: pass layers=K "
+                                "(layers per stage) or a LayerCosts")
+        if recut:
+            raise ScheduleError("reform re-balances the batch itself: drop recut")
+        from schedcomp.reform import compile_reformed
+
+        return compile_reformed(topology, microbatches, costs, layers, job_partition, reform, schedule)
 
     if isinstance(layers, LayerCosts) and job_partition is not None and topology.failed:
         return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit, recut)

@@ -35,6 +35,9 @@ class Cut:
     micro-batch whole, the default."""
 
     bounds: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    shares: bool = False
+    """Whether a pipeline's last boundary is its share of the global batch (any positive number, the shares
+    of all pipelines totalling dp x M: re-formed pipelines, `schedcomp.partitions`) rather than M."""
 
     def __post_init__(self) -> None:
         seen: set[int] = set()
@@ -45,13 +48,13 @@ class Cut:
             if isinstance(p, bool) or not isinstance(p, int) or p < 0 or p in seen:
                 raise PlanFormatError(f"a cut names each pipeline once by a non-negative integer, got {p!r}")
             seen.add(p)
-            problem = _bounds_problem(b)
+            problem = _bounds_problem(b, self.shares)
             if problem:
                 raise PlanFormatError(f"the cut of pipeline {p} {problem}")
 
     @classmethod
-    def of(cls, bounds: dict[int, Iterable[float]]) -> Cut:
-        return cls(tuple(sorted((p, tuple(float(x) for x in b)) for p, b in bounds.items())))
+    def of(cls, bounds: dict[int, Iterable[float]], shares: bool = False) -> Cut:
+        return cls(tuple(sorted((p, tuple(float(x) for x in b)) for p, b in bounds.items())), shares)
 
     def __bool__(self) -> bool:
         return bool(self.bounds)
@@ -94,20 +97,53 @@ class Cut:
         return round(b[microbatch] * rows_per_microbatch), round(b[microbatch + 1] * rows_per_microbatch)
 
     def problem(self, dp: int, microbatches: int) -> str | None:
-        """Why this cut does not fit a job of `dp` pipelines of `microbatches` each, or None."""
+        """Why this cut does not fit a job of `dp` pipelines of `microbatches` each, or None. With `shares`
+        a cut pipeline's last boundary is its share of the global batch, and the shares (`microbatches` for
+        a pipeline not cut) must total `dp * microbatches` instead."""
+        shares = self.shares
         for p, b in self.bounds:
             if not 0 <= p < dp:
                 return f"the cut names pipeline {p}, outside pipelines 0..{dp - 1}"
-            if b[-1] != microbatches:
+            if not shares and b[-1] != microbatches:
                 return (f"the cut of pipeline {p} covers {b[-1]:g} micro-batches but the plan has {microbatches}: "
                         "its pieces must cover the pipeline's share exactly once")
+        if shares:
+            total = math.fsum(self.share(p, microbatches) for p in range(dp))
+            if abs(total - dp * microbatches) > _TOL * dp * microbatches:
+                return (f"the pipelines' shares total {total:g} micro-batches but the global batch has "
+                        f"{dp * microbatches} ({dp} x {microbatches}): the shares must cover it exactly once")
         return None
+
+    def share(self, pipeline: int, microbatches: int) -> float:
+        """How much of the global batch `pipeline` runs, in regular micro-batches: its last boundary, or
+        `microbatches` when it is not cut."""
+        b = self.pipelines.get(pipeline)
+        return float(microbatches) if b is None else b[-1]
+
+    def global_rows(self, pipeline: int, microbatch: int, dp: int, microbatches: int,
+                    rows_per_microbatch: int) -> tuple[int, int]:
+        """The rows [start, stop) of the global batch (`dp * microbatches` regular micro-batches of
+        `rows_per_microbatch` rows) that micro-batch `microbatch` of `pipeline` covers. Pipeline p starts at
+        `offset_p = round(C_p * r)`, C_p the sum of the shares before it (added in pipeline order); piece i
+        covers `offset_p + round(b_i * r)` up to `offset_p + round(b_{i+1} * r)`, its last piece up to
+        `offset_{p+1}` (the last pipeline's up to the batch's end): every row once. With every share
+        `microbatches` this is `pipeline * microbatches * r + rows(...)`, the mapping of whole shares."""
+        r = rows_per_microbatch
+        before = 0.0
+        for p in range(pipeline):
+            before += self.share(p, microbatches)
+        offset = round(before * r)
+        start, stop = self.rows(pipeline, microbatch, r)
+        if microbatch == self.count(pipeline, microbatches) - 1:  # the last piece ends where the next pipeline starts
+            end = before + self.share(pipeline, microbatches)
+            return offset + start, dp * microbatches * r if pipeline == dp - 1 else round(end * r)
+        return offset + start, offset + stop
 
     def to_json(self) -> dict[str, list[float]]:
         return {str(p): list(b) for p, b in self.bounds}
 
     @classmethod
-    def from_json(cls, data: object) -> Cut:
+    def from_json(cls, data: object, shares: bool = False) -> Cut:
         if not isinstance(data, dict):
             raise PlanFormatError("'cut' must map pipelines (\"3\") to lists of micro-batch boundaries")
         out: dict[int, tuple[float, ...]] = {}
@@ -117,20 +153,20 @@ class Cut:
             if not isinstance(b, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b):
                 raise PlanFormatError(f"the cut of pipeline {key} must be a list of numbers")
             out[int(key)] = tuple(float(x) for x in b)
-        return cls.of(out)
+        return cls.of(out, shares)
 
 
 NO_CUT = Cut()
 
 
-def _bounds_problem(b: object) -> str | None:
+def _bounds_problem(b: object, shares: bool) -> str | None:
     if not isinstance(b, tuple) or len(b) < 2 or not all(isinstance(x, float) for x in b):
         return "must be a tuple of at least two floats"
     if not all(math.isfinite(x) for x in b):
         return "has a boundary that is not finite"
-    if b[0] != 0.0 or not (b[-1] >= 1 and b[-1] == int(b[-1])):
-        return (f"must run from 0 to the plan's micro-batch count (it runs from {b[0]:g} to {b[-1]:g}): "
-                "the pieces must cover the pipeline's share exactly once")
+    if b[0] != 0.0 or not (b[-1] > 0 if shares else b[-1] >= 1 and b[-1] == int(b[-1])):
+        return (f"must run from 0 to the plan's micro-batch count (or, with re-formed pipelines, the pipeline's "
+                f"share; it runs from {b[0]:g} to {b[-1]:g}): the pieces must cover the share exactly once")
     for m in range(len(b) - 1):
         if not b[m + 1] > b[m] + _TOL:
             return (f"has piece {m} of size {b[m + 1] - b[m]:g}: boundaries must increase, so each "

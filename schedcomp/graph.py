@@ -16,6 +16,7 @@ from typing import Any
 
 import networkx as nx
 
+from schedcomp.errors import ScheduleError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.semantics import ALLREDUCE_COST, COMPUTE, OPTIMIZER, RECV, SEND, semantics_of
@@ -26,7 +27,7 @@ Node = tuple[Worker, int]
 
 def duration(plan: Plan, worker: Worker, ins: Instruction) -> float:
     """How long `ins` takes on `worker` under the plan's cost model (0 for what takes no time)."""
-    cost, costs = semantics_of(ins.kind).cost, plan.costs
+    cost, costs = semantics_of(ins.kind).cost, plan.costs_of(worker.pipeline)
     if cost == COMPUTE:
         op = ins.op
         base = costs.compute_time(ins.kind.value, worker, None if op is None else op.stage)
@@ -66,7 +67,11 @@ def critical_path(plan: Plan) -> tuple[float, tuple[Node, ...]]:
 
     A send is posted when its producer ends, and each stage's ALLREDUCE waits for the group's
     latest member: modelled by edges from every member's instruction before ALLREDUCE to each
-    member's ALLREDUCE."""
+    member's ALLREDUCE. Plans with re-formed pipelines are refused: their ALLREDUCE is a chain of
+    collectives over segments (`schedcomp.partitions`), one node here; `simulate` times them."""
+    if plan.partitions is not None:
+        raise ScheduleError("critical_path models one collective per stage group; this plan has re-formed pipelines "
+                            "(an all-reduce per segment): use simulate(plan) for its timing")
     g = to_networkx(plan)
     reduce = {w: (w, len(plan.streams[w]) - 2) for w in plan.workers}  # `check`: ALLREDUCE, STEP end a stream
     before = {w: [u for u in g.predecessors(node) if g.edges[u, node]["via"] == "stream"] for w, node in reduce.items()}

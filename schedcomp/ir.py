@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError
 from schedcomp.partition import Partition
+from schedcomp.partitions import Partitions
 from schedcomp.semantics import COMPUTE, RECV, SEND, InstrKind, OpKind, kind_named, kinds, opless_kind, semantics_of
 from schedcomp.topology import Topology, Worker
 
@@ -241,6 +242,9 @@ class Order:
     """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
     partition: Partition | None = None
     """Layers per stage (`schedcomp.partition`); None leaves the cut of the model to the runtime."""
+    partitions: Partitions | None = None
+    """Per pipeline, layers per place (`schedcomp.partitions`: re-formed pipelines); None: every pipeline
+    uses `partition`."""
 
     def runner(self) -> dict[tuple[int, int, int], Worker]:
         """Who runs the F (and so the B and W) of each (pipeline, microbatch, stage)."""
@@ -267,6 +271,19 @@ class Plan:
     """How each pipeline's share is cut into micro-batches (`schedcomp.cut`; whole by default)."""
     partition: Partition | None = None
     """Layers per stage (`schedcomp.partition`); None leaves the cut of the model to the runtime."""
+    partitions: Partitions | None = None
+    """Per pipeline, layers per place (`schedcomp.partitions`: re-formed pipelines); None: every pipeline
+    uses `partition`. With them, `partition` is the partition of the pipelines that keep it."""
+    pipeline_costs: Mapping[int, CostModel] = field(default_factory=dict)
+    """The stage cost model of each pipeline whose partition is not `partition` (keyed by pipeline; its
+    memory limit is its workers'): `costs_of`. Empty without `partitions`."""
+    layer_allreduce: tuple[float, ...] = ()
+    """With `partitions`: each layer's gradient all-reduce time, so a segment's collective takes its layers'
+    sum (`schedcomp.partitions.segments`); each stage's `allreduce` is its layers' sum. Empty without them."""
+
+    def costs_of(self, pipeline: int) -> CostModel:
+        """The stage cost model of `pipeline`'s ops and workers: its own where it was re-formed, else `costs`."""
+        return self.pipeline_costs.get(pipeline, self.costs)
 
     @property
     def workers(self) -> tuple[Worker, ...]:

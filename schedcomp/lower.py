@@ -8,7 +8,11 @@ For each worker, in its compute order:
 - with virtual stages (`Topology.chunks` > 1) stages are the model's chunks: a tensor between two
   chunks that the same worker runs is handed off locally (no SEND or RECV: stream order carries it,
   and `check` proves the producer comes first), any other goes to the worker running the neighbour;
-- the stream ends with `ALLREDUCE` then `STEP`.
+- the stream ends with `ALLREDUCE` then `STEP`;
+- with per-pipeline partitions (re-formed pipelines, `schedcomp.partitions`) a pipeline's ops run at its
+  held stages only: a tensor goes to the next (previous) held stage of its pipeline, over any gap, and
+  LOAD feeds the forwards of its first and last held stage. Its ALLREDUCE reduces each of the worker's
+  segments in layer order (one instruction: what it reduces is the plan's partitions').
 
 NCCL matches point-to-point messages between two ranks in posting order, whatever the tag, so
 on every channel (sender X -> receiver Y) Y must post its receives in the order X posts its
@@ -21,7 +25,8 @@ takes the op-by-op path below, which gives the same streams or names the first p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from schedcomp.costs import CostModel
@@ -29,6 +34,7 @@ from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.lower_columns import lower_streams
+from schedcomp.partitions import Reach, held_ends, reach
 from schedcomp.topology import Worker
 
 Tensor = int
@@ -48,10 +54,18 @@ def lower(
     solver: str = "",
     lower_bound: float | None = None,
     meta: Mapping[str, Any] | None = None,
+    pipeline_costs: Mapping[int, CostModel] | None = None,
+    layer_allreduce: Sequence[float] = (),
 ) -> Plan:
-    """Turn `order` into instruction streams; the result is checked by `schedcomp.check.check`."""
+    """Turn `order` into instruction streams; the result is checked by `schedcomp.check.check`.
+    With `order.partitions`: `pipeline_costs`, the stage cost model of each pipeline whose partition is not
+    `order.partition`, and `layer_allreduce`, each layer's all-reduce time (`Plan.pipeline_costs`,
+    `Plan.layer_allreduce`)."""
     with paused_gc():  # (the op-by-op path makes many small acyclic objects: see `schedcomp.gcpause`)
-        return _lower(order, costs, solver, lower_bound, meta)
+        plan = _lower(order, costs, solver, lower_bound, meta)
+    if not pipeline_costs and not layer_allreduce:
+        return plan
+    return replace(plan, pipeline_costs=dict(pipeline_costs or {}), layer_allreduce=tuple(map(float, layer_allreduce)))
 
 
 def _lower(
@@ -60,6 +74,8 @@ def _lower(
     streams = lower_streams(order, (_ALLREDUCE, _STEP))  # all ops at once, for an order with no problem
     if streams is not None:
         return _plan(order, costs, streams, solver, lower_bound, meta)
+    reached = None if order.partitions is None else reach(order.partitions)  # neighbours across gaps
+    ends = None if order.partitions is None else [held_ends(p) for p in order.partitions]  # what LOAD feeds
     # Op by op: the same streams, or the first problem named.
     topology = order.topology
     pp = topology.stages  # virtual stages: the model's stages, whichever workers hold them
@@ -89,10 +105,11 @@ def _lower(
         for op in ops:
             kind, s = op.kind, op.stage
             slot = (op.pipeline * mbs + op.microbatch) * pp + s
-            if kind is F and s < pp - 1:
-                tensor, to = slot * 2, slot + 1
-            elif (kind is B or kind is BW) and s > 0:
-                tensor, to = slot * 2 + 1, slot - 1
+            up, down = (s + 1, s - 1) if reached is None else _around(reached, op.pipeline, s)
+            if kind is F and up < pp:
+                tensor, to = slot * 2, slot + up - s
+            elif (kind is B or kind is BW) and down >= 0:
+                tensor, to = slot * 2 + 1, slot + down - s
             else:
                 out.append(None)
                 continue
@@ -110,7 +127,7 @@ def _lower(
                 lst.append(tensor)
 
     streams = {
-        w: _stream(x, ops, pp, mbs, runner, workers, sends[x], inbound[x])
+        w: _stream(x, ops, pp, mbs, runner, workers, sends[x], inbound[x], reached, ends)
         for x, (w, ops) in enumerate(order.ops.items())
     }
     return _plan(order, costs, streams, solver, lower_bound, meta)
@@ -129,7 +146,16 @@ def _plan(order: Order, costs: CostModel, streams: Mapping[Worker, tuple[Instruc
         meta=dict(meta or {}),
         cut=order.cut,
         partition=order.partition,
+        partitions=order.partitions,
     )
+
+
+def _around(reached: Reach, pipeline: int, stage: int) -> tuple[int, int]:
+    """The next and previous held stage of `pipeline` around `stage` (past the ends: out of range)."""
+    if not 0 <= pipeline < len(reached):
+        return stage + 1, stage - 1  # (an op of no pipeline: the range checks name it)
+    nxt, prv = reached[pipeline]
+    return nxt[stage], prv[stage]
 
 
 def _slot_key(slot: int, mbs: int, pp: int) -> tuple[int, int, int]:
@@ -168,6 +194,8 @@ def _stream(
     workers: list[Worker],
     sends: list[tuple[Tensor, int] | None],
     inbound: Mapping[int, list[Tensor]],
+    reached: Reach | None = None,
+    ends: list[tuple[int, int]] | None = None,
 ) -> tuple[Instruction, ...]:
     """The stream of worker number `me` (see the module docstring for where each instruction goes);
     workers are named by their number in `workers`."""
@@ -183,11 +211,12 @@ def _stream(
     for op in ops:
         kind, s = op.kind, op.stage
         tensor: Tensor | None = None
-        if kind is F and s > 0:
-            source = (op.pipeline * mbs + op.microbatch) * pp + s - 1
+        up, down = (s + 1, s - 1) if reached is None else _around(reached, op.pipeline, s)
+        if kind is F and down >= 0:
+            source = (op.pipeline * mbs + op.microbatch) * pp + down
             tensor = source * 2
-        elif (kind is B or kind is BW) and s < pp - 1:
-            source = (op.pipeline * mbs + op.microbatch) * pp + s + 1
+        elif (kind is B or kind is BW) and up < pp:
+            source = (op.pipeline * mbs + op.microbatch) * pp + up
             tensor = source * 2 + 1
         if tensor is not None:
             x = runner.get(source)
@@ -237,7 +266,8 @@ def _stream(
             continue
         op = ops[j]
         kind = op.kind
-        if kind is F and (op.stage == 0 or op.stage == last_stage):
+        if kind is F and ((op.stage == 0 or op.stage == last_stage) if ends is None
+                          else op.stage in ends[op.pipeline]):  # re-formed: its pipeline's first and last held
             ins = new(instruction)
             set_kind(ins, LOAD)
             set_op(ins, op)

@@ -103,6 +103,8 @@ def _placement(order: Order) -> _Placed | None:
     topology = order.topology
     pp, dp = topology.stages, topology.dp
     mbs = order.cut.width(order.microbatches)
+    if order.partitions is not None:  # re-formed pipelines: the op-by-op path knows their gaps
+        return None
     given = _op_columns(order)
     if given is None or not len(given[0].code):
         return None

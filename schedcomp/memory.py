@@ -213,6 +213,11 @@ def limit_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict
         facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free "
                                 f"{reference_family(plan.topology)} plan "
                                 "holds on their stage")
+    if plan.partitions is not None:  # re-formed pipelines: each worker against its own pipeline's limit
+        limit_of = {w: plan.costs_of(w.pipeline).limit_at(w.stage) for w in peaks}
+        facts["within_memory_limit"] = all(p <= limit_of[w] * (1 + 1e-9) for w, p in peaks.items())
+        if limited:
+            facts["memory_headroom"] = min(limit_of[w] - p for w, p in peaks.items())
     return facts
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 from array import array
 from collections.abc import ItemsView, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, stream_deltas
+from schedcomp.partitions import Reach
 from schedcomp.semantics import RECV, SEND, semantics_of
 from schedcomp.topology import Worker
 
@@ -36,13 +37,17 @@ Where = tuple[Worker, int]  # (worker, instruction index)
 TransferKey = tuple[int, int, int, int]  # (pipeline, micro-batch, producing stage, channel)
 
 
-def transfer_key(ins: Instruction) -> TransferKey:
-    """The tensor a SEND or RECV carries, the same on both ends (see the module docstring)."""
+def transfer_key(ins: Instruction, reach: Reach | None = None) -> TransferKey:
+    """The tensor a SEND or RECV carries, the same on both ends (see the module docstring). `reach`: with
+    re-formed pipelines, each pipeline's neighbours across its gaps (`schedcomp.partitions.reach`)."""
     sem = semantics_of(ins.kind)
     op = ins.op
     if sem.direction not in (SEND, RECV) or op is None:
         raise ValueError(f"{ins} is not a transfer")
     stage = op.stage if sem.direction == SEND else op.stage + sem.peer_stage  # a receive names its consumer
+    if reach is not None and sem.direction == RECV:  # its producer is the held neighbour, over any gap
+        nxt, prv = reach[op.pipeline]
+        stage = nxt[op.stage] if sem.peer_stage > 0 else prv[op.stage]
     return (op.pipeline, op.microbatch, stage, sem.channel)
 
 
@@ -147,6 +152,8 @@ class PlanIndex:
     costs: CostModel
     stages: int  # virtual stages per pipeline (`Topology.stages`): what transfer ids count in
     cut: Cut = NO_CUT  # the plan's re-cut micro-batches: activation scales with their size
+    reach: Reach | None = None  # re-formed pipelines: each pipeline's neighbours across its gaps
+    pipeline_costs: Mapping[int, CostModel] = field(default_factory=dict)  # re-formed pipelines' own costs
 
     @property
     def ranks(self) -> int:
@@ -163,7 +170,7 @@ class PlanIndex:
 
     def id_of(self, ins: Instruction) -> int:
         """The transfer id of a SEND or RECV of this plan."""
-        return self.transfer_id(transfer_key(ins))
+        return self.transfer_id(transfer_key(ins, self.reach))
 
     def where(self, at: int) -> Where:
         """A packed place as (worker, index)."""
@@ -193,7 +200,8 @@ class PlanIndex:
 
     def memory_profile(self, worker: Worker) -> tuple[float, ...]:
         """Activation memory `worker` holds after each instruction of its stream (the one memory model)."""
-        return memory_levels(stream_deltas(self.costs, self.streams[worker], worker.stage, self.cut))
+        costs = self.pipeline_costs.get(worker.pipeline, self.costs)
+        return memory_levels(stream_deltas(costs, self.streams[worker], worker.stage, self.cut))
 
 
 _LOW = (1 << 32) - 1

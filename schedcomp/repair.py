@@ -71,6 +71,9 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     if plan.cut:
         raise ScheduleError("repair moves whole micro-batches, and this plan has re-cut ones (--recut): compile "
                             "the plan for the new failure set instead")
+    if plan.partitions is not None:
+        raise ScheduleError("repair re-routes over one partition, and this plan has re-formed pipelines (their own "
+                            "partitions): compile the plan for the new failure set instead")
     after = Topology(topo.pp, topo.dp, topo.failed | {worker}, topo.chunks, topo.placement)
     peers = after.stage_group(worker.stage)
     if not peers:

@@ -109,20 +109,29 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
         for w, stream in plan.streams.items()
     }
     topo = plan.topology
-    costs = plan.costs
-    if costs.speed:
-        costs = CostModel(**{**costs.__dict__, "speed": {worker(w): v for w, v in costs.speed.items()}})
+
+    def renamed(costs: CostModel) -> CostModel:
+        if not costs.speed:
+            return costs
+        return CostModel(**{**costs.__dict__, "speed": {worker(w): v for w, v in costs.speed.items()}})
+
+    partitions = None
+    if plan.partitions is not None:  # re-formed pipelines: each pipeline's partition goes with it
+        partitions = tuple(plan.partitions[d] for d in sorted(mapping, key=mapping.__getitem__))
     return Plan(
         topology=dataclasses.replace(topo, failed=frozenset(worker(w) for w in topo.failed)),
-        costs=costs,
+        costs=renamed(plan.costs),
         microbatches=plan.microbatches,
         streams=streams,
         family=plan.family,
         solver=plan.solver,
         lower_bound=plan.lower_bound,
         meta=dict(plan.meta),
-        cut=Cut(tuple(sorted((mapping[d], b) for d, b in plan.cut.bounds))),
+        cut=Cut(tuple(sorted((mapping[d], b) for d, b in plan.cut.bounds)), plan.cut.shares),
         partition=plan.partition,
+        partitions=partitions,
+        pipeline_costs={mapping[d]: renamed(c) for d, c in plan.pipeline_costs.items()},
+        layer_allreduce=plan.layer_allreduce,
     )
 
 

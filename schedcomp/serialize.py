@@ -23,6 +23,11 @@ schedcomp refuses a version-2 plan in one line rather than run it with whole mic
 A plan with a partition (`schedcomp.partition`: layers per stage) is written as version 3 with a
 `"partition": [4, 3, 5, 4]` key (and a cut if it has one); an older schedcomp refuses it in one line
 rather than run it with the model cut elsewhere.
+A plan with per-pipeline partitions (`schedcomp.partitions`: re-formed pipelines) is written as version 4:
+`"partition"` (the pipelines that keep it), `"partitions": [[4, 4, 4, 4], ..., [6, 0, 5, 5]]` (one per
+pipeline) and `"pipeline_costs": {"3": {...CostModel.to_dict()...}}` (the cost model of each pipeline whose
+partition is not `partition`), `"layer_allreduce"` (per layer, what a segment's collective sums), with a
+cut or none (its last boundaries are then the pipelines' shares).
 
 PyTorch CSV (`plan_to_torch_csv` / `order_from_torch_csv`): the compute-only format that
 `torch.distributed.pipelining` schedules `_dump_csv` / `_load_csv`: one row per rank, one cell
@@ -52,7 +57,8 @@ from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
-from schedcomp.partition import as_partition
+from schedcomp.partition import MAX_LAYERS, as_partition
+from schedcomp.partitions import as_partitions
 from schedcomp.streamcolumns import JSON_PLAIN, columns_of, json_lists
 from schedcomp.topology import Topology, Worker
 
@@ -62,7 +68,9 @@ VERSION_CUT = 2
 """The version of plans with re-cut micro-batches (a `cut` key); plans without one stay version 1."""
 VERSION_PARTITION = 3
 """The version of plans with a partition (a `partition` key, and a `cut` key or none)."""
-VERSIONS = (VERSION, VERSION_CUT, VERSION_PARTITION)
+VERSION_PARTITIONS = 4
+"""The version of plans with per-pipeline partitions (`partitions` and `pipeline_costs` keys, a `partition`)."""
+VERSIONS = (VERSION, VERSION_CUT, VERSION_PARTITION, VERSION_PARTITIONS)
 
 __all__ = [
     "FORMAT",
@@ -79,7 +87,7 @@ __all__ = [
 ]
 
 _HEADER_KEYS = ("format", "version", "topology", "microbatches", "family", "solver", "lower_bound", "meta", "costs",
-                "cut", "partition")
+                "cut", "partition", "partitions", "pipeline_costs", "layer_allreduce")
 
 
 # ---- header (everything but the streams) -------------------------------------------------------
@@ -89,7 +97,8 @@ def _header(plan: Plan) -> dict[str, Any]:
     topo = plan.topology
     return {
         "format": FORMAT,
-        "version": VERSION_PARTITION if plan.partition is not None else VERSION_CUT if plan.cut else VERSION,
+        "version": VERSION_PARTITIONS if plan.partitions is not None else VERSION_PARTITION
+        if plan.partition is not None else VERSION_CUT if plan.cut else VERSION,
         "topology": {"pp": topo.pp, "dp": topo.dp, "failed": [str(w) for w in sorted(topo.failed)],
                      # Optional: written only with virtual stages, so one-chunk plans stay as they were.
                      **({"chunks": topo.chunks, "placement": topo.placement} if topo.chunks > 1 else {})},
@@ -101,6 +110,10 @@ def _header(plan: Plan) -> dict[str, Any]:
         "costs": plan.costs.to_dict(),
         **({"cut": plan.cut.to_json()} if plan.cut else {}),
         **({"partition": list(plan.partition)} if plan.partition is not None else {}),
+        **({"partitions": [list(p) for p in plan.partitions],
+            "pipeline_costs": {str(d): c.to_dict() for d, c in sorted(plan.pipeline_costs.items())},
+            "layer_allreduce": list(plan.layer_allreduce)}
+           if plan.partitions is not None else {}),
     }
 
 
@@ -141,11 +154,17 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
     if version not in VERSIONS or isinstance(version, bool):
         raise PlanFormatError(f"{what} has version {version!r}; this schedcomp reads versions "
                               f"{', '.join(map(str, VERSIONS))}: recompile the plan with this version")
-    if ("partition" in data) != (version == VERSION_PARTITION):
-        raise PlanFormatError(f"{what}: a version-{VERSION_PARTITION} plan has a 'partition' (layers per stage) and "
-                              f"other versions none; this one has version {version}"
+    reformed = version == VERSION_PARTITIONS
+    for key in ("partitions", "pipeline_costs", "layer_allreduce"):
+        if (key in data) != reformed:
+            raise PlanFormatError(f"{what}: a version-{VERSION_PARTITIONS} plan has {key!r} (re-formed pipelines) "
+                                  f"and other versions none; this one has version {version}"
+                                  f"{f' and {key!r}' if key in data else f' and no {key!r}'}")
+    if ("partition" in data) != (version in (VERSION_PARTITION, VERSION_PARTITIONS)):
+        raise PlanFormatError(f"{what}: a version-{VERSION_PARTITION} or {VERSION_PARTITIONS} plan has a 'partition' "
+                              f"(layers per stage) and other versions none; this one has version {version}"
                               f"{' and a partition' if 'partition' in data else ' and no partition'}")
-    if version != VERSION_PARTITION and ("cut" in data) != (version == VERSION_CUT):
+    if version < VERSION_PARTITION and ("cut" in data) != (version == VERSION_CUT):
         raise PlanFormatError(f"{what}: a version-{VERSION_CUT} plan has a 'cut' (re-cut micro-batches) and a "
                               f"version-{VERSION} plan none; this one has version {version}"
                               f"{' and a cut' if 'cut' in data else ' and no cut'}")
@@ -166,6 +185,7 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
                                   f"{topology.stages} (pp={pp} x chunks={chunks})" if chunks > 1 else
                                   f"{what}: the cost model has {costs.pp} stages but the topology has pp={pp}")
         costs.check_workers(topology)
+        pipeline_costs = _pipeline_costs(data, topology, what) if reformed else {}
         microbatches = _get(data, "microbatches", int, what)
         if microbatches < 1:
             raise PlanFormatError(f"{what}: microbatches must be positive, got {microbatches}")
@@ -186,10 +206,40 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
         "solver": _get(data, "solver", str, what),
         "lower_bound": None if lower_bound is None else float(lower_bound),
         "meta": _get(data, "meta", dict, what),
-        "cut": Cut.from_json(data["cut"]) if "cut" in data else NO_CUT,
+        "cut": Cut.from_json(data["cut"], shares=reformed) if "cut" in data else NO_CUT,
         "partition": as_partition(data["partition"], topology.stages, f"{what}: 'partition'")
         if "partition" in data else None,
+        **({"partitions": as_partitions(data["partitions"], topology.dp, topology.pp, topology.failed,
+                                        f"{what}: 'partitions'"),
+            "pipeline_costs": pipeline_costs,
+            "layer_allreduce": _per_layer(data["layer_allreduce"], what)} if reformed else {}),
     }
+
+
+def _per_layer(value: object, what: str) -> tuple[float, ...]:
+    """'layer_allreduce': one finite non-negative time per layer (their count is checked against the partitions)."""
+    if not isinstance(value, list) or len(value) > MAX_LAYERS or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value):
+        raise PlanFormatError(f"{what}: 'layer_allreduce' must be a list of one non-negative time per layer")
+    return tuple(float(x) for x in value)
+
+
+def _pipeline_costs(data: Mapping[str, Any], topology: Topology, what: str) -> dict[int, CostModel]:
+    """The 'pipeline_costs' of a version-4 plan: pipeline number -> its stage cost model."""
+    raw = _get(data, "pipeline_costs", dict, what)
+    out: dict[int, CostModel] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 19 and int(key) < topology.dp):
+            raise PlanFormatError(f"{what}: 'pipeline_costs' is keyed by pipelines 0..{topology.dp - 1}, got {key!r}")
+        if not isinstance(value, dict):
+            raise PlanFormatError(f"{what}: 'pipeline_costs' of pipeline {key} must be a cost model (an object)")
+        costs = CostModel.from_dict(value)
+        if costs.pp != topology.stages:
+            raise PlanFormatError(f"{what}: the cost model of pipeline {key} has {costs.pp} stages but the topology "
+                                  f"has pp={topology.pp}")
+        costs.check_workers(topology)
+        out[int(key)] = costs
+    return out
 
 
 def _parse_stream(worker: Worker, items: Any, topology: Topology, what: str) -> tuple[Instruction, ...]:

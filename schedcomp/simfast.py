@@ -121,8 +121,8 @@ def _fast_timing(problem: Problem, by_wid: Mapping[int, Sequence[int]], timing: 
 def compute_sequences(plan: Plan) -> tuple[Problem, dict[int, list[int]]] | None:
     """The plan's compute order as op ids per worker id (`solvers.problem`), or None when a stream has
     anything but compute, loads and transfers before an ALLREDUCE, STEP tail, or mixes BW with B/W."""
-    if plan.cut:  # re-cut pieces: slot ids and op times by piece size, which the general path reads
-        return None
+    if plan.cut or plan.partitions is not None:  # re-cut pieces (op times by size), re-formed pipelines (their
+        return None  # segments' all-reduce): the general path reads them
     topo, mbs = plan.topology, plan.microbatches
     stages, pp = topo.stages, topo.pp
     columns = columns_of(plan.streams)

@@ -9,12 +9,14 @@ unvalidated (`simulate(..., validate=False)`) is paired here by `transfer_key`. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from schedcomp.check import index_of
 from schedcomp.errors import ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Plan
+from schedcomp.partitions import Reach, Segment, reach, segments
 from schedcomp.planindex import PlanIndex, transfer_key
 from schedcomp.semantics import (
     OPTIMIZER,
@@ -56,6 +58,7 @@ class Stream:
     inputs: list[tuple[int, ...]]  # per blocking k: stream indices of the receives it waits for
     block_of: dict[Any, int]  # op -> blocking number of its compute
     source: dict[int, int]  # stream index of a SEND or RECV -> node id of the compute producing its tensor
+    segments: list[int] = field(default_factory=list)  # re-formed pipelines: its ALLREDUCE's segments, one node each
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,16 @@ def compile_streams(plan: Plan) -> Lanes:
     other workers."""
     workers = plan.workers
     index_of_worker = {w: i for i, w in enumerate(workers)}
-    streams = [_stream(plan, wi, w, index_of_worker) for wi, w in enumerate(workers)]
+    # Re-formed pipelines: an ALLREDUCE is one collective per segment the worker holds, in layer order.
+    segs = None if plan.partitions is None else segments(plan.partitions, plan.topology.failed)
+    mine = _segments_of(segs, plan.layer_allreduce) if segs is not None else {}
+    streams = [_stream(plan, wi, w, index_of_worker, mine.get(w)) for wi, w in enumerate(workers)]
     offset = 0
     for st in streams:
         st.first, offset = offset, offset + len(st.at)
     index = index_of(plan)
-    pairs = _pairs_from_index(index, index_of_worker) if index is not None else _pairs_by_key(streams)
+    reached = None if plan.partitions is None else reach(plan.partitions)
+    pairs = _pairs_from_index(index, index_of_worker) if index is not None else _pairs_by_key(streams, reached)
     p2p = plan.costs.p2p
     preds: list[tuple[tuple[int, float], ...]] = [()] * offset
     recv_at: dict[tuple[int, int], int] = {}  # (receiver stream, receive index) -> producer node
@@ -100,8 +107,23 @@ def compile_streams(plan: Plan) -> Lanes:
     members: list[tuple[int, ...]] = [()] * offset
     groups = _stage_groups(streams)
     allreduces = [[st.first + k for k, j in enumerate(st.at) if st.codes[j] == ALLREDUCE] for st in streams]
-    meetings: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (stage group, ordinal) -> its nodes
     phantom = offset  # a member that never reaches an ALLREDUCE: a node in no lane, so its group waits
+    if segs is not None:
+        phantom = _segment_meetings(streams, segs, allreduces, index_of_worker, members, phantom)
+    else:
+        phantom = _stage_meetings(streams, groups, allreduces, members, phantom)
+    extra = phantom - offset
+    graph = Graph(preds + [()] * extra, members + [()] * extra)
+    durations = [d for st in streams for d in st.dur] + [0.0] * extra
+    seqs = [list(range(st.first, st.first + len(st.at))) for st in streams]
+    return Lanes(streams, graph, seqs, [durations] * len(streams), groups)
+
+
+def _stage_meetings(streams: list[Stream], groups: list[tuple[int, ...]], allreduces: list[list[int]],
+                    members: list[tuple[int, ...]], phantom: int) -> int:
+    """Each stage group's ALLREDUCEs, met by ordinal (a member short of one: a phantom node, so its group
+    waits); returns the next phantom id."""
+    meetings: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (stage group, ordinal) -> its nodes
     for wi, st in enumerate(streams):
         for ordinal, node in enumerate(allreduces[wi]):
             group = meetings.get((groups[wi], ordinal))
@@ -117,11 +139,7 @@ def compile_streams(plan: Plan) -> Lanes:
             members[node] = group
             if len(group) == 1:
                 st.dur[node - st.first] = 0.0  # an all-reduce over one worker: there is nobody to reduce with
-    extra = phantom - offset
-    graph = Graph(preds + [()] * extra, members + [()] * extra)
-    durations = [d for st in streams for d in st.dur] + [0.0] * extra
-    seqs = [list(range(st.first, st.first + len(st.at))) for st in streams]
-    return Lanes(streams, graph, seqs, [durations] * len(streams), groups)
+    return phantom
 
 
 def _stage_groups(streams: list[Stream]) -> list[tuple[int, ...]]:
@@ -131,8 +149,43 @@ def _stage_groups(streams: list[Stream]) -> list[tuple[int, ...]]:
     return [tuple(by_stage[st.worker.stage]) for st in streams]
 
 
-def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) -> Stream:
-    costs = plan.costs
+def _segments_of(segs: tuple[Segment, ...],
+                 layer_allreduce: tuple[float, ...]) -> dict[Worker, list[tuple[int, float]]]:
+    """Per holder, its segments in layer order as (segment number, all-reduce time: its layers' sum)."""
+    out: dict[Worker, list[tuple[int, float]]] = {}
+    for k, seg in enumerate(segs):
+        time = math.fsum(layer_allreduce[i] for i in seg.layers) if len(seg.holders) > 1 else 0.0  # alone: free
+        for h in seg.holders:
+            out.setdefault(h, []).append((k, time))
+    return out
+
+
+def _segment_meetings(streams: list[Stream], segs: tuple[Segment, ...], allreduces: list[list[int]],
+                      index_of_worker: dict[Worker, int], members: list[tuple[int, ...]], phantom: int) -> int:
+    """Each segment's collective: the nodes of its holders' ALLREDUCEs for it (a holder without one: a phantom
+    node, so the others wait, as for stage groups); returns the next phantom id."""
+    node_of: dict[tuple[int, int], int] = {}  # (stream, segment number) -> its node
+    for wi, st in enumerate(streams):
+        nodes = allreduces[wi]
+        if len(st.segments) and len(nodes) == len(st.segments):
+            node_of.update(((wi, k), node) for k, node in zip(st.segments, nodes, strict=True))
+    for k, seg in enumerate(segs):
+        ids = []
+        for h in seg.holders:
+            node = node_of.get((index_of_worker.get(h, -1), k))
+            if node is None:
+                node, phantom = phantom, phantom + 1
+            ids.append(node)
+        group = tuple(ids)
+        for node in ids:
+            if node < len(members):
+                members[node] = group
+    return phantom
+
+
+def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int],
+            segs: list[tuple[int, float]] | None = None) -> Stream:
+    costs = plan.costs_of(w.pipeline)  # (a re-formed pipeline's workers: its own stage costs)
     instrs = tuple(plan.streams[w])
     codes = [_code(i.kind) for i in instrs]
     speed = costs.speed.get(w, 1.0)
@@ -154,6 +207,13 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int]) 
         elif c == STEP:
             inputs = ()
             d = costs.optimizer_of(held) / speed if semantics_of(ins.kind).cost == OPTIMIZER else 0.0
+        elif c == ALLREDUCE and segs is not None:  # one node per segment, in layer order
+            for k, time in segs:
+                st.segments.append(k)
+                st.inputs.append(())
+                st.at.append(j)
+                st.dur.append(time)
+            continue
         elif c == ALLREDUCE:
             inputs = ()
             d = costs.allreduce_of(held)
@@ -188,7 +248,7 @@ def _pairs_from_index(index: PlanIndex, index_of_worker: dict[Worker, int]) -> l
     return pairs
 
 
-def _pairs_by_key(streams: list[Stream]) -> list[Pair]:
+def _pairs_by_key(streams: list[Stream], reached: Reach | None = None) -> list[Pair]:
     """Match every send of an unchecked plan with the receive carrying the same tensor
     (`transfer_key`) between the same two workers (FIFO if a hand-made plan repeats one)."""
     index_of_worker = {st.worker: wi for wi, st in enumerate(streams)}
@@ -196,7 +256,7 @@ def _pairs_by_key(streams: list[Stream]) -> list[Pair]:
     for wi, st in enumerate(streams):
         for j, ins in enumerate(st.instrs):
             if st.codes[j] == RECV:
-                recvs.setdefault((transfer_key(ins), index_of_worker[ins.peer], wi), []).append((wi, j))
+                recvs.setdefault((transfer_key(ins, reached), index_of_worker[ins.peer], wi), []).append((wi, j))
     pairs = []
     for wi, st in enumerate(streams):
         w = st.worker
@@ -206,7 +266,7 @@ def _pairs_by_key(streams: list[Stream]) -> list[Pair]:
             if ins.op not in st.block_of:
                 raise ValidationError(f"worker {w}, instruction {j} ({ins}) sends the output of {ins.op}, which "
                                       "this worker never runs: re-lower the plan", worker=w, index=j)
-            queue = recvs.get((transfer_key(ins), wi, index_of_worker[ins.peer]))
+            queue = recvs.get((transfer_key(ins, reached), wi, index_of_worker[ins.peer]))
             if not queue:
                 raise ValidationError(f"worker {w}, instruction {j} ({ins}) has no matching receive on {ins.peer}: "
                                       "every send needs one receive of the same micro-batch", worker=w, index=j)

@@ -243,7 +243,7 @@ def _spans(streams: list[Stream], run: LaneRun, p2p: float, iterations: Sequence
         for it in iterations:
             starts, ends = run.starts[it], run.ends[it]
             t = run.releases[it][wi]
-            node = st.first
+            node, at = st.first, st.at
             for j, c in enumerate(codes):
                 if c == RECV:
                     a = ends[source[j]] + p2p
@@ -253,17 +253,20 @@ def _spans(streams: list[Stream], run: LaneRun, p2p: float, iterations: Sequence
                 elif c == SEND:  # posted when its producer ends, whatever its place in the stream
                     e = ends[source[j]]
                     out.append(Span(w, it, j, instrs[j], e, e + p2p))
-                else:
-                    out.append(Span(w, it, j, instrs[j], starts[node], ends[node]))
-                    t = ends[node]
-                    node += 1
+                else:  # its node (a re-formed pipeline's ALLREDUCE: one per segment, spanned whole)
+                    last = node
+                    while last + 1 - st.first < len(at) and at[last + 1 - st.first] == j:
+                        last += 1
+                    out.append(Span(w, it, j, instrs[j], starts[node], ends[last]))
+                    t = ends[last]
+                    node = last + 1
     return tuple(out)
 
 
 def _peak_memory(plan: Plan, st: Stream, iterations: int) -> float:
     """Most activation memory the worker holds. Its instructions run one at a time in stream order,
     so the levels are prefix sums, and iteration k shifts them by k x the net change."""
-    levels = memory_levels(stream_deltas(plan.costs, st.instrs, st.worker.stage, plan.cut))
+    levels = memory_levels(stream_deltas(plan.costs_of(st.worker.pipeline), st.instrs, st.worker.stage, plan.cut))
     level, peak = (levels[-1] if levels else 0.0), peak_of(levels)
     return peak + (iterations - 1) * level if level > 1e-9 else peak
 

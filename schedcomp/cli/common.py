@@ -137,6 +137,14 @@ def partition_text(text: str) -> tuple[int, ...]:
     return counts
 
 
+def pipelines_text(text: str) -> tuple[int, ...]:
+    """--reform 3 or 1,3: pipeline numbers (checked against the job by `compile`)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected pipeline numbers such as 3 or 1,3, got {text!r}") from None
+
+
 def add_layer_arguments(parser: Any) -> None:
     """--layers K | --layer-costs FILE, and --partition: re-partition layers as well as re-route."""
     group = parser.add_mutually_exclusive_group()
@@ -257,7 +265,8 @@ def save_and_report(args: argparse.Namespace, plan: Plan, done: str, seconds_key
                "lower_bound": plan.lower_bound, "solver": plan.solver, seconds_key: round(seconds, 4),
                **({"cut": plan.cut.to_json()} if plan.cut else {}),
                **({"partition": list(plan.partition)} if plan.partition is not None else {}),
-               **({"repartition": plan.meta["repartition"]} if "repartition" in plan.meta else {})}
+               **({"repartition": plan.meta["repartition"]} if "repartition" in plan.meta else {}),
+               **({"reform": plan.meta["reform"]} if "reform" in plan.meta else {})}
     if args.json:
         print_json(summary)
     else:

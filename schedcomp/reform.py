@@ -1,0 +1,158 @@
+"""`compile(..., reform=(d, ...))`: re-formed pipelines (Oobleck's) as a plan.
+
+Each named pipeline has lost workers; its live workers take all the model's layers between them (the
+min-max contiguous partition over them, their speeds counted, as `schedcomp.reformed`'s baseline cuts
+them), so it is a shallower pipeline. Every other pipeline keeps the job's partition and has no failure
+(re-routing around a failure in a pipeline that is not re-formed, in the same plan, is not compiled
+yet). The global batch is re-balanced by throughput: pipeline d's share is proportional to the inverse
+of its bottleneck stage's F + B + W per micro-batch (speeds counted), the shares totalling dp x M, each
+cut into at least ceil(share) equal pieces (so no piece outgrows a regular micro-batch) and at least as
+many as the family needs; a share of exactly M stays M whole micro-batches. Each pipeline runs the
+family's order over its held stages (`schedule` when it is a one-stage family, else ZB-H1) on its own
+pieces: pipelines meet only at the per-segment all-reduce.
+
+Both candidates are lowered, checked and timed: equal shares (M each) and the shares by throughput; the
+faster wins (ties: fewer pieces, then equal shares: the batch as the job cuts it), a candidate over the
+memory limit drops out. Each is tried with the re-formed pipelines' pieces 1, 2 and 4 times finer
+(`FINER`): their workers hold more layers, so a piece holds more activation, and smaller ones fit a
+memory limit that whole micro-batches break. `meta["reform"]` says which won.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from schedcomp.check import check
+from schedcomp.costs import CostModel
+from schedcomp.cut import NO_CUT, Cut
+from schedcomp.errors import MemoryLimitError, SchedcompTypeError, ScheduleError, ValidationError
+from schedcomp.ir import Op, Order, Plan
+from schedcomp.layers import LayerCosts, stage_costs
+from schedcomp.lower import lower
+from schedcomp.partition import Partition
+from schedcomp.partitions import Partitions, held_stages
+from schedcomp.repartition import min_max_partition
+from schedcomp.schedules import ONE_STAGE_FAMILIES, get_family
+from schedcomp.topology import Topology, Worker
+
+DEFAULT_FAMILY = "zb-h1"
+FINER = (1, 2, 4)
+"""How many times finer a re-formed pipeline's pieces may be cut (its workers hold more layers, so a piece
+holds more activation; smaller ones fit a memory limit that whole micro-batches break)."""
+
+
+def reform_pipelines(value: object, topology: Topology) -> tuple[int, ...]:
+    """`reform=` checked: pipelines of the job, each with a failed and a live worker, covering every pipeline
+    that has a failure; ScheduleError in one line otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SchedcompTypeError(f"reform must be a list of pipelines to re-form, got {type(value).__name__}")
+    pipes = list(value)
+    if not pipes or not all(isinstance(d, int) and not isinstance(d, bool) for d in pipes):
+        raise SchedcompTypeError(f"reform must name pipelines by number, e.g. reform=(3,), got {value!r}")
+    hit = {w.pipeline for w in topology.failed}
+    for d in pipes:
+        if not 0 <= d < topology.dp or d not in hit:
+            raise ScheduleError(f"reform names pipeline {d}, which lost no worker: re-form the pipelines that lost "
+                                f"workers ({', '.join(map(str, sorted(hit))) or 'none'})")
+        if all(Worker(d, s) in topology.failed for s in range(topology.pp)):
+            raise ScheduleError(f"pipeline {d} lost every worker: there is nothing left to re-form")
+    if hit - set(pipes):
+        rest = ", ".join(map(str, sorted(hit - set(pipes))))
+        raise ScheduleError(f"pipeline(s) {rest} lost workers but are not re-formed: re-form every pipeline that "
+                            "lost workers (re-routing beside re-formed pipelines is not compiled yet)")
+    if topology.chunks > 1:
+        raise ScheduleError("re-formed pipelines run one stage per worker, not chunks: drop chunks or reform")
+    return tuple(sorted(set(pipes)))
+
+
+def reformed_partition(layers: LayerCosts, costs: CostModel, topology: Topology, pipeline: int) -> Partition:
+    """Pipeline `pipeline`'s partition: the min-max contiguous partition of the layers over its live places
+    (weighted by their speeds), 0 at its failed places."""
+    c = layers.costs
+    work = [f + b + w for f, b, w in zip(c.forward, c.backward_input, c.backward_weight, strict=True)]
+    live = [s for s in range(topology.pp) if Worker(pipeline, s) not in topology.failed]
+    found = min_max_partition(work, [1.0 / costs.speed.get(Worker(pipeline, s), 1.0) for s in live])
+    assert found is not None  # (no memory rooms given: every partition fits)
+    out = [0] * topology.pp
+    for s, n in zip(live, found, strict=True):
+        out[s] = n
+    return tuple(out)
+
+
+def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
+                     job_partition: Partition, reform: object, schedule: str) -> Plan:
+    """The plan of the module docstring (`costs`: the job's stage model, its memory limit resolved)."""
+    pipes = reform_pipelines(reform, topology)
+    family = schedule if schedule in ONE_STAGE_FAMILIES and schedule != "1f1b" else DEFAULT_FAMILY
+    partitions: Partitions = tuple(reformed_partition(layers, costs, topology, d) if d in pipes else job_partition
+                                   for d in range(topology.dp))
+    limit_from = (costs, job_partition) if costs.memory_limit is not None else None
+    own = {d: stage_costs(layers, partitions[d], limit_from=limit_from) for d in pipes}
+    own = {d: CostModel(**{**c.__dict__, "speed": costs.speed}) for d, c in own.items()}  # the job's speeds
+    from schedcomp.simulator import simulate
+
+    timed: list[tuple[float, int, Plan]] = []  # (period, preference: fewer pieces, equal shares first, plan)
+    refused: str | None = None
+    candidates = [(name, shares, finer) for finer in FINER for name, shares in (
+        ("equal", [float(microbatches)] * topology.dp),
+        ("throughput", _shares(partitions, own, costs, topology, microbatches)))]
+    for rank, (name, shares, finer) in enumerate(candidates):
+        order = _order(topology, microbatches, partitions, job_partition, shares, family,
+                       dict.fromkeys(pipes, finer))
+        plan = lower(order, costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce,
+                     meta={"reform": {"pipelines": list(pipes), "shares": name, "finer": finer,
+                                      "partitions": [list(p) for p in partitions]}})
+        try:
+            check(plan)
+        except ValidationError as exc:  # a fixed family cannot trade time for memory: finer pieces may fit
+            if "memory_limit" not in str(exc):
+                raise
+            refused = refused or str(exc)
+            continue
+        timed.append((simulate(plan).period, rank, plan))
+    if not timed:
+        raise MemoryLimitError(f"no re-formed plan fits the memory limit, even with {FINER[-1]}x finer pieces "
+                               f"({refused}): raise memory_limit or re-route instead")
+    return min(timed, key=lambda t: (round(t[0], 9), t[1]))[2]
+
+
+def _shares(partitions: Partitions, own: dict[int, CostModel], costs: CostModel, topology: Topology,
+            microbatches: int) -> list[float]:
+    """Each pipeline's share of the global batch by throughput (module docstring), totalling dp x M."""
+    speed = []
+    for d, partition in enumerate(partitions):
+        c = own.get(d, costs)
+        slowest = max((c.forward[s] + c.backward_input[s] + c.backward_weight[s])
+                      / costs.speed.get(Worker(d, s), 1.0) for s in held_stages(partition))
+        speed.append(1.0 / slowest if slowest > 0 else 1.0)
+    total = topology.dp * microbatches
+    shares = [total * v / math.fsum(speed) for v in speed]
+    shares[-1] = total - math.fsum(shares[:-1])  # (the total exact whatever the rounding)
+    return shares
+
+
+def _order(topology: Topology, microbatches: int, partitions: Partitions, job_partition: Partition,
+           shares: list[float], family: str, finer: dict[int, int]) -> Order:
+    """Each pipeline runs `family` over its held stages on its pieces of its share (`finer[d]` times as many
+    as it needs for pieces of at most a micro-batch)."""
+    fam = get_family(family)
+    ops: dict[Worker, tuple[Op, ...]] = {}
+    bounds: dict[int, tuple[float, ...]] = {}
+    for d, (partition, share) in enumerate(zip(partitions, shares, strict=True)):
+        held = held_stages(partition)
+        k = finer.get(d, 1)
+        if share == microbatches and k == 1:
+            pieces = microbatches
+        else:
+            pieces = max(math.ceil(share * k - 1e-9), fam.min_microbatches(len(held)), 1)
+            bounds[d] = (*(share * i / pieces for i in range(pieces)), share)
+        if pieces < fam.min_microbatches(len(held)):
+            raise ScheduleError(f"{family} over {len(held)} stages needs at least {fam.min_microbatches(len(held))} "
+                                f"micro-batches, pipeline {d} runs {pieces}: use more micro-batches")
+        for i, stage_ops in enumerate(fam.orders(len(held), pieces, 1)):
+            s = held[i]
+            ops[Worker(d, s)] = tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
+    cut = Cut.of(bounds, shares=True) if bounds else NO_CUT
+    return Order(topology, microbatches, ops, f"reformed-{family}", cut=cut, partition=job_partition,
+                 partitions=partitions)

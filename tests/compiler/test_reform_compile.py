@@ -1,0 +1,119 @@
+"""Re-formed pipelines timed and compiled: the per-segment all-reduce in `simulate`, and `compile(reform=...)`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedcomp import compile
+from schedcomp.check import check
+from schedcomp.costs import CostModel
+from schedcomp.errors import ScheduleError
+from schedcomp.graph import critical_path
+from schedcomp.ir import InstrKind, Op, OpKind, Order, Plan
+from schedcomp.layers import LayerCosts, stage_costs
+from schedcomp.lower import lower
+from schedcomp.simulator import simulate
+from schedcomp.topology import Topology, Worker
+
+
+def _two_by_two() -> Plan:
+    """pp 2, dp 2, 1:1 failed, pipeline 1 re-formed (1:0 holds all four layers); one micro-batch each, F = B = W
+    = 0.5 per layer, all-reduce 1 per layer. Segments: layers 0-1 over 0:0, 1:0; layers 2-3 over 0:1, 1:0."""
+    layers = LayerCosts.even(CostModel.uniform(2, allreduce=2.0), 2)
+    ops = {w: tuple(Op(k, w.pipeline, 0, w.stage) for k in (OpKind.F, OpKind.B, OpKind.W))
+           for w in (Worker(0, 0), Worker(0, 1), Worker(1, 0))}
+    order = Order(Topology.of(2, 2, ["1:1"]), 1, ops, partition=(2, 2), partitions=((2, 2), (4, 0)))
+    return lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))},
+                 layer_allreduce=layers.costs.allreduce)
+
+
+def test_an_all_reduce_is_one_collective_per_segment_in_layer_order() -> None:
+    plan = _two_by_two()
+    sim = simulate(plan)
+    # 0:0 F 0-1, 0:1 F 1-2 B 2-3 W 3-4 (at ALLREDUCE at 4), 0:0 B 3-4 W 4-5 (at 5); 1:0 F 0-2 B 2-4 W 4-6 (at 6).
+    # Layers 0-1 (0:0, 1:0): 6-8. Layers 2-3 (0:1, 1:0): 1:0 is free at 8, so 8-10. One collective per stage
+    # group would have let 0:1 reduce with 1:0 at 6 instead.
+    spans = {(s.worker, str(s.instruction)): (s.start, s.end) for s in sim.spans if s.iteration == 0
+             and s.instruction.kind is InstrKind.ALLREDUCE}
+    assert spans == {(Worker(0, 0), "ALLREDUCE"): (6.0, 8.0), (Worker(0, 1), "ALLREDUCE"): (8.0, 10.0),
+                     (Worker(1, 0), "ALLREDUCE"): (6.0, 10.0)}
+    assert sim.makespan == pytest.approx(10.0)
+    unchecked = simulate(Plan.from_json(plan.to_json()), validate=False)  # paired by key, over the gap
+    assert unchecked.iteration_ends == sim.iteration_ends
+    with pytest.raises(ScheduleError, match="re-formed pipelines"):
+        critical_path(plan)
+
+
+def _compiled(failed: list[str], limit: object = "fault-free") -> Plan:
+    return compile(pp=4, dp=4, microbatches=8, failed=failed, layers=4, reform=(3,), memory_limit=limit)
+
+
+def test_compile_re_forms_a_pipeline_with_shares_by_throughput() -> None:
+    plan = _compiled(["3:1"])
+    assert plan.partitions is not None and plan.partitions[:3] == ((4, 4, 4, 4),) * 3
+    assert plan.partitions[3][1] == 0 and sum(plan.partitions[3]) == 16
+    assert Worker(3, 1) not in plan.streams and set(plan.pipeline_costs) == {3}
+    shares = [plan.cut.share(d, 8) for d in range(4)]
+    assert math.fsum(shares) == pytest.approx(32.0) and shares[3] < 8 < shares[0]  # the shallow one takes fewer
+    assert plan.meta["reform"]["shares"] == "throughput"
+    # Its period is what the simulator gives the plan as check proved it, and as read back and checked again.
+    again = Plan.from_json(plan.to_json())
+    check(again)
+    assert simulate(again).period == simulate(plan).period
+    assert simulate(plan).period < simulate(compile(pp=4, dp=4, microbatches=8, layers=4)).period * 1.25
+
+
+@pytest.mark.parametrize("limit", [None, "fault-free"])
+def test_re_formed_pipelines_match_or_beat_re_routing_where_failures_are_concentrated(limit: object) -> None:
+    failed = ["3:1", "3:2"]  # two of pipeline 3's four workers: re-routing loads stages 1 and 2 with its work
+    reformed = simulate(_compiled(failed, limit)).period
+    rerouted = simulate(compile(pp=4, dp=4, microbatches=8, failed=failed, layers=4, memory_limit=limit)).period
+    assert reformed <= rerouted * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"reform": (3,)}, "per-layer costs"),
+    ({"reform": (2,), "layers": 2}, "lost no worker"),
+    ({"reform": (3,), "layers": 2, "failed": ["3:1", "2:0"]}, "are not re-formed"),
+    ({"reform": (3,), "layers": 2, "recut": True}, "drop recut"),
+])
+def test_compile_refuses_reform_it_cannot_build_in_one_line(kwargs: dict[str, object], says: str) -> None:
+    args: dict[str, object] = {"pp": 4, "dp": 4, "microbatches": 8, "failed": ["3:1"], **kwargs}
+    with pytest.raises(ScheduleError, match=says) as exc:
+        compile(**args)  # type: ignore[arg-type]
+    assert "\n" not in str(exc.value)
+
+
+def test_the_cli_compiles_a_re_formed_plan(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from schedcomp.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["compile", "--pp", "4", "--dp", "2", "--microbatches", "4", "--failed", "1:2", "--layers", "2",
+                 "--reform", "1", "--json", "-o", str(out)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["reform"]["pipelines"] == [1] and facts["within_memory_limit"] is True
+    plan = Plan.from_json(out.read_text())
+    assert plan.partitions is not None and plan.partitions[1][2] == 0
+    assert simulate(plan).period == pytest.approx(facts["period"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 3), st.integers(1, 3), st.data())
+def test_random_re_formed_jobs_compile_to_plans_that_check_round_trip_and_time_alike(  # type: ignore[no-untyped-def]
+        pp: int, dp: int, k: int, data) -> None:
+    d = data.draw(st.integers(0, dp - 1))
+    dead = data.draw(st.sets(st.integers(0, pp - 1), min_size=1, max_size=pp - 1))
+    m = data.draw(st.integers(pp, pp + 2))
+    plan = compile(pp=pp, dp=dp, microbatches=m, failed=[(d, s) for s in dead], layers=k, reform=(d,),
+                   memory_limit=None)
+    assert plan.partitions is not None and all(plan.partitions[d][s] == 0 for s in dead)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    check(again)
+    assert simulate(again, validate=False).iteration_ends == simulate(plan).iteration_ends
