@@ -126,13 +126,21 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
         return  # the only live worker of its stage: its gradients are already the sum
     # one collective for every chunk held (a single chunk's flat gradients are not copied again)
     flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
-    if it.ledger is not None:  # the ledger rides along: the counts summed are those of the gradients summed
-        flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])  # the ledger is kept on the CPU
+    # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
+    # counts are rows (up to thousands), exact in float32 and float64 but not in half precision (bf16: 256),
+    # so with half-precision gradients it goes in a float32 collective of its own on the same group.
+    rides = it.ledger is not None and flat.dtype in (torch.float32, torch.float64)
+    if rides:
+        flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])
     it.comm.wait(dist.all_reduce(flat, group=group, async_op=True))
-    if it.ledger is not None:
+    if rides:
         n = flat.numel() - it.ledger.numel()
         it.ledger.copy_(flat[n:])
         flat = flat[:n]
+    elif it.ledger is not None:
+        counts = it.ledger.to(device=flat.device, dtype=torch.float32)
+        it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
+        it.ledger.copy_(counts)
     offset = 0
     for stage in stages:
         n = stage.numel

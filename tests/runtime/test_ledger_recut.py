@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
@@ -20,6 +21,7 @@ from schedcomp.cut import Cut
 from schedcomp.errors import PlanFormatError, RuntimeSetupError
 from schedcomp.ir import InstrKind
 from schedcomp.runtime.data import held_rows
+from schedcomp.runtime.executor import HANDLERS
 from schedcomp.runtime.iteration import Iteration
 from schedcomp.topology import Topology, Worker
 
@@ -199,3 +201,23 @@ def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(mo
         rt.session.view = None
         switches.improve(rt, 3)
         assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_ledger_stays_exact_in_the_all_reduce_whatever_the_gradients_dtype(dtype: torch.dtype) -> None:
+    # A re-cut plan's ledger counts rows (257 here); bf16 holds integers exactly only up to 256, so a ledger
+    # riding in bf16 gradients would read 256. The all-reduce runs in a real gloo world of one.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads = torch.arange(4, dtype=dtype)
+        got: list[torch.Tensor] = []
+        stage = SimpleNamespace(params=[object()], numel=4, flat_grads=lambda: grads.clone(), set_flat_grads=got.append)
+        comm = SimpleNamespace(stage_group=lambda workers: dist.group.WORLD, wait=lambda work: work.wait())
+        plan = SimpleNamespace(topology=Topology.of(1, 2))
+        ledger = torch.tensor([257.0, 1.0, 4099.0], dtype=torch.float64)
+        it = SimpleNamespace(comm=comm, plan=plan, worker=Worker(0, 0), stages={0: stage}, ledger=ledger)
+        HANDLERS[InstrKind.ALLREDUCE](it, None)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+    assert ledger.tolist() == [257.0, 1.0, 4099.0]
+    assert len(got) == 1 and got[0].dtype == dtype and got[0].tolist() == grads.tolist()
