@@ -29,6 +29,7 @@ from schedcomp.ir import Plan
 from schedcomp.runtime.data import empty_piece
 from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state, send_held_state
 from schedcomp.runtime.fault.membership import GenerationAborted
+from schedcomp.runtime.fault.policies import runs_pieces
 from schedcomp.runtime.fault.report import Recovery, Rejoined
 from schedcomp.runtime.fault.rollback import Rollback
 
@@ -178,10 +179,15 @@ def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
     problem = empty_piece(plan.cut, rt.pieces.per) if plan is not None and rt.pieces.per is not None else None
-    if problem:  # every member ran the same batches: all keep their plan
+    if plan is not None and plan.cut and not runs_pieces(rt.policy):  # every member decides alike: all keep theirs
+        log.warning("not switching to the better plan: it re-cuts micro-batches, which the %s policy does not run",
+                    rt.policy.name)
+    elif problem:
         log.warning("not switching to the better plan: its piece %s at this batch size", problem)
     elif plan is not None:
         rt.refuse_cut(plan)
+        if plan.cut:  # later batch sizes are checked against its pieces too
+            rt.pieces.add(plan.cut)
         rt.trainer.use_plan(plan)
         follow(rt)
         rt.report.improved.append(completed + 1)

@@ -22,7 +22,9 @@ from schedcomp.errors import PlanFormatError, RuntimeSetupError
 from schedcomp.ir import InstrKind
 from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
+from schedcomp.runtime.fault.recovery import RollbackPolicy
 from schedcomp.runtime.iteration import Iteration
+from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.topology import Topology, Worker
 
 
@@ -193,14 +195,18 @@ def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(mo
 
     monkeypatch.setattr(switches, "follow", lambda rt: None)  # the switch's collective part: no job here
     plan = compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
-    for per, switched in ((1, False), (2, True)):  # pieces of half a micro-batch: 2 rows per micro-batch hold them
+    for per, policy, switched in ((1, RollbackPolicy(), False), (2, RollbackPolicy(), True), (2, LossyPolicy(), False)):
+        # pieces of half a micro-batch: 2 rows per micro-batch hold them; the lossy policy runs whole ones only
         used: list = []
         rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
-                             pieces=PieceRows([], per=per), refuse_cut=lambda p: None,
+                             pieces=PieceRows([], {2 * DP * M}, per=per), refuse_cut=lambda p: None, policy=policy,
                              trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
         rt.session.view = None
         switches.improve(rt, 3)
         assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
+        # a plan switched to joins the cuts every batch size is checked against, sizes seen before included
+        assert rt.pieces.cuts == ([plan.cut] if switched else []) and rt.pieces.checked == (set() if switched
+                                                                                              else {2 * DP * M})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
