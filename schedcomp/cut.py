@@ -52,6 +52,14 @@ class Cut:
             if problem:
                 raise PlanFormatError(f"the cut of pipeline {p} {problem}")
 
+    @property
+    def summary(self) -> str:
+        """The cut in a few words, for messages (a hostile one may have millions of pieces)."""
+        if not self.bounds:
+            return "none"
+        pipelines = ", ".join(str(p) for p, _ in self.bounds)
+        return f"{sum(len(b) - 1 for _, b in self.bounds)} pieces over pipelines {pipelines}"
+
     @classmethod
     def of(cls, bounds: dict[int, Iterable[float]], shares: bool = False) -> Cut:
         return cls(tuple(sorted((p, tuple(float(x) for x in b)) for p, b in bounds.items())), shares)
