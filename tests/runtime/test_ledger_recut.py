@@ -172,17 +172,17 @@ def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refus
 def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_plan_is_read(recut_cache: Path,
                                                                                          tmp_path: Path) -> None:
     cache = PlanCache.load(recut_cache)
-    rt = trainer(cache, tmp_path, "rollback")
-    assert rt.pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
+    pieces = trainer(cache, tmp_path, "rollback").plans.pieces
+    assert pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
     chunks = DP * M
-    rt.pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
-    assert rt.pieces.per == 2
+    pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    assert pieces.per == 2
     with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
                                                 r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
                                                 r"batch of 9 rows\): use a larger batch"):
-        rt.pieces.check((torch.zeros(chunks, 1), None), chunks)
-    rt.pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
-    assert rt.pieces.checked == {2 * chunks}
+        pieces.check((torch.zeros(chunks, 1), None), chunks)
+    pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+    assert pieces.checked == {2 * chunks}
 
 
 def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(monkeypatch) -> None:
@@ -194,7 +194,7 @@ def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(mo
     for per, switched in ((1, False), (2, True)):  # pieces of half a micro-batch: 2 rows per micro-batch hold them
         used: list = []
         rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
-                             pieces=PieceRows([], per=per), refuse_cut=lambda p: None,
+                             plans=SimpleNamespace(pieces=PieceRows([], per=per), refuse_cut=lambda p: None),
                              trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
         rt.session.view = None
         switches.improve(rt, 3)
