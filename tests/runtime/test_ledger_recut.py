@@ -166,7 +166,7 @@ def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refus
                                                                                  tmp_path: Path) -> None:
     # The index says whole micro-batches; the lossy policy reads every plan at construction (to refuse plans
     # that move layers), and reading checks each against the index: refused there too, not at a failure.
-    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+    with pytest.raises(PlanFormatError, match="differs from the one the index gives"):
         trainer(PlanCache.load(copy_cache(recut_cache, tmp_path, as_whole)), tmp_path, "lossy")
 
 
@@ -176,17 +176,17 @@ def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refus
 def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_plan_is_read(recut_cache: Path,
                                                                                          tmp_path: Path) -> None:
     cache = PlanCache.load(recut_cache)
-    rt = trainer(cache, tmp_path, "rollback")
-    assert rt.pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
+    pieces = trainer(cache, tmp_path, "rollback").plans.pieces
+    assert pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
     chunks = DP * M
-    rt.pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
-    assert rt.pieces.per == 2
+    pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    assert pieces.per == 2
     with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
                                                 r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
                                                 r"batch of 9 rows\): use a larger batch"):
-        rt.pieces.check((torch.zeros(chunks, 1), None), chunks)
-    rt.pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
-    assert rt.pieces.checked == {2 * chunks}
+        pieces.check((torch.zeros(chunks, 1), None), chunks)
+    pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+    assert pieces.checked == {2 * chunks}
 
 
 def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(monkeypatch) -> None:
@@ -198,15 +198,16 @@ def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(mo
     for per, policy, switched in ((1, RollbackPolicy(), False), (2, RollbackPolicy(), True), (2, LossyPolicy(), False)):
         # pieces of half a micro-batch: 2 rows per micro-batch hold them; the lossy policy runs whole ones only
         used: list = []
+        pieces = PieceRows([], {2 * DP * M}, per=per)
         rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
-                             pieces=PieceRows([], {2 * DP * M}, per=per), refuse_cut=lambda p: None, policy=policy,
+                             plans=SimpleNamespace(pieces=pieces, refuse_cut=lambda p: None), policy=policy,
                              trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
         rt.session.view = None
         switches.improve(rt, 3)
         assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
         # a plan switched to joins the cuts every batch size is checked against, sizes seen before included
-        assert rt.pieces.cuts == ([plan.cut] if switched else []) and rt.pieces.checked == (set() if switched
-                                                                                              else {2 * DP * M})
+        assert pieces.cuts == ([plan.cut] if switched else [])
+        assert pieces.checked == (set() if switched else {2 * DP * M})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
