@@ -19,7 +19,7 @@ from typing import Any
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition
-from schedcomp.runtime.data import PieceRows
+from schedcomp.runtime.data import PieceRows, empty_piece
 from schedcomp.runtime.fault.policies import (
     cut_of,
     cuts_of,
@@ -73,6 +73,13 @@ class PlanSource:
         self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
         self.refuse_cut(plan)
         refuse_recut(self.policy, bool(plan.cut))  # a function's plans: known as it serves them
+        if plan.cut and plan.cut not in self.pieces.cuts:  # a function's: checked now, on every worker alike
+            self.pieces.add(plan.cut)
+            problem = empty_piece(plan.cut, self.pieces.per) if self.pieces.per is not None else None
+            if problem:
+                raise RuntimeSetupError(f"the plan for failed workers {', '.join(map(str, sorted(topology.failed)))} "
+                                        f"has a piece that {problem}: use a larger batch, or pass the PlanCache "
+                                        "itself (or ImprovingPlans) so its cuts are checked before training")
         return plan
 
     def refuse_cut(self, plan: Plan) -> None:

@@ -228,3 +228,18 @@ def test_the_ledger_stays_exact_in_the_all_reduce_whatever_the_gradients_dtype(d
         dist.destroy_process_group()
     assert ledger.tolist() == [257.0, 1.0, 4099.0]
     assert len(got) == 1 and got[0].dtype == dtype and got[0].tolist() == grads.tolist()
+
+
+def test_a_plan_functions_re_cut_plan_is_checked_against_the_batches_as_it_is_served(tmp_path: Path) -> None:
+    # A plain function (e.g. `lambda t: lookup_or_repair(cache, t)`) says nothing in advance: its re-cut plan is
+    # checked against the batch size when served, on every worker alike, in one line (not a ValueError in the
+    # middle of the recovery's iteration), and joins the cuts later batch sizes are checked against.
+    whole, recut = compile(PP, DP, M), compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
+    rt = trainer(lambda t: recut if t.failed else whole, tmp_path, "rollback")
+    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP * M)  # one row per micro-batch: half-pieces hold none
+    with pytest.raises(RuntimeSetupError, match=r"the plan for failed workers 1:1 has a piece that is a piece of 0.5 "
+                                                r"micro-batches, no whole sample of the 1 per micro-batch"):
+        rt.plan_for(recut.topology)
+    assert rt.plans.pieces.cuts == [recut.cut]
+    rt.plans.pieces.per = 2
+    assert rt.plan_for(recut.topology) is recut  # two rows per micro-batch hold half-pieces
