@@ -181,8 +181,8 @@ def share_cuts(draw: st.DrawFn) -> tuple[Cut, int, int, int]:
     bounds = {}
     for p, share in enumerate(shares):
         if draw(st.booleans()) or p == 0:
-            inner = sorted(set(draw(st.lists(st.floats(0.01, 0.99), max_size=6))))
-            bounds[p] = (0.0, *(share * x for x in inner), share)
+            inner = sorted(set(draw(st.lists(st.integers(1, 99), max_size=6))))
+            bounds[p] = (0.0, *(share * x / 100 for x in inner), share)
         else:
             bounds[p] = tuple(float(i) * share / m for i in range(m + 1))
     return Cut.of(bounds, shares=True), dp, m, r
