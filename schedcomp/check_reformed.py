@@ -13,14 +13,16 @@ collectives can run, in the one global layer order (`segments_passed`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError
+from schedcomp.limits import MAX_COST
 from schedcomp.partition import spans
-from schedcomp.partitions import Reach, as_partitions, held_ends, reach, segments, span_of
+from schedcomp.partitions import Reach, are_layer_times, as_partitions, held_ends, reach, segments, span_of
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -47,6 +49,9 @@ def reformed_rules(checker: Any) -> Reach:
     if sum(plan.partition) != sum(partitions[0]):
         fail(None, None, f"plan.partition holds {sum(plan.partition)} layers but plan.partitions hold "
                          f"{sum(partitions[0])}: every pipeline holds the whole model")
+    if not isinstance(plan.pipeline_costs, Mapping):
+        fail(None, None, f"plan.pipeline_costs must map pipelines to CostModels (a dict), got "
+                         f"{type(plan.pipeline_costs).__name__}")
     for d, own in enumerate(partitions):
         has = d in plan.pipeline_costs
         if (own != tuple(plan.partition)) != has:
@@ -55,14 +60,16 @@ def reformed_rules(checker: Any) -> Reach:
                    "drop it (plan.costs serves it)")
             fail(None, None, f"pipeline {d} {why}")
     layers = plan.layer_allreduce
-    if not isinstance(layers, tuple) or len(layers) != sum(partitions[0]) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in layers):
-        fail(None, None, f"plan.layer_allreduce must give one non-negative time per layer ({sum(partitions[0])} "
-                         f"floats), got {len(layers)} values: a segment's all-reduce sums its layers'")
+    if not (isinstance(layers, tuple) and len(layers) == sum(partitions[0]) and are_layer_times(layers)):
+        got = (type(layers).__name__ if not isinstance(layers, tuple) else f"{len(layers)} values"
+               if len(layers) != sum(partitions[0]) else "a value outside that range")
+        fail(None, None, f"plan.layer_allreduce must give one time from 0 to {MAX_COST:g} per layer (a tuple of "
+                         f"{sum(partitions[0])}), got {got}: a segment's all-reduce sums its layers'")
     base = plan.costs
     for d, costs in sorted(plan.pipeline_costs.items(), key=lambda item: str(item[0])):  # (keys of any type)
         if not (type(d) is int and 0 <= d < topo.dp) or not isinstance(costs, CostModel):
-            fail(None, None, f"plan.pipeline_costs maps pipelines 0..{topo.dp - 1} to CostModels, got {d!r}")
+            fail(None, None, f"plan.pipeline_costs maps pipelines 0..{topo.dp - 1} to CostModels, got {d!r}: "
+                             f"{type(costs).__name__}")
         if costs.pp != topo.pp:
             fail(None, None, f"the cost model of pipeline {d} has {costs.pp} stages but the topology has pp={topo.pp}")
         for name in ("p2p", "speed", "memory_unit"):
