@@ -361,7 +361,7 @@ def plan_to_text(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-_LINE_RE = re.compile(r"(?P<worker>\d+:\d+):(?P<rest>.*)")
+_LINE_RE = re.compile(r"(?P<worker>[0-9]+:[0-9]+):(?P<rest>.*)")
 
 
 @paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
@@ -413,7 +413,7 @@ def _is_json(line: str) -> bool:
 
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-_ACTION_RE = re.compile(r"(?P<stage>\d{1,18})(?P<kind>[A-Z_]+?)(?P<mb>\d{0,18})")
+_ACTION_RE = re.compile(r"(?P<stage>[0-9]{1,18})(?P<kind>[A-Z_]+?)(?P<mb>[0-9]{0,18})")
 
 
 def order_to_torch_csv(order: Order) -> str:

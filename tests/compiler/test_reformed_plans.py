@@ -239,6 +239,7 @@ def test_global_rows_cover_every_row_once_in_order_whatever_the_shares(case: tup
     (lambda d: d.update(cut={"١": [0.0, 2.0]}), "'cut' is keyed by pipeline numbers"),
     (lambda d: d["streams"].update({"01:0": d["streams"]["1:0"]}), "worker 1:0 has a second stream"),
     (lambda d: d["streams"].update({"١:0": d["streams"]["1:0"]}), "bad worker '١:0'"),
+    (lambda d: d["streams"]["1:0"].__setitem__(1, "F0.١"), "bad op 'F0.١'"),  # (int() read it as F0.1)
 ])
 def test_bad_version_4_files_are_refused_in_one_line(edit, says: str) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(reformed_plan().to_json())
