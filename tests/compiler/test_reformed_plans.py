@@ -262,6 +262,13 @@ def test_relabelling_moves_each_pipeline_s_partition_and_costs_and_repair_refuse
     check(swapped)
     with pytest.raises(ScheduleError, match="re-formed pipelines"):
         repair(reformed_plan(), Worker(0, 1))
+    # compile's record of what it re-formed names the new pipeline numbers too
+    from schedcomp import compile
+
+    built = compile(pp=3, dp=2, microbatches=4, failed=["1:0"], layers=2, reform=(1,))
+    moved = relabel(built, (1, 0))
+    assert moved.meta["reform"]["pipelines"] == [0] and built.meta["reform"]["pipelines"] == [1]
+    assert moved.meta["reform"]["partitions"] == [list(p) for p in moved.partitions or ()] == [[0, 3, 3], [2, 2, 2]]
 
 
 def test_check_names_the_cycle_when_a_pipeline_deadlocks_beside_a_re_formed_one() -> None:
