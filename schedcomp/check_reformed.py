@@ -22,7 +22,16 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError
 from schedcomp.limits import MAX_COST
 from schedcomp.partition import spans
-from schedcomp.partitions import Reach, are_layer_times, as_partitions, held_ends, reach, segments, span_of
+from schedcomp.partitions import (
+    Reach,
+    are_layer_times,
+    as_partitions,
+    held_ends,
+    held_stages,
+    reach,
+    segments,
+    span_of,
+)
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -76,6 +85,9 @@ def reformed_rules(checker: Any) -> Reach:
             if getattr(costs, name) != getattr(base, name):
                 fail(None, None, f"the cost model of pipeline {d} has another {name} than plan.costs: the job's "
                                  "links, speeds and units are one")
+        limit_problem = _limit_problem(costs, base, held_stages(partitions[d]))
+        if limit_problem:
+            fail(None, None, f"the cost model of pipeline {d} {limit_problem}")
     for d, own in enumerate(partitions):  # each stage's all-reduce is its layers' (what segments split)
         stage_allreduce = plan.costs_of(d).allreduce
         for s, span in enumerate(spans(own)):
@@ -84,6 +96,24 @@ def reformed_rules(checker: Any) -> Reach:
                 fail(None, None, f"pipeline {d}'s stage {s} has allreduce {stage_allreduce[s]:g} but its layers' "
                                  f"plan.layer_allreduce sum to {total:g}: give the stage costs of the same layers")
     return reach(partitions)
+
+
+def _limit_problem(own: CostModel, job: CostModel, held: tuple[int, ...]) -> str | None:
+    """Why a re-formed pipeline's memory limits cannot come from the job's, or None. They come by the
+    static-memory rule (`layers.moved_limit`: a place's limit plus the static memory it gave away minus what
+    it took on); its live workers hold every layer between them, so at most the static memory their places
+    held before comes back: their limits total at most the job's at those places. (The static memory per
+    layer is not in the plan, so this bound is what `check` can prove; it stops a file lifting them.)"""
+    if (own.memory_limit is None) != (job.memory_limit is None):
+        return ("has no memory limit where plan.costs has one" if own.memory_limit is None else
+                "has a memory limit where plan.costs has none") + ": a re-formed worker keeps its device's"
+    if job.memory_limit is None:
+        return None
+    mine, theirs = (sum(c.limit_at(s) for s in held) for c in (own, job))  # (fsum raises past 1.8e308)
+    if mine > theirs * (1 + 1e-9):
+        return (f"has memory limits totalling {mine:g} over its live places, more than the {theirs:g} plan.costs "
+                "gives them: re-forming moves static memory between them, it adds none (layers.moved_limit)")
+    return None
 
 
 def absent_slots(checker: Any) -> NDArray[np.bool_]:

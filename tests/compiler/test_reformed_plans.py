@@ -119,6 +119,22 @@ def test_check_holds_a_re_formed_worker_to_its_own_memory_limit() -> None:
     assert peak_memory(roomy)[Worker(0, 0)] == pytest.approx(2.0)
 
 
+def test_check_holds_a_re_formed_pipeline_s_limits_to_what_the_job_s_can_give_it() -> None:
+    # Static 0.5 per layer: 1:0 and 1:2 each take a layer more (1.5 static), the failed place's 1.0 comes back
+    # split between them: 4 + 1 - 1.5 = 3.5 each, 7 in all against the job's 8 at those places.
+    layers = LayerCosts(LAYERS.costs, static=(0.5,) * 6)
+    job = stage_costs(layers, (2, 2, 2)).with_memory_limit(4.0)
+    own = stage_costs(layers, (3, 0, 3), limit_from=(job, (2, 2, 2)))
+    assert own.limit_at(0) == own.limit_at(2) == 3.5
+    plan = dataclasses.replace(reformed_plan(), costs=job, pipeline_costs={1: own})
+    check(plan)
+    # A file cannot lift them (to pass a plan over its devices' memory), nor drop them.
+    with pytest.raises(ValidationError, match=r"totalling inf over its live places, more than the 8 plan\.costs"):
+        check(dataclasses.replace(plan, pipeline_costs={1: own.with_memory_limit(1e308)}))
+    with pytest.raises(ValidationError, match=r"pipeline 1 has no memory limit where plan\.costs has one"):
+        check(dataclasses.replace(plan, pipeline_costs={1: own.with_memory_limit(None)}))
+
+
 @pytest.mark.parametrize(("change", "says"), [
     ({"partition": None}, "names plan.partition"),
     ({"pipeline_costs": {}}, "pipeline 1 has its own partition but no cost model"),
