@@ -41,8 +41,7 @@ class Worker:
         """Parse `d:s` (pipeline d, stage s)."""
         if not isinstance(text, str):
             raise SchedcompTypeError(f"a worker is written PIPELINE:STAGE, e.g. '1:3', not {type(text).__name__}")
-        parts = text.strip().split(":")
-        numbers = [ascii_number(part.strip()) for part in parts]
+        numbers = [_signed(part.strip()) for part in text.strip().split(":")]
         if len(numbers) != 2 or None in numbers:
             raise TopologyError(f"bad worker {_shown(text)}: write it as PIPELINE:STAGE, e.g. 1:3")
         return cls(*numbers)  # type: ignore[arg-type]
@@ -136,6 +135,11 @@ def ascii_number(text: object) -> int | None:
     if isinstance(text, str) and text.isascii() and text.isdigit() and len(text) < 19:
         return int(text)
     return None
+
+
+def _signed(text: str) -> int | None:
+    """`ascii_number`, or minus one (so "-1:0" reads, and is refused as outside the job where it is used)."""
+    return -n if text.startswith("-") and (n := ascii_number(text[1:])) is not None else ascii_number(text)
 
 
 def by_pipeline(data: Mapping[str, T], what: str) -> dict[int, T]:
