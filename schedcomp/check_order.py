@@ -252,13 +252,14 @@ class OrderRules:
             if self.plan.partitions is None:
                 late = min(v for v in stuck if v.stage == w.stage and v not in arrived[w.stage])
                 return late, f"{late} to reach ALLREDUCE"
-            # Per-pipeline partitions: a holder of one of its segments that is not at ALLREDUCE, or else one
-            # that is but waits itself (for an earlier segment).
+            # Per-pipeline partitions: a holder of one of its segments that is not at ALLREDUCE. There always is
+            # one, for every layer: a stuck op of pipeline d leaves an op of d stuck at every one of its stages
+            # (later ones lack its activation, earlier ones its gradient), and the worker running it holds that
+            # stage's layers (the span rule), so it is one of their holders, and not at ALLREDUCE.
             at_reduce = set().union(*arrived.values())
-            peers = {h for seg in segments(self.plan.partitions, self.plan.topology.failed) if w in seg.holders
-                     for h in seg.holders if h in stuck and h != w}
-            late = min((v for v in peers if v not in at_reduce), default=None) or min(peers)
-            return late, f"{late} to reach ALLREDUCE" if late not in at_reduce else f"{late} to reduce a segment"
+            late = min(h for seg in segments(self.plan.partitions, self.plan.topology.failed) if w in seg.holders
+                       for h in seg.holders if h in stuck and h not in at_reduce)
+            return late, f"{late} to reach ALLREDUCE"
 
         w, walk = min(stuck), []
         while w not in walk:

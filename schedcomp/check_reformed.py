@@ -13,14 +13,25 @@ collectives can run, in the one global layer order (`segments_passed`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import PlanFormatError
+from schedcomp.limits import MAX_COST
 from schedcomp.partition import spans
-from schedcomp.partitions import Reach, as_partitions, held_ends, reach, segments, span_of
+from schedcomp.partitions import (
+    Reach,
+    are_layer_times,
+    as_partitions,
+    held_ends,
+    held_stages,
+    reach,
+    segments,
+    span_of,
+)
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
@@ -47,6 +58,9 @@ def reformed_rules(checker: Any) -> Reach:
     if sum(plan.partition) != sum(partitions[0]):
         fail(None, None, f"plan.partition holds {sum(plan.partition)} layers but plan.partitions hold "
                          f"{sum(partitions[0])}: every pipeline holds the whole model")
+    if not isinstance(plan.pipeline_costs, Mapping):
+        fail(None, None, f"plan.pipeline_costs must map pipelines to CostModels (a dict), got "
+                         f"{type(plan.pipeline_costs).__name__}")
     for d, own in enumerate(partitions):
         has = d in plan.pipeline_costs
         if (own != tuple(plan.partition)) != has:
@@ -55,20 +69,25 @@ def reformed_rules(checker: Any) -> Reach:
                    "drop it (plan.costs serves it)")
             fail(None, None, f"pipeline {d} {why}")
     layers = plan.layer_allreduce
-    if not isinstance(layers, tuple) or len(layers) != sum(partitions[0]) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in layers):
-        fail(None, None, f"plan.layer_allreduce must give one non-negative time per layer ({sum(partitions[0])} "
-                         f"floats), got {len(layers)} values: a segment's all-reduce sums its layers'")
+    if not (isinstance(layers, tuple) and len(layers) == sum(partitions[0]) and are_layer_times(layers)):
+        got = (type(layers).__name__ if not isinstance(layers, tuple) else f"{len(layers)} values"
+               if len(layers) != sum(partitions[0]) else "a value outside that range")
+        fail(None, None, f"plan.layer_allreduce must give one time from 0 to {MAX_COST:g} per layer (a tuple of "
+                         f"{sum(partitions[0])}), got {got}: a segment's all-reduce sums its layers'")
     base = plan.costs
     for d, costs in sorted(plan.pipeline_costs.items(), key=lambda item: str(item[0])):  # (keys of any type)
         if not (type(d) is int and 0 <= d < topo.dp) or not isinstance(costs, CostModel):
-            fail(None, None, f"plan.pipeline_costs maps pipelines 0..{topo.dp - 1} to CostModels, got {d!r}")
+            fail(None, None, f"plan.pipeline_costs maps pipelines 0..{topo.dp - 1} to CostModels, got {d!r}: "
+                             f"{type(costs).__name__}")
         if costs.pp != topo.pp:
             fail(None, None, f"the cost model of pipeline {d} has {costs.pp} stages but the topology has pp={topo.pp}")
         for name in ("p2p", "speed", "memory_unit"):
             if getattr(costs, name) != getattr(base, name):
                 fail(None, None, f"the cost model of pipeline {d} has another {name} than plan.costs: the job's "
                                  "links, speeds and units are one")
+        limit_problem = _limit_problem(costs, base, held_stages(partitions[d]))
+        if limit_problem:
+            fail(None, None, f"the cost model of pipeline {d} {limit_problem}")
     for d, own in enumerate(partitions):  # each stage's all-reduce is its layers' (what segments split)
         stage_allreduce = plan.costs_of(d).allreduce
         for s, span in enumerate(spans(own)):
@@ -77,6 +96,24 @@ def reformed_rules(checker: Any) -> Reach:
                 fail(None, None, f"pipeline {d}'s stage {s} has allreduce {stage_allreduce[s]:g} but its layers' "
                                  f"plan.layer_allreduce sum to {total:g}: give the stage costs of the same layers")
     return reach(partitions)
+
+
+def _limit_problem(own: CostModel, job: CostModel, held: tuple[int, ...]) -> str | None:
+    """Why a re-formed pipeline's memory limits cannot come from the job's, or None. They come by the
+    static-memory rule (`layers.moved_limit`: a place's limit plus the static memory it gave away minus what
+    it took on); its live workers hold every layer between them, so at most the static memory their places
+    held before comes back: their limits total at most the job's at those places. (The static memory per
+    layer is not in the plan, so this bound is what `check` can prove; it stops a file lifting them.)"""
+    if (own.memory_limit is None) != (job.memory_limit is None):
+        return ("has no memory limit where plan.costs has one" if own.memory_limit is None else
+                "has a memory limit where plan.costs has none") + ": a re-formed worker keeps its device's"
+    if job.memory_limit is None:
+        return None
+    mine, theirs = (sum(c.limit_at(s) for s in held) for c in (own, job))  # (fsum raises past 1.8e308)
+    if mine > theirs * (1 + 1e-9):
+        return (f"has memory limits totalling {mine:g} over its live places, more than the {theirs:g} plan.costs "
+                "gives them: re-forming moves static memory between them, it adds none (layers.moved_limit)")
+    return None
 
 
 def absent_slots(checker: Any) -> NDArray[np.bool_]:

@@ -257,6 +257,8 @@ class CostModel:
             if not isinstance(speed_data, dict):
                 raise CostModelError("speed must be an object mapping workers ('1:3') to factors")
             speed = {Worker.parse(k): v for k, v in speed_data.items()}
+            if len(speed) != len(speed_data):  # "1:0" and "01:0": one would silently override the other
+                raise CostModelError("speed names a worker twice (e.g. '1:0' and '01:0'): give each worker once")
             if not isinstance(data["forward"], list):
                 raise CostModelError("forward must be a list of one time per stage")
             pp = len(data["forward"])

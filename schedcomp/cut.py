@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from schedcomp.errors import PlanFormatError
+from schedcomp.topology import by_pipeline
 
 _TOL = 1e-9
 
@@ -37,9 +38,12 @@ class Cut:
     bounds: tuple[tuple[int, tuple[float, ...]], ...] = ()
     shares: bool = False
     """Whether a pipeline's last boundary is its share of the global batch (any positive number, the shares
-    of all pipelines totalling dp x M: re-formed pipelines, `schedcomp.partitions`) rather than M."""
+    of all pipelines totalling dp x M: re-formed pipelines, `schedcomp.partitions`) rather than M. False
+    without bounds: every share is then M either way, and the JSON (which writes no empty cut) reads it so."""
 
     def __post_init__(self) -> None:
+        if not self.bounds and self.shares:  # one form for "no pipeline cut", so round trips are exact
+            object.__setattr__(self, "shares", False)
         seen: set[int] = set()
         for entry in self.bounds:
             if not (isinstance(entry, tuple) and len(entry) == 2):
@@ -159,12 +163,10 @@ class Cut:
         if not isinstance(data, dict):
             raise PlanFormatError("'cut' must map pipelines (\"3\") to lists of micro-batch boundaries")
         out: dict[int, tuple[float, ...]] = {}
-        for key, b in data.items():
-            if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
-                raise PlanFormatError(f"'cut' is keyed by pipeline numbers, got {key!r}")
+        for p, b in by_pipeline(data, "'cut'").items():
             if not isinstance(b, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b):
-                raise PlanFormatError(f"the cut of pipeline {key} must be a list of numbers")
-            out[int(key)] = tuple(float(x) for x in b)
+                raise PlanFormatError(f"the cut of pipeline {p} must be a list of numbers")
+            out[p] = tuple(float(x) for x in b)
         return cls.of(out, shares)
 
 

@@ -72,7 +72,7 @@ class Op:
         return cls(OpKind(m["kind"]), int(m["pipeline"]), int(m["mb"]), stage if given is None else int(given))
 
 
-_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>\d{1,18})\.(?P<pipeline>\d{1,18})(?:@(?P<stage>\d{1,18}))?")
+_OP_RE = re.compile(r"(?P<kind>BW|F|B|W)(?P<mb>[0-9]{1,18})\.(?P<pipeline>[0-9]{1,18})(?:@(?P<stage>[0-9]{1,18}))?")
 
 
 # The built-in kinds' classes, read off the semantics table (a registered kind is looked up there).
@@ -223,7 +223,9 @@ _INSTR_KIND, _INSTR_OP, _INSTR_PEER = INSTRUCTION_SETTERS = tuple(
 OP_SETTERS = (_OP_KIND, _OP_PIPELINE, _OP_MICROBATCH, _OP_STAGE)
 """The slots' setters, for builders of millions of ops or instructions that inline `trusted` (`lower`,
 `adaptive.Solution.order`): set every field, in this order."""
-_N = r"\d{1,18}"  # bounded: int() of a 4300-digit number raises, and no count needs more than 18 digits
+# ASCII digits (\d also takes "١", which int() reads as 1: an alias), bounded: int() of a 4300-digit number
+# raises, and no count needs more than 18 digits.
+_N = r"[0-9]{1,18}"
 _INSTR_RE = re.compile(rf"(?P<kind>[A-Z_]+)\[(?P<op>[A-Z]+{_N}\.{_N}(?:@{_N})?)(?:(?P<dir>[<>])(?P<peer>{_N}:{_N}))?\]")
 
 

@@ -8,8 +8,9 @@ stage-level consumer (solvers, lower, check, simulate) runs unchanged on the res
 
 Memory under a new partition: a device's total (activations + static) stays what it was under the job's
 partition, so a stage's activation limit grows by the static memory it gave away and shrinks by the
-static memory it took on (`limit_from`). A partition that leaves a stage no room for one micro-batch's
-activations is infeasible (`MemoryLimitError`).
+static memory it took on (`limit_from`). A partition that leaves a stage no room for the activations of
+one micro-batch (or of one piece, for a pipeline that runs pieces of at most `piece` micro-batches) is
+infeasible (`MemoryLimitError`).
 
 JSON: the cost model's dict (one entry per layer) plus `"static"`, `"format": "schedcomp-layer-costs"`
 and `"version"`; read with the cost model's care (one-line `CostModelError`).
@@ -123,11 +124,11 @@ def static_of(layer_costs: LayerCosts, partition: Partition) -> tuple[float, ...
 
 
 def stage_costs(layer_costs: LayerCosts, partition: Partition, *,
-                limit_from: tuple[CostModel, Partition] | None = None) -> CostModel:
+                limit_from: tuple[CostModel, Partition] | None = None, piece: float = 1.0) -> CostModel:
     """The per-stage cost model of `partition`: per stage the sums over its layers (b_frees: the
     activation-weighted mean). `limit_from` = (the job's stage model with its resolved limit, the job's
-    partition) carries the limit over by the static-memory rule of the module docstring; without it the
-    result has no limit."""
+    partition) carries the limit over by the static-memory rule of the module docstring (each stage must
+    have room for one piece of `piece` micro-batches); without it the result has no limit."""
     check_partition(layer_costs, partition)
     c = layer_costs.costs
     ranges = spans(partition)
@@ -142,7 +143,7 @@ def stage_costs(layer_costs: LayerCosts, partition: Partition, *,
                       for span, a in zip(ranges, activation, strict=True))
     limit: float | tuple[float, ...] | None = None
     if limit_from is not None:
-        limit = moved_limit(layer_costs, partition, *limit_from)
+        limit = moved_limit(layer_costs, partition, *limit_from, piece=piece)
     return dataclasses.replace(
         c, forward=total(c.forward), backward_input=total(c.backward_input), backward_weight=total(c.backward_weight),
         allreduce=total(c.allreduce), optimizer=total(c.optimizer), activation=activation, b_frees=frees,
@@ -150,10 +151,11 @@ def stage_costs(layer_costs: LayerCosts, partition: Partition, *,
 
 
 def moved_limit(layer_costs: LayerCosts, partition: Partition, job_costs: CostModel,
-                job_partition: Partition) -> tuple[float, ...] | None:
+                job_partition: Partition, *, piece: float = 1.0) -> tuple[float, ...] | None:
     """Each stage's activation limit under `partition`: its limit under `job_partition` (`job_costs`)
     plus the static memory it gave away minus what it took on. None when the job has no limit;
-    `MemoryLimitError` when a stage is left without room for one micro-batch."""
+    `MemoryLimitError` when a stage is left without room for one micro-batch, or for one piece where the
+    pipeline runs pieces of at most `piece` micro-batches (a re-formed pipeline's finer pieces)."""
     if job_costs.memory_limit is None:
         return None
     check_partition(layer_costs, job_partition)
@@ -161,8 +163,9 @@ def moved_limit(layer_costs: LayerCosts, partition: Partition, job_costs: CostMo
     limits = tuple(job_costs.limit_at(s) + before[s] - after[s] for s in range(len(partition)))
     ranges = spans(partition)
     for s, (room, span) in enumerate(zip(limits, ranges, strict=True)):
-        need = math.fsum(layer_costs.costs.activation[i] for i in span)
+        need = math.fsum(layer_costs.costs.activation[i] for i in span) * piece
         if room < need * (1 - _TOL):
+            what = "one micro-batch's" if piece == 1.0 else f"one piece's ({piece:g} of a micro-batch)"
             raise MemoryLimitError(f"partition {list(partition)}: stage {s} would have {room:g} for activations, "
-                                   f"less than one micro-batch's {need:g}")
+                                   f"less than {what} {need:g}")
     return limits

@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from schedcomp.errors import PlanFormatError
+from schedcomp.limits import MAX_COST
 from schedcomp.partition import MAX_LAYERS, Partition, spans
 from schedcomp.topology import Worker
 
@@ -32,6 +33,14 @@ class Segment:
 
     layers: range
     holders: tuple[Worker, ...]
+
+
+def are_layer_times(values: Sequence[object]) -> bool:
+    """Whether `values` can be `Plan.layer_allreduce`: at most MAX_LAYERS times, each from 0 to the cost
+    models' `MAX_COST` (bounded as their times are, so a segment's sum stays finite: 1e308 per layer
+    overflowed it)."""
+    return len(values) <= MAX_LAYERS and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= MAX_COST for x in values)
 
 
 def as_partitions(value: object, dp: int, pp: int, failed: Collection[Worker] = (),

@@ -28,7 +28,7 @@ from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import MemoryLimitError, SchedcompTypeError, ScheduleError, ValidationError
 from schedcomp.ir import Op, Order, Plan
-from schedcomp.layers import LayerCosts, stage_costs
+from schedcomp.layers import LayerCosts, moved_limit, stage_costs
 from schedcomp.lower import lower
 from schedcomp.partition import Partition
 from schedcomp.partitions import Partitions, held_stages
@@ -87,17 +87,27 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
     family = schedule if schedule in ONE_STAGE_FAMILIES and schedule != "1f1b" else DEFAULT_FAMILY
     partitions: Partitions = tuple(reformed_partition(layers, costs, topology, d) if d in pipes else job_partition
                                    for d in range(topology.dp))
-    limit_from = (costs, job_partition) if costs.memory_limit is not None else None
-    own = {d: stage_costs(layers, partitions[d], limit_from=limit_from) for d in pipes}
-    own = {d: CostModel(**{**c.__dict__, "speed": costs.speed}) for d, c in own.items()}  # the job's speeds
+    times = {d: CostModel(**{**stage_costs(layers, partitions[d]).__dict__, "speed": costs.speed})  # the job's speeds
+             for d in pipes}
     from schedcomp.simulator import simulate
 
     timed: list[tuple[float, int, Plan]] = []  # (period, preference: fewer pieces, equal shares first, plan)
     refused: str | None = None
     candidates = [(name, shares, finer) for finer in FINER for name, shares in (
         ("equal", [float(microbatches)] * topology.dp),
-        ("throughput", _shares(partitions, own, costs, topology, microbatches)))]
+        ("throughput", _shares(partitions, times, costs, topology, microbatches)))]
+    least = get_family(family).min_microbatches
+
+    def piece(d: int, shares: list[float], finer: int) -> float:
+        return _piece_size(shares[d], microbatches, finer, least(len(held_stages(partitions[d]))))
+
     for rank, (name, shares, finer) in enumerate(candidates):
+        try:  # each re-formed stage's limit (the static-memory rule), with room for one of its pieces
+            own = {d: times[d].with_memory_limit(moved_limit(layers, partitions[d], costs, job_partition,
+                                                             piece=piece(d, shares, finer))) for d in pipes}
+        except MemoryLimitError as exc:  # no room for this candidate's pieces: finer ones may fit
+            refused = str(exc)
+            continue
         order = _order(topology, microbatches, partitions, job_partition, shares, family,
                        dict.fromkeys(pipes, finer))
         plan = lower(order, costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce,
@@ -108,7 +118,7 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
         except ValidationError as exc:  # a fixed family cannot trade time for memory: finer pieces may fit
             if "memory_limit" not in str(exc):
                 raise
-            refused = refused or str(exc)
+            refused = str(exc)
             continue
         timed.append((simulate(plan).period, rank, plan))
     if not timed:
@@ -132,6 +142,20 @@ def _shares(partitions: Partitions, own: dict[int, CostModel], costs: CostModel,
     return shares
 
 
+def _piece_count(share: float, microbatches: int, finer: int, least: int) -> int | None:
+    """How many equal pieces a pipeline cuts its share into: at least ceil(share) (none over a micro-batch),
+    `finer` times that, and at least `least` (the family's minimum); None: its M whole micro-batches."""
+    if share == microbatches and finer == 1:
+        return None
+    return max(math.ceil(share * finer - 1e-9), least, 1)
+
+
+def _piece_size(share: float, microbatches: int, finer: int, least: int) -> float:
+    """The size of each of a pipeline's pieces, in micro-batches (`_piece_count`)."""
+    count = _piece_count(share, microbatches, finer, least)
+    return 1.0 if count is None else share / count
+
+
 def _order(topology: Topology, microbatches: int, partitions: Partitions, job_partition: Partition,
            shares: list[float], family: str, finer: dict[int, int]) -> Order:
     """Each pipeline runs `family` over its held stages on its pieces of its share (`finer[d]` times as many
@@ -141,11 +165,9 @@ def _order(topology: Topology, microbatches: int, partitions: Partitions, job_pa
     bounds: dict[int, tuple[float, ...]] = {}
     for d, (partition, share) in enumerate(zip(partitions, shares, strict=True)):
         held = held_stages(partition)
-        k = finer.get(d, 1)
-        if share == microbatches and k == 1:
-            pieces = microbatches
-        else:
-            pieces = max(math.ceil(share * k - 1e-9), fam.min_microbatches(len(held)), 1)
+        cut = _piece_count(share, microbatches, finer.get(d, 1), fam.min_microbatches(len(held)))
+        pieces = microbatches if cut is None else cut
+        if cut is not None:
             bounds[d] = (*(share * i / pieces for i in range(pieces)), share)
         if pieces < fam.min_microbatches(len(held)):
             raise ScheduleError(f"{family} over {len(held)} stages needs at least {fam.min_microbatches(len(held))} "

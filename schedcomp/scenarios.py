@@ -15,12 +15,14 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from schedcomp import limits
 from schedcomp.costs import CostModel
 from schedcomp.cut import Cut
 from schedcomp.errors import LimitError
 from schedcomp.ir import Instruction, Op, Plan
+from schedcomp.partitions import Partitions
 from schedcomp.topology import Topology, Worker
 
 Failed = tuple[tuple[int, int], ...]
@@ -126,13 +128,28 @@ def relabel(plan: Plan, perm: Mapping[int, int] | tuple[int, ...]) -> Plan:
         family=plan.family,
         solver=plan.solver,
         lower_bound=plan.lower_bound,
-        meta=dict(plan.meta),
+        meta=_renamed_meta(plan.meta, mapping, partitions),
         cut=Cut(tuple(sorted((mapping[d], b) for d, b in plan.cut.bounds)), plan.cut.shares),
         partition=plan.partition,
         partitions=partitions,
         pipeline_costs={mapping[d]: renamed(c) for d, c in plan.pipeline_costs.items()},
         layer_allreduce=plan.layer_allreduce,
     )
+
+
+def _renamed_meta(meta: Mapping[str, Any], mapping: dict[int, int], partitions: Partitions | None) -> dict[str, Any]:
+    """`meta` with `compile(reform=)`'s record (`meta["reform"]`) naming the renamed pipelines and their
+    partitions; anything else (or a record not of that shape: meta is free-form) as it was."""
+    reform = meta.get("reform")
+    if partitions is None or not isinstance(reform, dict):
+        return dict(meta)
+    renamed = dict(reform)
+    pipes = reform.get("pipelines")
+    if isinstance(pipes, list) and all(type(d) is int and d in mapping for d in pipes):
+        renamed["pipelines"] = sorted(mapping[d] for d in pipes)
+    if "partitions" in reform:
+        renamed["partitions"] = [list(p) for p in partitions]
+    return {**meta, "reform": renamed}
 
 
 def scenarios(pp: int, dp: int, max_failures: int, costs: CostModel | None = None) -> list[Canonical]:

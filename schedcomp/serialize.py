@@ -57,10 +57,11 @@ from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Instruction, Op, OpKind, Order, Plan, staged_text, stream_texts
-from schedcomp.partition import MAX_LAYERS, as_partition
-from schedcomp.partitions import as_partitions
+from schedcomp.limits import MAX_COST
+from schedcomp.partition import as_partition
+from schedcomp.partitions import are_layer_times, as_partitions
 from schedcomp.streamcolumns import JSON_PLAIN, columns_of, json_lists
-from schedcomp.topology import Topology, Worker
+from schedcomp.topology import Topology, Worker, by_pipeline
 
 FORMAT = "schedcomp-plan"
 VERSION = 1
@@ -217,28 +218,27 @@ def _parse_header(data: Any, what: str) -> dict[str, Any]:
 
 
 def _per_layer(value: object, what: str) -> tuple[float, ...]:
-    """'layer_allreduce': one finite non-negative time per layer (their count is checked against the partitions)."""
-    if not isinstance(value, list) or len(value) > MAX_LAYERS or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value):
-        raise PlanFormatError(f"{what}: 'layer_allreduce' must be a list of one non-negative time per layer")
+    """'layer_allreduce': one time from 0 to MAX_COST per layer (their count is checked against the partitions)."""
+    if not isinstance(value, list) or not are_layer_times(value):
+        raise PlanFormatError(f"{what}: 'layer_allreduce' must be a list of one time per layer, each from 0 to "
+                              f"{MAX_COST:g} (as a cost model's times)")
     return tuple(float(x) for x in value)
 
 
 def _pipeline_costs(data: Mapping[str, Any], topology: Topology, what: str) -> dict[int, CostModel]:
     """The 'pipeline_costs' of a version-4 plan: pipeline number -> its stage cost model."""
-    raw = _get(data, "pipeline_costs", dict, what)
     out: dict[int, CostModel] = {}
-    for key, value in raw.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 19 and int(key) < topology.dp):
-            raise PlanFormatError(f"{what}: 'pipeline_costs' is keyed by pipelines 0..{topology.dp - 1}, got {key!r}")
+    for d, value in by_pipeline(_get(data, "pipeline_costs", dict, what), f"{what}: 'pipeline_costs'").items():
+        if d >= topology.dp:
+            raise PlanFormatError(f"{what}: 'pipeline_costs' is keyed by pipelines 0..{topology.dp - 1}, got {d}")
         if not isinstance(value, dict):
-            raise PlanFormatError(f"{what}: 'pipeline_costs' of pipeline {key} must be a cost model (an object)")
+            raise PlanFormatError(f"{what}: 'pipeline_costs' of pipeline {d} must be a cost model (an object)")
         costs = CostModel.from_dict(value)
         if costs.pp != topology.stages:
-            raise PlanFormatError(f"{what}: the cost model of pipeline {key} has {costs.pp} stages but the topology "
+            raise PlanFormatError(f"{what}: the cost model of pipeline {d} has {costs.pp} stages but the topology "
                                   f"has pp={topology.pp}")
         costs.check_workers(topology)
-        out[int(key)] = costs
+        out[d] = costs
     return out
 
 
@@ -342,6 +342,8 @@ def _plan_from_data(data: Any) -> Plan:
     streams = {}
     for key, items in streams_data.items():
         w = _parse_worker(key, "plan")
+        if w in streams:  # "1:0" and "01:0": one would silently override the other
+            raise PlanFormatError(f"plan: worker {w} has a second stream (key {key[:40]!r}): give each worker one")
         streams[w] = _parse_stream(w, items, fields["topology"], "plan")
     return Plan(streams=streams, **fields)
 
@@ -359,7 +361,7 @@ def plan_to_text(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-_LINE_RE = re.compile(r"(?P<worker>\d+:\d+):(?P<rest>.*)")
+_LINE_RE = re.compile(r"(?P<worker>[0-9]+:[0-9]+):(?P<rest>.*)")
 
 
 @paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
@@ -411,7 +413,7 @@ def _is_json(line: str) -> bool:
 
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-_ACTION_RE = re.compile(r"(?P<stage>\d{1,18})(?P<kind>[A-Z_]+?)(?P<mb>\d{0,18})")
+_ACTION_RE = re.compile(r"(?P<stage>[0-9]{1,18})(?P<kind>[A-Z_]+?)(?P<mb>[0-9]{0,18})")
 
 
 def order_to_torch_csv(order: Order) -> str:

@@ -9,11 +9,14 @@ s for s < pp, 2pp-1-s after). With `chunks` = 1 both are the identity and nothin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from schedcomp import limits
-from schedcomp.errors import SchedcompTypeError, TopologyError
+from schedcomp.errors import PlanFormatError, SchedcompTypeError, TopologyError
+
+T = TypeVar("T")
 
 LOOP, V = "loop", "v"
 PLACEMENTS = (LOOP, V)
@@ -38,11 +41,10 @@ class Worker:
         """Parse `d:s` (pipeline d, stage s)."""
         if not isinstance(text, str):
             raise SchedcompTypeError(f"a worker is written PIPELINE:STAGE, e.g. '1:3', not {type(text).__name__}")
-        try:
-            d, s = text.strip().split(":")
-            return cls(int(d), int(s))
-        except ValueError:
-            raise TopologyError(f"bad worker {text!r}: write it as PIPELINE:STAGE, e.g. 1:3") from None
+        numbers = [_signed(part.strip()) for part in text.strip().split(":")]
+        if len(numbers) != 2 or None in numbers:
+            raise TopologyError(f"bad worker {_shown(text)}: write it as PIPELINE:STAGE, e.g. 1:3")
+        return cls(*numbers)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,41 @@ class Topology:
 
     def worker_of_rank(self, rank: int) -> Worker:
         return Worker(rank // self.pp, rank % self.pp)
+
+
+def ascii_number(text: object) -> int | None:
+    """The number `text` writes in ASCII digits (at most 18 of them), else None. Not `str.isdigit` alone:
+    "²" passes it and int() refuses it, and int() reads "١" (Arabic-Indic one) as 1, an alias of "1"."""
+    if isinstance(text, str) and text.isascii() and text.isdigit() and len(text) < 19:
+        return int(text)
+    return None
+
+
+def _signed(text: str) -> int | None:
+    """`ascii_number`, or minus one (so "-1:0" reads, and is refused as outside the job where it is used)."""
+    return -n if text.startswith("-") and (n := ascii_number(text[1:])) is not None else ascii_number(text)
+
+
+def by_pipeline(data: Mapping[str, T], what: str) -> dict[int, T]:
+    """A JSON object keyed by pipeline number ("3"), keyed by int; one-line `PlanFormatError` for a key that
+    is not a number in ASCII digits, or for two keys naming one pipeline ("1" and "01": one would silently
+    override the other)."""
+    out: dict[int, T] = {}
+    for key, value in data.items():
+        number = ascii_number(key)
+        if number is None:
+            raise PlanFormatError(f"{what} is keyed by pipeline numbers (\"3\"), got {_shown(key)}")
+        if number in out:
+            raise PlanFormatError(f"{what} names pipeline {number} twice (key {_shown(key)} and another): give "
+                                  "each pipeline once")
+        out[number] = value
+    return out
+
+
+def _shown(text: object) -> str:
+    """`text` for a message, bounded (a hostile key may be megabytes long)."""
+    shown = repr(text)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 def _is_int(x: object) -> bool:

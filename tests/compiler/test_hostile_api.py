@@ -19,6 +19,7 @@ from schedcomp.errors import (
     SchedcompTypeError,
     ValidationError,
 )
+from schedcomp.topology import Worker
 
 
 def test_the_error_family_is_catchable_as_value_and_type_errors():
@@ -52,6 +53,11 @@ def test_the_error_family_is_catchable_as_value_and_type_errors():
     (lambda: simulate(None), SchedcompTypeError, "needs a Plan"),
     (lambda: simulate(compile(2, 1, 2, schedule="1f1b"), iterations=10**9), LimitError, "ITERATIONS"),
     (lambda: Plan.from_json(None), PlanFormatError, "must be text"),
+    # Workers are numbered in ASCII digits: int() read "١" (Arabic-Indic one) as 1 and "1_0" as 10.
+    (lambda: Worker.parse("١:0"), SchedcompError, "bad worker '١:0'"),
+    (lambda: Worker.parse("1_0:0"), SchedcompError, "bad worker '1_0:0'"),
+    (lambda: CostModel.from_dict({"forward": [1, 1], "backward_input": [1, 1], "backward_weight": [1, 1],
+                                  "speed": {"1:0": 0.5, "01:0": 0.9}}), SchedcompError, "names a worker twice"),
     (lambda: PlanCache.load(None), SchedcompTypeError, "directory path"),
 ])
 def test_bad_api_arguments_raise_schedcomp_errors(call, error, says):

@@ -49,6 +49,10 @@ def test_the_limit_moves_with_the_static_memory() -> None:
     # Stage 0 holding four layers: static 10 more than 1 + 2, so 10 - 7 = 3 is left, below its 6 of activations.
     with pytest.raises(MemoryLimitError, match="stage 0"):
         moved_limit(layers, (4, 1), job, (2, 3))
+    # A pipeline running half micro-batches needs room for half of them: 3 holds 6 / 2 (the limit is the same).
+    assert moved_limit(layers, (4, 1), job, (2, 3), piece=0.5) == (3.0, 27.0)
+    with pytest.raises(MemoryLimitError, match=r"one piece's \(0.6 of a micro-batch\) 3.6"):
+        moved_limit(layers, (4, 1), job, (2, 3), piece=0.6)
 
 
 def test_layer_costs_round_trip_through_json(tmp_path) -> None:

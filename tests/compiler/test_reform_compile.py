@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from schedcomp import compile
 from schedcomp.check import check
 from schedcomp.costs import CostModel
-from schedcomp.errors import ScheduleError
+from schedcomp.errors import MemoryLimitError, ScheduleError
 from schedcomp.graph import critical_path
 from schedcomp.ir import InstrKind, Op, OpKind, Order, Plan
 from schedcomp.layers import LayerCosts, stage_costs
@@ -73,6 +73,20 @@ def test_re_formed_pipelines_match_or_beat_re_routing_where_failures_are_concent
     reformed = simulate(_compiled(failed, limit)).period
     rerouted = simulate(compile(pp=4, dp=4, microbatches=8, failed=failed, layers=4, memory_limit=limit)).period
     assert reformed <= rerouted * (1 + 1e-9)
+
+
+def test_finer_pieces_fit_a_re_formed_pipeline_whose_stage_cannot_hold_a_whole_micro_batch() -> None:
+    # 1:2 takes all 8 layers: under the fault-free limit its stage has room 3 for activations, less than a
+    # whole micro-batch's 4 but more than a half one's: the 2x finer pieces fit.
+    job = {"pp": 4, "dp": 2, "microbatches": 8, "failed": ["1:0", "1:1", "1:3"], "layers": 2, "reform": (1,)}
+    plan = compile(**job, memory_limit="fault-free")  # type: ignore[arg-type]
+    assert plan.meta["reform"]["finer"] == 2 and plan.partitions is not None and plan.partitions[1] == (0, 0, 8, 0)
+    assert plan.pipeline_costs[1].limit_at(2) == 3.0 and max(plan.cut.sizes(1, 8)) * 4 <= 3.0
+    check(plan)
+    # Where not even the finest pieces fit, the refusal is compile's one line, saying what to change.
+    with pytest.raises(MemoryLimitError, match=r"no re-formed plan fits the memory limit.*raise memory_limit") as exc:
+        compile(**job, memory_limit=0.5)  # type: ignore[arg-type]
+    assert "one piece's" in str(exc.value) and "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize(("kwargs", "says"), [

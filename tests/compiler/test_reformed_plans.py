@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from schedcomp.check import check, peak_memory
 from schedcomp.check_reformed import segments_passed
 from schedcomp.costs import CostModel
-from schedcomp.cut import Cut
+from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError, ValidationError
 from schedcomp.ir import InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.layers import LayerCosts, stage_costs
@@ -119,6 +119,22 @@ def test_check_holds_a_re_formed_worker_to_its_own_memory_limit() -> None:
     assert peak_memory(roomy)[Worker(0, 0)] == pytest.approx(2.0)
 
 
+def test_check_holds_a_re_formed_pipeline_s_limits_to_what_the_job_s_can_give_it() -> None:
+    # Static 0.5 per layer: 1:0 and 1:2 each take a layer more (1.5 static), the failed place's 1.0 comes back
+    # split between them: 4 + 1 - 1.5 = 3.5 each, 7 in all against the job's 8 at those places.
+    layers = LayerCosts(LAYERS.costs, static=(0.5,) * 6)
+    job = stage_costs(layers, (2, 2, 2)).with_memory_limit(4.0)
+    own = stage_costs(layers, (3, 0, 3), limit_from=(job, (2, 2, 2)))
+    assert own.limit_at(0) == own.limit_at(2) == 3.5
+    plan = dataclasses.replace(reformed_plan(), costs=job, pipeline_costs={1: own})
+    check(plan)
+    # A file cannot lift them (to pass a plan over its devices' memory), nor drop them.
+    with pytest.raises(ValidationError, match=r"totalling inf over its live places, more than the 8 plan\.costs"):
+        check(dataclasses.replace(plan, pipeline_costs={1: own.with_memory_limit(1e308)}))
+    with pytest.raises(ValidationError, match=r"pipeline 1 has no memory limit where plan\.costs has one"):
+        check(dataclasses.replace(plan, pipeline_costs={1: own.with_memory_limit(None)}))
+
+
 @pytest.mark.parametrize(("change", "says"), [
     ({"partition": None}, "names plan.partition"),
     ({"pipeline_costs": {}}, "pipeline 1 has its own partition but no cost model"),
@@ -127,12 +143,28 @@ def test_check_holds_a_re_formed_worker_to_its_own_memory_limit() -> None:
     ({"partitions": None}, "without plan.partitions"),
     ({"cut": Cut.of({1: (0.0, 1.0, 2.0)})}, "shares=True"),
     ({"cut": Cut.of({1: (0.0, 1.0, 1.5)}, shares=True)}, "shares total 3.5"),
-    ({"layer_allreduce": (0.0,) * 5}, "one non-negative time per layer"),
+    ({"layer_allreduce": (0.0,) * 5}, "one time from 0 to 1e.15 per layer .a tuple of 6., got 5 values"),
     ({"layer_allreduce": (0.0,) * 5 + (1.0,)}, "stage 2 has allreduce 0 but its layers'"),
+    # Mistyped fields of a plan built in Python: one line, not a TypeError or AttributeError from inside.
+    ({"layer_allreduce": None}, "got NoneType"),
+    ({"layer_allreduce": 5}, "got int"),
+    ({"layer_allreduce": (1e308,) * 6}, r"from 0 to 1e\+15 per layer"),  # (their sum overflowed in simulate)
+    ({"pipeline_costs": [1]}, "must map pipelines to CostModels .a dict., got list"),
+    ({"pipeline_costs": None}, "got NoneType"),
+    ({"pipeline_costs": {1: None}}, "got 1: NoneType"),
 ])
 def test_check_refuses_inconsistent_partitions_costs_and_shares(change: dict[str, object], says: str) -> None:
-    with pytest.raises(ValidationError, match=says):
+    with pytest.raises(ValidationError, match=says) as exc:
         check(dataclasses.replace(reformed_plan(), **change))
+    assert "\n" not in str(exc.value).split("\n\n")[0]  # one line before the plan's error grid
+
+
+def test_a_plan_with_no_piece_cut_round_trips_whatever_its_shares_flag() -> None:
+    # Cut((), shares=True) cuts nothing, as NO_CUT does; the JSON writes neither, so they are one value.
+    assert Cut((), shares=True) == NO_CUT and not Cut.of({}, shares=True).shares
+    plan = reformed_plan(cut=Cut((), shares=True))
+    check(plan)
+    assert Plan.from_json(plan.to_json()) == plan
 
 
 def test_check_refuses_a_pipeline_cost_model_with_other_links_and_shares_without_partitions() -> None:
@@ -212,6 +244,17 @@ def test_global_rows_cover_every_row_once_in_order_whatever_the_shares(case: tup
     (lambda d: d.update(partitions=[[2, 2, 2], [6, 0, 0]]), "place 2"),
     (lambda d: d.update(layer_allreduce=[0, -1]), "'layer_allreduce'"),
     (lambda d: d.pop("layer_allreduce"), "'layer_allreduce'"),
+    (lambda d: d.update(layer_allreduce=[1e308] * 6), "from 0 to 1e+15"),  # finite, but their sum overflowed
+    # Pipeline numbers are ASCII digits: "²" is a digit to str.isdigit (and int() refused it), and int() read
+    # "١" as 1, silently replacing pipeline 1's cost model; two keys naming one pipeline are refused.
+    (lambda d: d.update(pipeline_costs={"²": d["pipeline_costs"]["1"]}), "keyed by pipeline numbers (\"3\"), got '²'"),
+    (lambda d: d["pipeline_costs"].update({"١": d["pipeline_costs"]["1"]}), "got '١'"),
+    (lambda d: d["pipeline_costs"].update({"01": d["pipeline_costs"]["1"]}), "names pipeline 1 twice"),
+    (lambda d: d.update(cut={"1": [0.0, 2.0], "01": [0.0, 2.0]}), "'cut' names pipeline 1 twice"),
+    (lambda d: d.update(cut={"١": [0.0, 2.0]}), "'cut' is keyed by pipeline numbers"),
+    (lambda d: d["streams"].update({"01:0": d["streams"]["1:0"]}), "worker 1:0 has a second stream"),
+    (lambda d: d["streams"].update({"١:0": d["streams"]["1:0"]}), "bad worker '١:0'"),
+    (lambda d: d["streams"]["1:0"].__setitem__(1, "F0.١"), "bad op 'F0.١'"),  # (int() read it as F0.1)
 ])
 def test_bad_version_4_files_are_refused_in_one_line(edit, says: str) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(reformed_plan().to_json())
@@ -234,6 +277,13 @@ def test_relabelling_moves_each_pipeline_s_partition_and_costs_and_repair_refuse
     check(swapped)
     with pytest.raises(ScheduleError, match="re-formed pipelines"):
         repair(reformed_plan(), Worker(0, 1))
+    # compile's record of what it re-formed names the new pipeline numbers too
+    from schedcomp import compile
+
+    built = compile(pp=3, dp=2, microbatches=4, failed=["1:0"], layers=2, reform=(1,))
+    moved = relabel(built, (1, 0))
+    assert moved.meta["reform"]["pipelines"] == [0] and built.meta["reform"]["pipelines"] == [1]
+    assert moved.meta["reform"]["partitions"] == [list(p) for p in moved.partitions or ()] == [[0, 3, 3], [2, 2, 2]]
 
 
 def test_check_names_the_cycle_when_a_pipeline_deadlocks_beside_a_re_formed_one() -> None:
@@ -251,3 +301,54 @@ def test_check_names_the_cycle_when_a_pipeline_deadlocks_beside_a_re_formed_one(
     with pytest.raises(ValidationError, match=r"deadlock: 1:0 instruction \d+ \(B0\.1\) waits for 1:1") as exc:
         check(plan)
     assert "0:0" not in str(exc.value).split("\n")[0]  # 0:0 only waits in ALLREDUCE: no part of the cycle
+
+
+_HOSTILE = [None, True, 0, -1, 1.5, 1e308, 10**30, "x", "²", [], {}, [[]], [None], [1e308], [1e308] * 6, ["1"] * 6,
+            [-0.0] * 6, [[2, 2, 2], [3, 0, 3.0]], [[2, 2, 2], [True, 0, 5]], [[0, 3, 3], [3, 0, 3]], {"1": None},
+            {"²": {}}, {"١": {}}, {"-1": {}}, {"01": {}}, {"1": [0.0, 2.0], "01": [0.0, 2.0]}]
+
+
+@pytest.mark.parametrize("key", ["partitions", "pipeline_costs", "layer_allreduce", "cut", "partition", "version",
+                                 *(f"pipeline_costs.1.{field}" for field in ("forward", "allreduce", "memory_limit"))])
+def test_a_hostile_version_4_field_is_read_or_refused_in_one_line(key: str) -> None:
+    from schedcomp.errors import SchedcompError
+    from schedcomp.simulator import simulate
+
+    base = json.loads(reformed_plan(cut=Cut.of({0: (0.0, 0.8, 1.6, 2.4), 1: (0.0, 0.8, 1.6)}, shares=True)).to_json())
+    for value in _HOSTILE:
+        data = json.loads(json.dumps(base))
+        *path, last = key.split(".")
+        target = data
+        for step in path:
+            target = target[step]
+        target[last] = value
+        try:  # (no traceback from inside: every refusal is a SchedcompError of one line)
+            plan = Plan.from_json(json.dumps(data))
+            check(plan)
+            simulate(plan)
+        except SchedcompError as exc:
+            assert "\n" not in str(exc), (key, value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2), st.randoms(use_true_random=False))
+def test_a_deadlock_beside_a_re_formed_pipeline_is_named_by_workers_short_of_all_reduce(  # type: ignore[no-untyped-def]
+        dead: int, rnd) -> None:
+    # pp 3, dp 3: pipeline 2 re-formed onto its other two places, F B W of each key in turn on every worker, keys
+    # in a random order (most such plans deadlock). A worker at ALLREDUCE is never in the named cycle: every
+    # layer has a holder stuck before it (check_order.report_cycle), so the cycle is one of transfers.
+    topo = Topology.of(3, 3, [f"2:{dead}"])
+    reformed = tuple(0 if s == dead else (4 if s == min(x for x in range(3) if x != dead) else 2) for s in range(3))
+    keys = [(d, m, s) for d in range(3) for m in range(2) for s in range(3) if d < 2 or s != dead]
+    rnd.shuffle(keys)
+    ops = {w: tuple(Op(k, d, m, s) for d, m, s in keys if Worker(d, s) == w for k in (F, B, W))
+           for w in topo.live_workers}
+    plan = lower(Order(topo, 2, ops, partition=(2, 2, 2), partitions=((2, 2, 2), (2, 2, 2), reformed)),
+                 stage_costs(LAYERS, (2, 2, 2)), pipeline_costs={2: stage_costs(LAYERS, reformed)},
+                 layer_allreduce=LAYERS.costs.allreduce)
+    try:
+        check(plan)
+    except ValidationError as exc:
+        first = str(exc).split("\n")[0]
+        if "deadlock" in first:
+            assert "ALLREDUCE) waits" not in first and "to reduce a segment" not in first
