@@ -12,7 +12,8 @@ Virtual stages: a worker holds one `Stage` per chunk (`Iteration.stages`, by vir
 each op runs on the chunk its `op.stage` names. Tensors in flight are keyed by (channel, chunk,
 micro-batch). A tensor between two chunks of this worker has no SEND or RECV: the producer leaves
 it in `outgoing` and the consumer takes it from there (a local hand-off). ALLREDUCE reduces every
-chunk's gradients in one collective (the worker's stage group holds the same chunks everywhere);
+chunk's gradients in one collective (the worker's stage group holds the same chunks everywhere); with
+re-formed pipelines it runs one collective per segment the worker holds, in layer order (`runtime.layout`);
 STEP steps every chunk's optimizer. The iteration's state (tensors in flight, tags) is
 `runtime.iteration.Iteration`.
 """
@@ -29,6 +30,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op
 from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch, take_rows
 from schedcomp.runtime.iteration import Iteration, Key, key_of, slot_of
+from schedcomp.runtime.layout import Reduction
 from schedcomp.runtime.rng import stream_seed
 from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
 
@@ -52,12 +54,12 @@ def _load(it: Iteration, ins: Instruction) -> None:
 
 def _recv_act(it: Iteration, ins: Instruction) -> None:
     assert ins.op is not None
-    it.post_recvs(ACT, ins, it.boundaries[ins.op.stage - 1])
+    it.post_recvs(ACT, ins, it.incoming(ins.op))
 
 
 def _recv_grad(it: Iteration, ins: Instruction) -> None:
     assert ins.op is not None
-    it.post_recvs(GRAD, ins, tuple(m for m in it.boundaries[ins.op.stage] if m.has_grad))
+    it.post_recvs(GRAD, ins, it.outgoing_grads(ins.op))
 
 
 def _send_act(it: Iteration, ins: Instruction) -> None:
@@ -120,15 +122,22 @@ def _backward_weight(it: Iteration, ins: Instruction) -> None:
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
-    group = it.comm.stage_group(it.plan.topology.stage_group(it.worker.stage))
-    stages = [stage for stage in it.stages.values() if stage.params]
-    if group is None or not stages:
-        return  # the only live worker of its stage: its gradients are already the sum
-    # one collective for every chunk held (a single chunk's flat gradients are not copied again)
-    flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
+    for reduction in it.layout.reductions_of(it.worker):
+        _reduce(it, reduction)
+
+
+def _reduce(it: Iteration, reduction: Reduction) -> None:
+    """One collective of ALLREDUCE (`runtime.layout`): the holders sum the gradients of the reduction's layers
+    (of every chunk held, for a reduction over a stage group)."""
+    group = it.comm.stage_group(reduction.holders)
+    params = _reduced_params(it, reduction)
+    if group is None or not params:
+        return  # the only live holder: its gradients are already the sum
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
     # counts are rows (up to thousands), exact in float32 and float64 but not in half precision (bf16: 256),
-    # so with half-precision gradients it goes in a float32 collective of its own on the same group.
+    # so with half-precision gradients it goes in a float32 collective of its own on the same group. (A plan
+    # with segments has none: `Iteration` refuses it.)
     rides = it.ledger is not None and flat.dtype in (torch.float32, torch.float64)
     if rides:
         flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])
@@ -142,10 +151,20 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
         it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
         it.ledger.copy_(counts)
     offset = 0
-    for stage in stages:
-        n = stage.numel
-        stage.set_flat_grads(flat[offset:offset + n])
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p)
         offset += n
+
+
+def _reduced_params(it: Iteration, reduction: Reduction) -> list[torch.nn.Parameter]:
+    """The trainable parameters a reduction sums on this worker, in order: every chunk's (a stage group's), or
+    those of its layers within this worker's stage (a segment's)."""
+    if reduction.layers is None:
+        return [p for stage in it.stages.values() for p in stage.params]
+    stage = it.stage
+    first = it.layout.span(it.worker.pipeline, stage.index).start
+    return [p for layer in reduction.layers for p in stage.module[layer - first].parameters() if p.requires_grad]
 
 
 def _step(it: Iteration, ins: Instruction) -> None:

@@ -22,6 +22,7 @@ from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, held_rows, piece_rows
+from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.semantics import ACT, semantics_of
@@ -42,7 +43,8 @@ class Iteration:
     comm: Comm
     inputs: Tensors
     targets: Tensors
-    boundaries: tuple[tuple[TensorMeta, ...], ...]  # what crosses from virtual stage s to s + 1, per s
+    boundaries: dict[int, tuple[TensorMeta, ...]]  # what crosses into unit u, by u (`runtime.shapes`)
+    layout: Layout  # which units each pipeline's stages hold, and the all-reduce's collectives
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
@@ -65,6 +67,17 @@ class Iteration:
     def __post_init__(self) -> None:
         if not self.stages:
             self.stages = {self.stage.index: self.stage}
+        if self.ledger is not None and self.layout.per_layer:
+            raise RuntimeSetupError("the ledger of resilient jobs counts per stage group, not per segment of a plan "
+                                    "with re-formed pipelines: run such plans without a recovery policy for now")
+
+    def incoming(self, op: Op) -> tuple[TensorMeta, ...]:
+        """What `op`'s stage receives from the held stage before it (across any gap)."""
+        return self.boundaries[self.layout.span(op.pipeline, op.stage).start]
+
+    def outgoing_grads(self, op: Op) -> tuple[TensorMeta, ...]:
+        """The gradients `op`'s stage receives from the held stage after it: of its floating-point outputs."""
+        return tuple(m for m in self.boundaries[self.layout.span(op.pipeline, op.stage).stop] if m.has_grad)
 
     def stage_of(self, op: Op) -> Stage:
         """The chunk that runs `op` (its virtual stage)."""

@@ -1,29 +1,133 @@
-"""Until the runtime half exists, trainers refuse plans with re-formed pipelines (per-pipeline partitions)."""
+"""Re-formed pipelines (per-pipeline partitions, `runtime.layout`) run exactly.
+
+A plan compiled with `reform=` gives the pipeline that lost a worker its own, shallower partition, its own share
+of the global batch (rows by `Cut.global_rows`) and per-segment all-reduces over overlapping groups. Processes
+(CPU, gloo, float64) train an `nn.Sequential` of Linear + Tanh blocks with Adam on it: every layer each worker
+holds, and every loss, equal one process training the whole model on the whole batch (1e-10).
+"""
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from schedcomp.costs import CostModel
+from schedcomp.compiler import compile
 from schedcomp.errors import RuntimeSetupError
-from schedcomp.ir import Op, OpKind, Order
-from schedcomp.layers import LayerCosts, stage_costs
-from schedcomp.lower import lower
-from schedcomp.runtime import PipelineTrainer
-from schedcomp.topology import Topology, Worker
+from schedcomp.ir import Plan
+from schedcomp.runtime.launch import spawn
+from schedcomp.runtime.layout import Layout, Reduction
+from schedcomp.topology import Worker
+
+H, ROWS, ITERATIONS = 4, 10, 3  # ROWS per regular micro-batch: every piece (0.8 or 0.9 of one) holds whole samples
+TOL = 1e-10
 
 
-def test_a_plan_with_re_formed_pipelines_is_refused_in_one_line_before_any_process_group() -> None:
-    layers = LayerCosts.even(CostModel.uniform(2), 2)
-    ops = {w: tuple(Op(k, w.pipeline, m, w.stage) for m in range(2) for k in (OpKind.F, OpKind.B, OpKind.W))
-           for w in (Worker(0, 0), Worker(0, 1), Worker(1, 0))}
-    order = Order(Topology.of(2, 2, ["1:1"]), 2, ops, partition=(2, 2), partitions=((2, 2), (4, 0)))
-    plan = lower(order, stage_costs(layers, (2, 2)), pipeline_costs={1: stage_costs(layers, (4, 0))},
-                 layer_allreduce=layers.costs.allreduce)
-    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
+def reformed_plan() -> Plan:
+    """pp 3, dp 2, M 3, 2 layers per place, worker 1:1 failed: pipeline 1 re-formed over places 0 and 2 (a gap
+    its activations cross), both pipelines' shares by throughput."""
+    return compile(3, 2, 3, failed=["1:1"], layers=2, reform=(1,), memory_limit=None)
+
+
+def model(layers: int) -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(layers))).double()
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def batch(i: int, rows: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(20 + i)
+    return (torch.randn(rows, H, generator=g, dtype=torch.float64),
+            torch.randn(rows, H, generator=g, dtype=torch.float64))
+
+
+def test_the_plan_is_re_formed_with_shares_other_than_m() -> None:
+    plan = reformed_plan()
+    assert plan.partitions == ((2, 2, 2), (3, 0, 3))
+    shares = [plan.cut.share(d, plan.microbatches) for d in range(2)]
+    assert all(abs(share - plan.microbatches) > 0.1 for share in shares), shares
+    assert sum(shares) == pytest.approx(2 * plan.microbatches)
+    rows = [plan.cut.global_rows(d, m, 2, plan.microbatches, ROWS)
+            for d in range(2) for m in range(plan.cut.count(d, plan.microbatches))]
+    assert rows[0][0] == 0 and rows[-1][1] == 2 * plan.microbatches * ROWS
+    assert all(a[1] == b[0] and b[1] > b[0] for a, b in itertools.pairwise(rows))  # every row once
+
+
+def test_segments_reduce_over_overlapping_groups_and_one_partition_over_stage_groups() -> None:
+    layout = Layout.of(reformed_plan())
+    w = Worker
+    assert layout.reductions == (Reduction((w(0, 0), w(1, 0)), range(0, 2)), Reduction((w(0, 1), w(1, 0)), range(2, 3)),
+                                 Reduction((w(0, 1), w(1, 2)), range(3, 4)), Reduction((w(0, 2), w(1, 2)), range(4, 6)))
+    assert layout.ends(1, 0) == (True, False) and layout.ends(1, 2) == (False, True) and layout.span(1, 1) == range(0)
+    shared = Layout.of(compile(3, 2, 3, failed=["1:1"], memory_limit=None))  # re-routed: one cut for all
+    assert shared.reductions == tuple(Reduction(g, None) for g in ((w(0, 0), w(1, 0)), (w(0, 1),), (w(0, 2), w(1, 2))))
+
+
+def train(rank: int, plan: Plan, outdir: str) -> None:
+    """In each process: train on `plan`; save each layer this worker holds and the losses."""
+    from schedcomp.runtime import PipelineTrainer
+
+    layers = sum(plan.partitions[0])
+    trainer = PipelineTrainer(plan, model(layers), F.mse_loss, adam)
+    rows = plan.topology.dp * plan.microbatches * ROWS
+    losses = [float(trainer.step(batch(i, rows))) for i in range(ITERATIONS)]
+    first = trainer.held_layers.start
+    held = {first + k: layer.state_dict() for k, layer in enumerate(trainer.stage.module)}
+    torch.save({"worker": str(trainer.worker), "losses": losses, "held": held}, Path(outdir) / f"{rank}.pt")
+    trainer.close()
+
+
+def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, list[float]]:
+    net = model(layers)
+    optimizer = adam(net.parameters())
+    losses = []
+    for i in range(steps):
+        x, y = batch(i, rows)
+        loss = F.mse_loss(net(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return net, losses
+
+
+def compare(outdir: Path, plan: Plan, net: nn.Sequential, want_losses: list[float] | None) -> list[int]:
+    """Every saved layer (and loss) against the reference; the layers seen, with repeats."""
+    results = [torch.load(f) for f in sorted(outdir.glob("*.pt"))]
+    assert sorted(r["worker"] for r in results) == sorted(map(str, plan.workers))
+    seen = []
+    for result in results:
+        if want_losses is not None:
+            assert result["losses"] == pytest.approx(want_losses, abs=TOL, rel=0), result["worker"]
+        for layer, state in result["held"].items():
+            seen.append(layer)
+            for name, want in net[layer].state_dict().items():
+                err = (state[name] - want).abs().max().item()
+                assert err <= TOL, f"{result['worker']} layer {layer} {name} is off by {err:.3g}"
+    return sorted(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_re_formed_plan_trains_as_one_process(tmp_path: Path) -> None:
+    """5 processes: pipeline 1's workers hold 3 layers each, its loss on place 2, its activations crossing place 1."""
+    plan = reformed_plan()
+    spawn(train, len(plan.workers), (plan, str(tmp_path)), timeout=150.0)
+    net, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS)
+    assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
+
+
+def test_the_global_check_is_refused_with_re_formed_pipelines_in_one_line() -> None:
+    from schedcomp.runtime import PipelineTrainer
+
     with pytest.raises(RuntimeSetupError, match="re-formed pipelines") as exc:
-        PipelineTrainer(plan, model, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1),
-                        process=(0, 3, torch.device("cpu")))
+        PipelineTrainer(reformed_plan(), model(6), F.mse_loss, adam, max_grad_norm=1.0,
+                        process=(0, 5, torch.device("cpu")))
     assert "\n" not in str(exc.value)
