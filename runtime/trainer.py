@@ -167,7 +167,8 @@ class PipelineTrainer:
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
         cuts = self._cuts_of(plan)
         self._check_same_plan(plan, joined)
-        if cuts != self.cuts and self.worker not in joined:
+        idle = self.worker in plan.topology.failed  # its process idles on this plan: it holds on to its layers
+        if cuts != self.cuts and self.worker not in joined and not idle:
             self._move(plan, cuts, joined)
         if self.worker not in joined:  # (a joined worker's state comes whole from a replica, after the switch)
             self.partition, self.cuts = target, cuts
@@ -221,7 +222,8 @@ class PipelineTrainer:
         workers, but for `joined`; see `runtime.moves`)."""
         assert self.model is not None and self.cuts is not None and cuts is not None
         self.settle()  # a pending step is applied before its state moves
-        workers = tuple(w for w in self.ranks.workers if w not in joined)
+        # layers come only from workers live in the new plan (an idle process's are not its to give)
+        workers = tuple(w for w in self.ranks.workers if w not in joined and w not in plan.topology.failed)
         self._layout = Layout.of(plan)  # the rebuilt stages' ends
         self._hold(move_layers(self.cuts, cuts, self.stages, self.model, me=self.worker, workers=workers,
                                comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of))

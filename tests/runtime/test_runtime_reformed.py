@@ -131,3 +131,82 @@ def test_the_global_check_is_refused_with_re_formed_pipelines_in_one_line() -> N
         PipelineTrainer(reformed_plan(), model(6), F.mse_loss, adam, max_grad_norm=1.0,
                         process=(0, 5, torch.device("cpu")))
     assert "\n" not in str(exc.value)
+
+
+# ---- a switch to a re-formed plan moves layers between pipelines of different depths --------------------
+
+
+def fault_free_plan() -> Plan:
+    plan = compile(3, 2, 3, layers=2, memory_limit=None)
+    assert plan.partition == (2, 2, 2) and plan.partitions is None
+    return plan
+
+
+def train_and_switch(rank: int, plans: list[Plan], outdir: str) -> None:
+    """Two fault-free iterations, then every process switches to the re-formed plan (worker 1:1's idles) and
+    trains two more; save each layer held, with its Adam state, and whether kept layers stayed the same objects."""
+    from schedcomp.runtime import PipelineTrainer
+
+    before, after = plans
+    whole = model(6)
+    trainer = PipelineTrainer(before, whole, F.mse_loss, adam)
+    rows = before.topology.dp * before.microbatches * ROWS
+    for i in range(2):
+        float(trainer.step(batch(i, rows)))
+    old = {trainer.held_layers.start + k: layer for k, layer in enumerate(trainer.stage.module)}
+    trainer.use_plan(after)
+    for i in range(2, 4):
+        float(trainer.step(batch(i, rows)))
+    if trainer.worker in after.topology.failed:
+        return  # idle since the switch: its layers are stale by design
+    first = trainer.held_layers.start
+    optimizer = trainer.stage.optimizer
+    index = {id(p): n for n, p in enumerate(optimizer.param_groups[0]["params"])}
+    state = optimizer.state_dict()["state"]
+    held = {first + k: {"module": layer.state_dict(), "optimizer": [state[index[id(p)]] for p in layer.parameters()]}
+            for k, layer in enumerate(trainer.stage.module)}
+    kept = all(trainer.stage.module[layer - first] is module for layer, module in old.items() if layer in held)
+    torch.save({"worker": str(trainer.worker), "held": held, "kept": kept}, Path(outdir) / f"{rank}.pt")
+    trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_switch_to_a_re_formed_plan_moves_layers_with_their_adam_state(tmp_path: Path) -> None:
+    """6 processes, then 5: pipeline 1's workers 1:0 and 1:2 take layers 2 and 3 (its failed worker's) from
+    pipeline 0's 0:1, with their Adam state; every layer after four steps equals one process's."""
+    plans = [fault_free_plan(), reformed_plan()]
+    spawn(train_and_switch, 6, (plans, str(tmp_path)), timeout=150.0)
+    net = model(6)
+    optimizer = adam(net.parameters())
+    for i in range(4):
+        x, y = batch(i, 2 * 3 * ROWS)
+        F.mse_loss(net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = optimizer.state_dict()["state"]
+    index = {id(p): n for n, p in enumerate(net.parameters())}
+    results = [torch.load(f) for f in sorted(tmp_path.glob("*.pt"))]
+    assert sorted(r["worker"] for r in results) == sorted(map(str, plans[1].workers))
+    holders: dict[str, list[int]] = {}
+    for got in results:
+        assert got["kept"], got["worker"]
+        holders[got["worker"]] = sorted(got["held"])
+        for layer, mine in got["held"].items():
+            for name, value in net[layer].state_dict().items():
+                assert (mine["module"][name] - value).abs().max().item() <= TOL, (got["worker"], layer, name)
+            for p, moved in zip(net[layer].parameters(), mine["optimizer"], strict=True):
+                expected = state[index[id(p)]]
+                assert float(moved["step"]) == float(expected["step"]) == 4
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert (moved[key] - expected[key]).abs().max().item() <= TOL, (got["worker"], layer, key)
+    assert holders["1:0"] == [0, 1, 2] and holders["1:2"] == [3, 4, 5] and holders["0:1"] == [2, 3]
+
+
+def test_layers_of_a_failed_worker_come_from_a_live_holder_in_another_pipeline() -> None:
+    from schedcomp.runtime.moves import Move, plan_moves
+
+    live = (Worker(0, 0), Worker(0, 1), Worker(0, 2), Worker(1, 0), Worker(1, 2))
+    moves = plan_moves((2, 2, 2), ((2, 2, 2), (3, 0, 3)), live)
+    assert moves == (Move(Worker(0, 1), Worker(1, 0), (2,)), Move(Worker(0, 1), Worker(1, 2), (3,)))
+    assert plan_moves(((2, 2, 2), (3, 0, 3)), (2, 2, 2), live[:3]) == ()
