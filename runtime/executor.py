@@ -20,6 +20,7 @@ STEP steps every chunk's optimizer. The iteration's state (tensors in flight, ta
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -122,7 +123,7 @@ def _backward_weight(it: Iteration, ins: Instruction) -> None:
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
-    for reduction in it.layout.reductions_of(it.worker):
+    for reduction in it.units.reductions_of(it.worker):
         _reduce(it, reduction)
 
 
@@ -130,14 +131,16 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
     """One collective of ALLREDUCE (`runtime.layout`): the holders sum the gradients of the reduction's layers
     (of every chunk held, for a reduction over a stage group)."""
     group = it.comm.stage_group(reduction.holders)
-    params = _reduced_params(it, reduction)
-    if group is None or not params:
+    if group is None:
         return  # the only live holder: its gradients are already the sum
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    gathered = _gather(it, reduction)
+    if gathered is None:
+        return
+    flat, scatter = gathered
     # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
     # counts are rows (up to thousands), exact in float32 and float64 but not in half precision (bf16: 256),
     # so with half-precision gradients it goes in a float32 collective of its own on the same group. (A plan
-    # with segments has none: `Iteration` refuses it.)
+    # with segments has none: the trainer refuses it.)
     rides = it.ledger is not None and flat.dtype in (torch.float32, torch.float64)
     if rides:
         flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])
@@ -150,21 +153,41 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
         counts = it.ledger.to(device=flat.device, dtype=torch.float32)
         it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
         it.ledger.copy_(counts)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p)
-        offset += n
+    scatter(flat)
 
 
-def _reduced_params(it: Iteration, reduction: Reduction) -> list[torch.nn.Parameter]:
-    """The trainable parameters a reduction sums on this worker, in order: every chunk's (a stage group's), or
-    those of its layers within this worker's stage (a segment's)."""
+def _gather(it: Iteration, reduction: Reduction) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
+    """The gradients a reduction sums on this worker, flat, and how to put the sum back; None when it holds
+    no trainable parameter there. A stage group's: every chunk's (one chunk's flat gradients are not copied
+    again); a segment's: those of its layers within this worker's stage, in order."""
     if reduction.layers is None:
-        return [p for stage in it.stages.values() for p in stage.params]
-    stage = it.stage
-    first = it.layout.span(it.worker.pipeline, stage.index).start
-    return [p for layer in reduction.layers for p in stage.module[layer - first].parameters() if p.requires_grad]
+        stages = [stage for stage in it.stages.values() if stage.params]
+        if not stages:
+            return None
+        flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
+        sizes = [stage.numel for stage in stages]
+        setters = [stage.set_flat_grads for stage in stages]
+    else:
+        first = it.units.span(it.worker.pipeline, it.stage.index).start
+        params = [p for layer in reduction.layers for p in it.stage.module[layer - first].parameters()
+                  if p.requires_grad]
+        if not params:
+            return None
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        sizes = [p.numel() for p in params]
+        setters = [functools.partial(_set_grad, p) for p in params]
+
+    def scatter(summed: torch.Tensor) -> None:
+        offset = 0
+        for n, put in zip(sizes, setters, strict=True):
+            put(summed[offset:offset + n])
+            offset += n
+
+    return flat, scatter
+
+
+def _set_grad(p: torch.nn.Parameter, flat: torch.Tensor) -> None:
+    p.grad = flat.view_as(p)
 
 
 def _step(it: Iteration, ins: Instruction) -> None:

@@ -44,7 +44,6 @@ class Iteration:
     inputs: Tensors
     targets: Tensors
     boundaries: dict[int, tuple[TensorMeta, ...]]  # what crosses into unit u, by u (`runtime.shapes`)
-    layout: Layout  # which units each pipeline's stages hold, and the all-reduce's collectives
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
@@ -53,6 +52,7 @@ class Iteration:
     meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
     stages: dict[int, Stage] = field(default_factory=dict)  # every chunk held, by virtual stage (default: `stage`)
     seed: int | None = None  # the job's: each forward draws from its micro-batch's stream (`runtime.rng`)
+    layout: Layout | None = None  # units each stage holds, the all-reduce's collectives (default: the plan's)
     # state, filled and emptied as the stream runs
     loaded: dict[tuple[int, Key], tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[Slot, tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -67,17 +67,21 @@ class Iteration:
     def __post_init__(self) -> None:
         if not self.stages:
             self.stages = {self.stage.index: self.stage}
-        if self.ledger is not None and self.layout.per_layer:
-            raise RuntimeSetupError("the ledger of resilient jobs counts per stage group, not per segment of a plan "
-                                    "with re-formed pipelines: run such plans without a recovery policy for now")
+
+    @property
+    def units(self) -> Layout:
+        """Which units each pipeline's stages hold, and the all-reduce's collectives (`runtime.layout`)."""
+        if self.layout is None:
+            self.layout = Layout.of(self.plan)
+        return self.layout
 
     def incoming(self, op: Op) -> tuple[TensorMeta, ...]:
         """What `op`'s stage receives from the held stage before it (across any gap)."""
-        return self.boundaries[self.layout.span(op.pipeline, op.stage).start]
+        return self.boundaries[self.units.span(op.pipeline, op.stage).start]
 
     def outgoing_grads(self, op: Op) -> tuple[TensorMeta, ...]:
         """The gradients `op`'s stage receives from the held stage after it: of its floating-point outputs."""
-        return tuple(m for m in self.boundaries[self.layout.span(op.pipeline, op.stage).stop] if m.has_grad)
+        return tuple(m for m in self.boundaries[self.units.span(op.pipeline, op.stage).stop] if m.has_grad)
 
     def stage_of(self, op: Op) -> Stage:
         """The chunk that runs `op` (its virtual stage)."""

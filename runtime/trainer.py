@@ -369,6 +369,9 @@ class PipelineTrainer:
 
     def _iteration(self, number: int, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
                    ledger: Tensor | None) -> Iteration:
+        if ledger is not None and self._layout.per_layer:
+            raise RuntimeSetupError("the ledger of resilient jobs counts per stage group, not per segment of a plan "
+                                    "with re-formed pipelines: run such plans without a recovery policy for now")
         inputs, targets = batch
         held = self.stages
         it = Iteration(

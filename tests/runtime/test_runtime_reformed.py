@@ -84,7 +84,8 @@ def train(rank: int, plan: Plan, outdir: str) -> None:
     trainer.close()
 
 
-def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, list[float]]:
+def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, torch.optim.Optimizer, list[float]]:
+    """One process training the whole model on the whole batches: the model, its optimizer, the losses."""
     net = model(layers)
     optimizer = adam(net.parameters())
     losses = []
@@ -95,7 +96,7 @@ def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, list[f
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return net, losses
+    return net, optimizer, losses
 
 
 def compare(outdir: Path, plan: Plan, net: nn.Sequential, want_losses: list[float] | None) -> list[int]:
@@ -120,7 +121,7 @@ def test_a_re_formed_plan_trains_as_one_process(tmp_path: Path) -> None:
     """5 processes: pipeline 1's workers hold 3 layers each, its loss on place 2, its activations crossing place 1."""
     plan = reformed_plan()
     spawn(train, len(plan.workers), (plan, str(tmp_path)), timeout=150.0)
-    net, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS)
+    net, _, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS)
     assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
 
 
@@ -177,13 +178,7 @@ def test_a_switch_to_a_re_formed_plan_moves_layers_with_their_adam_state(tmp_pat
     pipeline 0's 0:1, with their Adam state; every layer after four steps equals one process's."""
     plans = [fault_free_plan(), reformed_plan()]
     spawn(train_and_switch, 6, (plans, str(tmp_path)), timeout=150.0)
-    net = model(6)
-    optimizer = adam(net.parameters())
-    for i in range(4):
-        x, y = batch(i, 2 * 3 * ROWS)
-        F.mse_loss(net(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    net, optimizer, _ = reference(6, 2 * 3 * ROWS, 4)
     state = optimizer.state_dict()["state"]
     index = {id(p): n for n, p in enumerate(net.parameters())}
     results = [torch.load(f) for f in sorted(tmp_path.glob("*.pt"))]
@@ -210,3 +205,32 @@ def test_layers_of_a_failed_worker_come_from_a_live_holder_in_another_pipeline()
     moves = plan_moves((2, 2, 2), ((2, 2, 2), (3, 0, 3)), live)
     assert moves == (Move(Worker(0, 1), Worker(1, 0), (2,)), Move(Worker(0, 1), Worker(1, 2), (3,)))
     assert plan_moves(((2, 2, 2), (3, 0, 3)), (2, 2, 2), live[:3]) == ()
+
+
+# ---- resilient jobs refuse them -----------------------------------------------------------------------
+
+
+def test_a_resilient_job_refuses_re_formed_plans_in_one_line(tmp_path: Path) -> None:
+    """From a cache it reads at construction, and from a function as it serves one (before any collective)."""
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    whole, reformed = fault_free_plan(), reformed_plan()
+
+    def resilient(plans):
+        return ResilientTrainer(plans, model(6), F.mse_loss, adam, lambda i: None, session=object())
+
+    served = resilient(lambda t: reformed if t.failed else whole)
+    assert served.plan_for(whole.topology) is whole
+    with pytest.raises(RuntimeSetupError, match="re-formed pipelines") as exc:
+        served.plan_for(reformed.topology)
+    assert "\n" not in str(exc.value)
+
+    class Held:  # a cache holding its plans in memory (as `PlanCache` after `preload`)
+        def __init__(self) -> None:
+            self.plans = {(): whole, (Worker(1, 1),): reformed}
+
+        def lookup(self, topology):
+            return self.plans[tuple(sorted(topology.failed))]
+
+    with pytest.raises(RuntimeSetupError, match="re-formed pipelines"):
+        resilient(Held())
