@@ -27,10 +27,11 @@ H, ROWS, ITERATIONS = 4, 10, 3  # ROWS per regular micro-batch: every piece (0.8
 TOL = 1e-10
 
 
-def reformed_plan() -> Plan:
-    """pp 3, dp 2, M 3, 2 layers per place, worker 1:1 failed: pipeline 1 re-formed over places 0 and 2 (a gap
-    its activations cross), both pipelines' shares by throughput."""
-    return compile(3, 2, 3, failed=["1:1"], layers=2, reform=(1,), memory_limit=None)
+def reformed_plan(failed: str = "1:1") -> Plan:
+    """pp 3, dp 2, M 3, 2 layers per place, worker `failed` of pipeline 1 failed: that pipeline re-formed over
+    its two other places (1:1: a gap its activations cross; 1:2: its loss on place 1), both pipelines' shares
+    by throughput."""
+    return compile(3, 2, 3, failed=[failed], layers=2, reform=(1,), memory_limit=None)
 
 
 def model(layers: int) -> nn.Sequential:
@@ -174,9 +175,11 @@ def train_and_switch(rank: int, plans: list[Plan], outdir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_switch_to_a_re_formed_plan_moves_layers_with_their_adam_state(tmp_path: Path) -> None:
-    """6 processes, then 5: pipeline 1's workers 1:0 and 1:2 take layers 2 and 3 (its failed worker's) from
-    pipeline 0's 0:1, with their Adam state; every layer after four steps equals one process's."""
-    plans = [fault_free_plan(), reformed_plan()]
+    """6 processes, then 5 (worker 1:2 fails): pipeline 1 re-forms to (3, 3, 0), 1:0 taking layer 2 from its
+    own pipeline's 1:1 and 1:1 taking layers 4 and 5 (the failed worker's) from pipeline 0's 0:2, with their
+    Adam state, and 1:1 computing the loss from then on; every layer after four steps equals one process's."""
+    plans = [fault_free_plan(), reformed_plan("1:2")]
+    assert plans[1].partitions == ((2, 2, 2), (3, 3, 0))
     spawn(train_and_switch, 6, (plans, str(tmp_path)), timeout=150.0)
     net, optimizer, _ = reference(6, 2 * 3 * ROWS, 4)
     state = optimizer.state_dict()["state"]
@@ -195,7 +198,7 @@ def test_a_switch_to_a_re_formed_plan_moves_layers_with_their_adam_state(tmp_pat
                 assert float(moved["step"]) == float(expected["step"]) == 4
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert (moved[key] - expected[key]).abs().max().item() <= TOL, (got["worker"], layer, key)
-    assert holders["1:0"] == [0, 1, 2] and holders["1:2"] == [3, 4, 5] and holders["0:1"] == [2, 3]
+    assert holders["1:0"] == [0, 1, 2] and holders["1:1"] == [3, 4, 5] and holders["0:2"] == [4, 5]
 
 
 def test_layers_of_a_failed_worker_come_from_a_live_holder_in_another_pipeline() -> None:
