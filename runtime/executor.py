@@ -31,9 +31,11 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op
 from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch, take_rows
 from schedcomp.runtime.iteration import Iteration, Key, key_of, slot_of
-from schedcomp.runtime.layout import Reduction
+from schedcomp.runtime.layout import Layout, Reduction
 from schedcomp.runtime.rng import stream_seed
+from schedcomp.runtime.stage import Stage
 from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
+from schedcomp.topology import Worker
 
 __all__ = ["HANDLERS", "Iteration", "Timing", "handler", "run_residual", "run_stream"]
 
@@ -168,9 +170,7 @@ def _gather(it: Iteration, reduction: Reduction) -> tuple[torch.Tensor, Callable
         sizes = [stage.numel for stage in stages]
         setters = [stage.set_flat_grads for stage in stages]
     else:
-        first = it.units.span(it.worker.pipeline, it.stage.index).start
-        params = [p for layer in reduction.layers for p in it.stage.module[layer - first].parameters()
-                  if p.requires_grad]
+        params = segment_params(it.units, it.worker, it.stage, reduction.layers)
         if not params:
             return None
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
@@ -184,6 +184,12 @@ def _gather(it: Iteration, reduction: Reduction) -> tuple[torch.Tensor, Callable
             offset += n
 
     return flat, scatter
+
+
+def segment_params(layout: Layout, worker: Worker, stage: Stage, layers: range) -> list[torch.nn.Parameter]:
+    """The trainable parameters of model layers `layers` in `worker`'s stage, in order (a segment's)."""
+    return [p for layer in layout.layers_of(worker, stage.module, layers) for p in layer.parameters()
+            if p.requires_grad]
 
 
 def _set_grad(p: torch.nn.Parameter, flat: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ span is a failed place of a re-formed pipeline, which runs nothing. From it, one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from schedcomp.ir import Plan
 from schedcomp.partition import spans
@@ -70,6 +71,11 @@ class Layout:
     def reductions_of(self, worker: Worker) -> tuple[Reduction, ...]:
         """The collectives `worker`'s ALLREDUCE runs, in order (none where it holds nothing)."""
         return tuple(r for r in self.reductions if worker in r.holders)
+
+    def layers_of(self, worker: Worker, module: Any, layers: range) -> list[Any]:
+        """The layers `layers` (model indices) in `module`, `worker`'s stage (an `nn.Sequential` of its span)."""
+        first = self.span(worker.pipeline, worker.stage).start
+        return [module[layer - first] for layer in layers]
 
     def sources(self, cut: int, place_of: dict[int, int] | None = None) -> tuple[tuple[Worker, int], ...]:
         """Live (worker, virtual stage) whose held span ends at unit `cut`: any of them can tell what crosses

@@ -18,7 +18,7 @@ from schedcomp.partition import spans
 from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
+from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream, segment_params
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.layout import Layout
@@ -35,13 +35,6 @@ from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
 
-
-def refuse_reformed(plan: Plan, options: TrainingOptions) -> None:
-    """Refuse, in one line, what the runtime does not run with per-pipeline partitions (re-formed pipelines):
-    the global check (its norm counts each stage once, not each segment)."""
-    if plan.partitions is not None and options.checks_globally:
-        raise RuntimeSetupError("max_grad_norm, skip_nonfinite and float16 do not run with re-formed pipelines "
-                                "(per-pipeline partitions) yet: drop them, or compile one partition for every pipeline")
 
 class PipelineTrainer:
     """Train one pipeline stage per process by executing a compiled plan's instruction streams.
@@ -98,7 +91,6 @@ class PipelineTrainer:
         self.seed = seed
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
         self.options.refuse_chunks(plan.topology.chunks)  # before any process group is made
-        refuse_reformed(plan, self.options)
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
@@ -161,7 +153,6 @@ class PipelineTrainer:
         if job_shape(plan) != self.shape:
             raise RuntimeSetupError(f"plan is for {describe_shape(job_shape(plan))} but this job runs "
                                     f"{describe_shape(self.shape)}: compile the plan for this job's shape")
-        refuse_reformed(plan, self.options)  # (every rank alike, before anything collective)
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
@@ -243,7 +234,7 @@ class PipelineTrainer:
         if self.options.checks_globally:
             snapshot = StepSnapshot(self.stage.module, self.stage.optimizer)
             if self.checks is None:
-                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counts_norm)
+                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counted)
             self.checks.stage, self.checks.snapshot = self.stage, snapshot
         self._meter = MemoryMeter(tuple(stages.values()), self.device) if self.profile else None
 
@@ -274,15 +265,20 @@ class PipelineTrainer:
             if reduction.layers is None:
                 modules = [stage.module for stage in self.stages.values()]
             else:
-                first = self.held_layers.start
-                modules = [self.stage.module[layer - first] for layer in reduction.layers]
+                modules = self._layout.layers_of(self.worker, self.stage.module, reduction.layers)
             with torch.no_grad():
                 for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
                     self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
-    def _counts_norm(self) -> bool:
-        """Whether this worker's stage norm enters the global one (its stage's lowest live replica)."""
-        return self.worker == min(self.plan.topology.stage_group(self.worker.stage))
+    def _counted(self) -> list[nn.Parameter]:
+        """The parameters whose gradients' norm this worker adds to the global one: each reduction's lowest
+        holder counts it (a stage's lowest live replica its stage's; with re-formed pipelines, per segment)."""
+        out: list[nn.Parameter] = []
+        for reduction in self._layout.reductions_of(self.worker):
+            if self.worker == min(reduction.holders):
+                out += (self.stage.params if reduction.layers is None
+                        else segment_params(self._layout, self.worker, self.stage, reduction.layers))
+        return out
 
     def settle(self) -> StepOutcome | None:
         """Validate the last update now (max_grad_norm, skip_nonfinite; see `training`): parameters

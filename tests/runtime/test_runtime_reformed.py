@@ -71,22 +71,25 @@ def test_segments_reduce_over_overlapping_groups_and_one_partition_over_stage_gr
     assert shared.reductions == tuple(Reduction(g, None) for g in ((w(0, 0), w(1, 0)), (w(0, 1),), (w(0, 2), w(1, 2))))
 
 
-def train(rank: int, plan: Plan, outdir: str) -> None:
+def train(rank: int, plan: Plan, outdir: str, max_grad_norm: float | None = None) -> None:
     """In each process: train on `plan`; save each layer this worker holds and the losses."""
     from schedcomp.runtime import PipelineTrainer
 
     layers = sum(plan.partitions[0])
-    trainer = PipelineTrainer(plan, model(layers), F.mse_loss, adam)
+    trainer = PipelineTrainer(plan, model(layers), F.mse_loss, adam, max_grad_norm=max_grad_norm)
     rows = plan.topology.dp * plan.microbatches * ROWS
     losses = [float(trainer.step(batch(i, rows))) for i in range(ITERATIONS)]
+    trainer.settle()  # a step the global check holds is applied now
     first = trainer.held_layers.start
     held = {first + k: layer.state_dict() for k, layer in enumerate(trainer.stage.module)}
     torch.save({"worker": str(trainer.worker), "losses": losses, "held": held}, Path(outdir) / f"{rank}.pt")
     trainer.close()
 
 
-def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, torch.optim.Optimizer, list[float]]:
-    """One process training the whole model on the whole batches: the model, its optimizer, the losses."""
+def reference(layers: int, rows: int, steps: int, max_grad_norm: float | None = None,
+              ) -> tuple[nn.Sequential, torch.optim.Optimizer, list[float]]:
+    """One process training the whole model on the whole batches: the model, its optimizer, the losses
+    (with `max_grad_norm`: and the gradient norms before clipping)."""
     net = model(layers)
     optimizer = adam(net.parameters())
     losses = []
@@ -95,6 +98,9 @@ def reference(layers: int, rows: int, steps: int) -> tuple[nn.Sequential, torch.
         loss = F.mse_loss(net(x), y)
         losses.append(loss.item())
         loss.backward()
+        if max_grad_norm is not None:
+            norm = float(nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm))
+            assert norm > max_grad_norm, "this test needs every step clipped"
         optimizer.step()
         optimizer.zero_grad()
     return net, optimizer, losses
@@ -126,13 +132,15 @@ def test_a_re_formed_plan_trains_as_one_process(tmp_path: Path) -> None:
     assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
 
 
-def test_the_global_check_is_refused_with_re_formed_pipelines_in_one_line() -> None:
-    from schedcomp.runtime import PipelineTrainer
-
-    with pytest.raises(RuntimeSetupError, match="re-formed pipelines") as exc:
-        PipelineTrainer(reformed_plan(), model(6), F.mse_loss, adam, max_grad_norm=1.0,
-                        process=(0, 5, torch.device("cpu")))
-    assert "\n" not in str(exc.value)
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_global_norm_counts_each_segment_once(tmp_path: Path) -> None:
+    """Clipping by the global norm (every step clipped): each segment's norm enters it from its lowest holder,
+    so the norm is the whole model's, as `clip_grad_norm_` on one process gives."""
+    plan, limit = reformed_plan(), 0.02
+    spawn(train, len(plan.workers), (plan, str(tmp_path), limit), timeout=150.0)
+    net, _, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS, limit)
+    assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
 
 
 # ---- a switch to a re-formed plan moves layers between pipelines of different depths --------------------
