@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.ir import Plan
 from schedcomp.partition import Partition, spans, stage_of_layer
 from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm
@@ -323,3 +324,15 @@ def partition_for(partition: Partition | None, model: nn.Sequential | None, base
         raise RuntimeSetupError(f"the plan's partition {list(partition)} holds {sum(partition)} layers but the model "
                                 f"has {len(model)}: compile the plan for this model")
     return tuple(partition)
+
+
+def cuts_for(plan: Plan, model: nn.Sequential | None, base: Partition | None) -> Partitions | None:
+    """Per pipeline, the layers each (virtual) stage of `plan` holds on this model: `Plan.partitions`, else
+    the one cut `partition_for` gives every pipeline (None for a stage builder); one line where it cannot."""
+    if plan.partitions is None:
+        job = partition_for(plan.partition, model, base, plan.topology.stages)
+        return None if job is None else (job,) * plan.topology.dp
+    if model is None or sum(plan.partitions[0]) != len(model):
+        raise RuntimeSetupError(f"the plan's pipelines hold {sum(plan.partitions[0])} layers each (re-formed "
+                                "pipelines): pass the model as an nn.Sequential of that many layers")
+    return plan.partitions

@@ -23,7 +23,7 @@ from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
-from schedcomp.runtime.moves import base_partition, move_layers, partition_for
+from schedcomp.runtime.moves import base_partition, cuts_for, move_layers, partition_for
 from schedcomp.runtime.plan_agreement import check_same_plan, describe_shape, job_shape
 from schedcomp.runtime.result import Loss
 from schedcomp.runtime.shapes import probe_boundaries
@@ -112,7 +112,7 @@ class PipelineTrainer:
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
         self.checks: GlobalCheck | None = None
         self.profile = profile
-        self.cuts = self._cuts_of(plan)  # per pipeline, the layers each place holds (None: a stage builder)
+        self.cuts = cuts_for(plan, self.model, self.base_partition)  # per pipeline, the layers of each place
         self._layout = Layout.of(plan)  # of the plan whose cut the stages hold (`_build_stage` reads it)
         cut = self.partition if self.model is not None else layers_per_stage
         self._hold({s: self._build_stage(s, self._module(build_stage, s, stages, cut).to(device))
@@ -156,7 +156,7 @@ class PipelineTrainer:
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
-        cuts = self._cuts_of(plan)
+        cuts = cuts_for(plan, self.model, self.base_partition)
         self._check_same_plan(plan, joined)
         idle = self.worker in plan.topology.failed  # its process idles on this plan: it holds on to its layers
         if cuts != self.cuts and self.worker not in joined and not idle:
@@ -183,16 +183,6 @@ class PipelineTrainer:
         the same cut of the model (`runtime.plan_agreement`)."""
         check_same_plan(plan, None if self._fresh else self.cuts, self.comm, self.ranks.workers, joined)
         self._fresh = False
-
-    def _cuts_of(self, plan: Plan) -> Partitions | None:
-        """Per pipeline, the layers each (virtual) stage holds under `plan` (None for a stage builder)."""
-        if plan.partitions is None:
-            job = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
-            return None if job is None else (job,) * self.dp
-        if self.model is None or sum(plan.partitions[0]) != len(self.model):
-            raise RuntimeSetupError(f"the plan's pipelines hold {sum(plan.partitions[0])} layers each (re-formed "
-                                    "pipelines): pass the model as an nn.Sequential of that many layers")
-        return plan.partitions
 
     def _module(self, build: StageBuilder | nn.Sequential, s: int, stages: int,
                 cut: Sequence[int] | None) -> nn.Module:
