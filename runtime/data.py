@@ -93,6 +93,11 @@ class PieceRows:
     checked: set[int] = field(default_factory=set)
     per: int | None = None  # rows per regular micro-batch of the last batch checked
 
+    def add(self, cut: Cut) -> None:
+        """A re-cut plan the job now runs (a better plan it switched to): every size is checked again with it."""
+        self.cuts.append(cut)
+        self.checked.clear()
+
     def check(self, batch: tuple[Tensors, Tensors], chunks: int) -> None:
         """Refuse (one line) a batch too small for a piece of one of the cuts; `chunks`: dp x microbatches."""
         rows = batch_rows(batch[0]) if isinstance(batch, (tuple, list)) and batch else 0

@@ -11,9 +11,10 @@ called again for the same iteration (an iteration is re-run after a failure).
 
 What happens (the integration of `fault.session`, the plan cache and `PipelineTrainer`):
 
-- Start: join generation 0 through a `FaultSession`, take the plan for its topology from the
-  cache and build the trainer on that generation's groups (ranks = the view's members, which are
-  the plan's workers). Replicas start from the lowest rank's parameters.
+- Start (`fault.worker_start`): join generation 0 through a `FaultSession`, take the plan for its
+  topology from the plan source (`fault.plan_source`) and build the trainer on that generation's
+  groups (ranks = the view's members, which are the plan's workers). Replicas start from the
+  lowest rank's parameters.
 - Iteration i: the executor's waits give up as soon as the generation breaks (`wait_work` on the
   session's signal; gloo cannot interrupt a blocked wait). STEP is `snapshot.take(i)`, the
   optimizer step, then `session.commit(i)`, with no network call in between, so the commit
@@ -68,7 +69,6 @@ iteration i, in micro-batches (all ones, exactly, when every sample counted once
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -77,29 +77,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.errors import RecoveryError
 from schedcomp.ir import Instruction, Plan
 from schedcomp.partition import Partition
-from schedcomp.runtime.data import PieceRows, Tensors
+from schedcomp.runtime.data import Tensors
 from schedcomp.runtime.executor import Iteration
 from schedcomp.runtime.fault import switches
 from schedcomp.runtime.fault.agreement import Evicted
 from schedcomp.runtime.fault.better import BetterPlan
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
-from schedcomp.runtime.fault.chunks import Held, held_of, held_snapshot
+from schedcomp.runtime.fault.chunks import Held
 from schedcomp.runtime.fault.inject import Hook
 from schedcomp.runtime.fault.membership import GenerationAborted, wait_abortable
-from schedcomp.runtime.fault.policies import (
-    cut_of,
-    cuts_of,
-    may_cut_elsewhere,
-    may_recut,
-    recovery_policy,
-    recuts_of,
-    refuse_chunks,
-    refuse_moves,
-    refuse_recut,
-)
+from schedcomp.runtime.fault.plan_source import PlanSource
+from schedcomp.runtime.fault.policies import recovery_policy
 from schedcomp.runtime.fault.protocol import RecoveryTimeout
 from schedcomp.runtime.fault.recovery import OnFailure, RecoveryPolicy
 from schedcomp.runtime.fault.report import Report
@@ -107,19 +98,17 @@ from schedcomp.runtime.fault.restart import CheckpointPolicy, LastResort
 from schedcomp.runtime.fault.rollback import Rollback
 from schedcomp.runtime.fault.session import FaultSession
 from schedcomp.runtime.fault.store import WorkerEnv
-from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.fault.transfer import StepSnapshot
+from schedcomp.runtime.fault.worker_start import start_worker
 from schedcomp.runtime.lossy import LossyPolicy
-from schedcomp.runtime.moves import check_movable, job_splits_per_layer
-from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder, build_module
+from schedcomp.runtime.stage import LossFn, OptimizerFactory, StageBuilder
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.runtime.training import BARRIER, SchedulerFactory, TrainingOptions
-from schedcomp.topology import LOOP, Topology
+from schedcomp.topology import Topology
 
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], tuple[Tensors, Tensors]]
-PlanSource = Callable[[Topology], Plan]
 
 
 class ResilientTrainer:
@@ -168,24 +157,8 @@ class ResilientTrainer:
         if self.options.checks_globally and logging is not None:
             raise RecoveryError("max_grad_norm, skip_nonfinite and float16 are not replayed by logging-based recovery "
                                 "yet (a replayed step needs its iteration's global norm): drop logging= to use them")
-        # anything with `lookup(topology) -> Plan` (a `PlanCache`) or a plain function
-        self._plans: PlanSource = plans.lookup if hasattr(plans, "lookup") else plans
-        self._plan_source = plans
-        # the job's chunks per worker and their placement (a `PlanCache` knows them; see `plan_for`)
-        self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
-        refuse_chunks(self.policy, self.chunks)
-        self.options.refuse_chunks(self.chunks)
-        refuse_recut(self.policy, may_recut(plans))  # from a cache's index: before its plans are read
-        self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
-        # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
-        self._cuts: set[Partition | None] = set(cuts_of(plans, build_stage)) if isinstance(self.policy, (LossyPolicy,
-                                                                                             SwiftPolicy)) else set()
-        refuse_moves(self.policy, self._cuts)
-        self.moves_layers = may_cut_elsewhere(plans, build_stage)  # then every stage is checked movable at start
-        if self.moves_layers and isinstance(self.policy, (LossyPolicy, SwiftPolicy)):
-            raise RuntimeSetupError(f"the {self.policy.name} policy keeps each stage's layers in place, but this plan "
-                                    "source may switch to plans that move them (a cache with layer costs, compiled "
-                                    "further in the background): use policy='rollback' (the default)")
+        # what the plan source may serve, refused up front where the policy or the options cannot run it
+        self.plans = PlanSource(plans, build_stage, self.policy, self.options)
         self.build_stage, self.loss_fn, self.make_optimizer = build_stage, loss_fn, make_optimizer
         self.batch_for, self.before, self.after_recovery = batch_for, before, after_recovery
         self.session = session or FaultSession(WorkerEnv.from_env(), detection_time=detection_time)
@@ -213,73 +186,15 @@ class ResilientTrainer:
         wait_abortable(work, self.session.signal)
 
     def plan_for(self, topology: Topology) -> Plan:
-        """The cached plan for this topology's failed set (the session's topologies count places;
-        the plan source is asked with the job's chunks and placement)."""
-        plan = self._plans(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
-        self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
-        self.refuse_cut(plan)
-        refuse_recut(self.policy, bool(plan.cut))  # a function's plans: known as it serves them
-        return plan
+        """The plan for this topology's failed set (`PlanSource.plan_for`)."""
+        return self.plans.plan_for(topology)
 
     # ---- start -----------------------------------------------------------------------------------------
 
     def start(self) -> int:
-        """Join the job; returns the iteration to start at (0, or a replacement's resume point)."""
-        session = self.session
-        # Build the chunks before joining: a replacement's build would otherwise stall the survivors
-        # at its admission (they wait for it to build its groups; 0.7 s for a 384 MB stage).
-        job = Topology.of(session.env.pp, session.env.dp, chunks=self.chunks, placement=self.placement)
-        # An nn.Sequential goes to the trainer as is: it cuts it by the plan's partition and moves its layers.
-        sequential = isinstance(self.build_stage, nn.Sequential)
-        built = {} if sequential else {s: build_module(self.build_stage, s, job.stages)
-                                       for s in job.chunks_of(session.me.stage)}
-        view = session.start() if session.view is None else session.view
-        plan = self.plan_for(view.topology)
-        refuse_chunks(self.policy, plan.topology.chunks)  # a plan source that is a function: known only now
-        stages = plan.topology.stages
-        if stages != job.stages:  # a function's first plan has chunks: the model splits otherwise
-            built.clear()
-
-        def build(s: int) -> nn.Module:  # what was built before joining, else now
-            return built.pop(s) if s in built else build_module(self.build_stage, s, stages)
-
-        # The base cut is the healthy plan's: a plan without a partition runs it, the first one too (a
-        # replacement builds the plan the survivors switch to, whose digest they compare: as it is).
-        # Checkpoints hold each layer (`checkpoint_layers`), so a run whose first plan cuts elsewhere (a
-        # restart short of workers) builds that cut and restores into it directly.
-        base = cut_of(self._plans(Topology.of(job.pp, job.dp, (), self.chunks, self.placement)), self.build_stage) \
-            if sequential else None
-        own_base = sequential and not session.env.rejoining and plan.partition is None \
-            and cut_of(plan, self.build_stage) != base
-        first = dataclasses.replace(plan, partition=base) if own_base else plan
-        self.trainer = PipelineTrainer(first, self.build_stage if sequential else build, self.loss_fn,
-                                       self.make_optimizer,
-                                       process=(session.groups.rank, len(view.members), session.generation.device),
-                                       make_group=session.generation.new_group, wait=self.wait,
-                                       setup_collectives=False, seed=self.seed, **self.options.__dict__)
-        if base is not None:
-            self.trainer.base_partition = base
-        # refused now, not in the middle of a recovery that moves one; a first plan off the base cut restores
-        # per-layer checkpoints (per-stage ones would load other layers' weights)
-        if self.moves_layers or (sequential and self.trainer.partition != base):
-            for stage in self.trainer.stages.values():
-                check_movable(stage)
-        # checkpoints hold each layer where every stage's layers can move (else each stage, restored into the
-        # base cut), judged alike by every worker: one job never writes both formats
-        self.per_layer = sequential and job_splits_per_layer(self.build_stage, base, self.make_optimizer)
-        if sequential and not self.per_layer and not session.env.rejoining and self.trainer.partition != base \
-                and self.last_resort.schedule is not None:
-            raise RuntimeSetupError("this job's checkpoints hold each stage, not each layer (some stage's optimizer "
-                                    "has several param groups or a tensor setting), so they restore only into the "
-                                    "job's own cut, but this run's first plan cuts the model elsewhere: start it with "
-                                    "every worker")
-        self.held = held_of(self.trainer.stages)  # every chunk this worker holds, by virtual stage
-        self.snapshot = held_snapshot(self.held)
-        self.report = Report(session.me, 0, view.generation, tuple(sorted(map(str, view.failed))))
-        start = switches.join_as_replacement(self) if session.env.rejoining else switches.resume(self, stages)
-        self.trainer.iteration = self.iteration = start
-        self.policy.on_start(self, start)
-        return start
+        """Join the job and build the trainer (`fault.worker_start`); returns the iteration to start at (0, a
+        checkpoint's, or a replacement's resume point)."""
+        return start_worker(self)
 
     # ---- one iteration ----------------------------------------------------------------------------------
 
@@ -328,7 +243,7 @@ class ResilientTrainer:
 
         trainer.iteration = i
         batch = self.batch_for(i)
-        self.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
+        self.plans.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
         self.record(i, trainer.run_iteration(batch, step=self.step_for(i), ledger=ledger, before=before,
                                              started=self.policy.on_iteration))
 
@@ -358,11 +273,6 @@ class ResilientTrainer:
         """Undo this worker's step of `decision.rerun` if it made one (returns whether), forget what the
         report says of the iterations to re-run, and switch to the current generation's plan."""
         return switches.roll_back(self, decision)
-
-    def refuse_cut(self, plan: Plan) -> None:
-        """Refuse (one line) a plan whose cut of the model the policy cannot move to (`policies.refuse_moves`)."""
-        self._cuts.add(cut_of(plan, self.build_stage))
-        refuse_moves(self.policy, self._cuts)
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -421,6 +331,4 @@ class ResilientTrainer:
         try:
             self.session.close()
         finally:
-            close = getattr(self._plan_source, "close", None)  # stops background compiles (`ImprovingPlans`)
-            if close is not None:
-                close()
+            self.plans.close()  # stops background compiles (`ImprovingPlans`)

@@ -68,6 +68,9 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
             raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
         files[key], digests[key] = root / file, digest
         cut = entry_cut(item, n, dp, microbatches, recut)
+        if not {p for p, _ in cut.bounds} <= {d for d, _ in failed}:
+            raise PlanFormatError(f"scenario {n}: its 'cut' re-cuts a pipeline that lost no worker there (a plan "
+                                  "re-cuts only the failed workers' pipelines): re-run schedcomp precompile")
         if cut:
             cuts[key] = cut
     return recut, files, digests, cuts

@@ -52,6 +52,14 @@ class Cut:
             if problem:
                 raise PlanFormatError(f"the cut of pipeline {p} {problem}")
 
+    @property
+    def summary(self) -> str:
+        """The cut in a few words, for messages (a hostile one may have millions of pieces)."""
+        if not self.bounds:
+            return "none"
+        pipelines = ", ".join(str(p) for p, _ in self.bounds)
+        return f"{sum(len(b) - 1 for _, b in self.bounds)} pieces over pipelines {pipelines}"
+
     @classmethod
     def of(cls, bounds: dict[int, Iterable[float]], shares: bool = False) -> Cut:
         return cls(tuple(sorted((p, tuple(float(x) for x in b)) for p, b in bounds.items())), shares)
@@ -123,21 +131,25 @@ class Cut:
     def global_rows(self, pipeline: int, microbatch: int, dp: int, microbatches: int,
                     rows_per_microbatch: int) -> tuple[int, int]:
         """The rows [start, stop) of the global batch (`dp * microbatches` regular micro-batches of
-        `rows_per_microbatch` rows) that micro-batch `microbatch` of `pipeline` covers. Pipeline p starts at
-        `offset_p = round(C_p * r)`, C_p the sum of the shares before it (added in pipeline order); piece i
-        covers `offset_p + round(b_i * r)` up to `offset_p + round(b_{i+1} * r)`, its last piece up to
-        `offset_{p+1}` (the last pipeline's up to the batch's end): every row once. With every share
-        `microbatches` this is `pipeline * microbatches * r + rows(...)`, the mapping of whole shares."""
+        `rows_per_microbatch` rows) that micro-batch `microbatch` of `pipeline` covers.
+
+        Without shares this is `pipeline * microbatches * r + rows(...)`, the mapping of whole shares. With
+        them every boundary is rounded once, at its place in the global batch: piece i of pipeline p covers
+        `round((C_p + b_i) r)` up to `round((C_p + b_{i+1}) r)`, C_p the sum of the shares before p (added in
+        pipeline order, so p's last boundary is the same float as p+1's first), the last piece of the last
+        pipeline up to the batch's end. The boundaries never decrease, so every row is covered once; a piece
+        may still get none when it is smaller than a row (`data.empty_piece` refuses such a batch)."""
         r = rows_per_microbatch
+        if not self.shares:
+            start, stop = self.rows(pipeline, microbatch, r)
+            return pipeline * microbatches * r + start, pipeline * microbatches * r + stop
         before = 0.0
         for p in range(pipeline):
             before += self.share(p, microbatches)
-        offset = round(before * r)
-        start, stop = self.rows(pipeline, microbatch, r)
-        if microbatch == self.count(pipeline, microbatches) - 1:  # the last piece ends where the next pipeline starts
-            end = before + self.share(pipeline, microbatches)
-            return offset + start, dp * microbatches * r if pipeline == dp - 1 else round(end * r)
-        return offset + start, offset + stop
+        b = self.pipelines.get(pipeline)
+        lo, hi = (float(microbatch), float(microbatch + 1)) if b is None else (b[microbatch], b[microbatch + 1])
+        last = pipeline == dp - 1 and microbatch == self.count(pipeline, microbatches) - 1
+        return round((before + lo) * r), dp * microbatches * r if last else round((before + hi) * r)
 
     def to_json(self) -> dict[str, list[float]]:
         return {str(p): list(b) for p, b in self.bounds}

@@ -20,13 +20,17 @@ training loop around it):
   `checkpoint_check`: everything a restore checks first (manifest, layout), `checkpoint_storage`:
   DCP's metadata and the stored bytes' digests; `checkpoint_layers` (`checkpoint_layers_check`): the
   same per layer for an `nn.Sequential` model, written under any cut and restored into any other.
-- `launch_args`: the launcher's command line, checked whole before anything starts.
+- `launch_args`: the launcher's command line, checked whole before anything starts;
+  `launch_hosts`: the job's store it serves or reaches, and what it does when hosts part.
 - `restart`: checkpoints while training and a restart of the whole job when a stage is lost
   (`CheckpointPolicy`, passed to `ResilientTrainer(checkpoint=...)`).
 - `recovery`: the recovery-policy interface `ResilientTrainer` calls (`RecoveryPolicy`, with
   `RollbackPolicy` and `RestartPolicy`; `runtime.lossy.LossyPolicy`); its docstring says how to
   add one. `rollback`: the rollback decision and `residual`: what survivors finish under the
   lossy policy (pure functions).
+- `worker_start`: how a `ResilientTrainer` worker starts (joins, builds its trainer, restores or
+  receives its state); `plan_source`: the plans it asks for and what its policy refuses of them;
+  `switches`: what it does between iterations (recover, admit replacements, take a better plan).
 """
 
 from schedcomp.runtime.fault.agreement import AgreementTimeout, CommitLog, Evicted, agree, join_job, switch_iteration

@@ -35,7 +35,7 @@ incarnation 0 and the respawn budget (`--respawn`) starts over, so a job starts 
 (`--workers 0:0,0:1,...` names workers one by one instead of whole pipelines.) The host serving
 the store must outlive the job: put it where failures are least likely, or give it no workers;
 once its own workers are done it keeps serving while other hosts' workers still beat (a signal
-ends that at once: they lose the store and fence themselves). A whole
+ends that at once: they lose the store and fence themselves; `launch_hosts`). A whole
 host lost is detected by heartbeats (`detection_time`), since no launcher is left there to
 leave death notices; its workers' replacements can be started by a new launcher on another
 host with `--workers ... --store ... --incarnation 1`.
@@ -77,20 +77,12 @@ from torch.distributed import Store
 
 from schedcomp.errors import RecoveryError, SchedcompError
 from schedcomp.runtime.fault.agreement import latest_view
-from schedcomp.runtime.fault.fence import FENCED_EXIT, Fence, exit_fenced
+from schedcomp.runtime.fault.fence import FENCED_EXIT
 from schedcomp.runtime.fault.launch_args import DEFAULT_STORE_TIMEOUT, parse_args, seconds
+from schedcomp.runtime.fault.launch_hosts import cut_off_watch, open_store, serve_other_hosts
 from schedcomp.runtime.fault.membership import View
 from schedcomp.runtime.fault.restart import RestartRequest, restart_requested
-from schedcomp.runtime.fault.store import (
-    LOOPBACK,
-    SEALED,
-    Keys,
-    StoreAddress,
-    WorkerEnv,
-    get_int,
-    run_store,
-    serve_store,
-)
+from schedcomp.runtime.fault.store import LOOPBACK, SEALED, Keys, StoreAddress, WorkerEnv, run_store
 from schedcomp.runtime.fault.zygote import ForkedProcess, Zygote, flush_streams
 from schedcomp.topology import Topology, Worker
 
@@ -137,12 +129,8 @@ class Launcher:
         self.command, self.pp, self.dp, self.bind = list(command), pp, dp, bind
         self.fence, self.respawn_delay, self.poll = fence, respawn_delay, poll
         self.store_timeout, self.linger = store_timeout, linger
-        self.server = None
-        if store is None:  # this launcher serves the job's store
-            self.server, store = serve_store(*((serve.host, serve.port) if serve else (LOOPBACK, 0)))
-        self.address = store
-        # every run's keys, under `run{k}/` (`store.run_store`); another launcher's store may still be starting
-        self.root: Store = store.connect() if self.server else store.reach(store_timeout)
+        # the job's store (`launch_hosts`): `root` holds every run's keys, under `run{k}/` (`store.run_store`)
+        self.server, self.address, self.root = open_store(store, serve, store_timeout)
         self.run_number, self.restarts_left, self.restart_grace = 0, max_restarts, restart_grace
         self.store: Store = run_store(self.root, 0)  # the current run's keys
         self.respawn = respawn
@@ -166,8 +154,7 @@ class Launcher:
         previous = {s: signal.signal(s, lambda sig, _frame: stop.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
         # Only a launcher that reaches the store over the network can lose it (the server is not
         # in this process): with no answer for store_timeout, this host is cut off (see partitions).
-        cut = (Fence(self.store_timeout, f"launcher of {', '.join(str(s.worker) for s in self.slots)}",
-                     "this host is cut off from the job: stopping its workers", action=self._cut_off)
+        cut = (cut_off_watch(self.store_timeout, [s.worker for s in self.slots], self._kill_running)
                if self.server is None else None)
         try:
             self.start()
@@ -183,7 +170,10 @@ class Launcher:
                 time.sleep(self.poll)
             if cut is not None:
                 cut.stop()
-            interrupted = self._serve_other_hosts(stop)
+            # the store outlives this host's workers while other hosts' still beat (`launch_hosts`)
+            local = {s.worker for s in self.slots}
+            others = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
+            interrupted = serve_other_hosts(self.store, others, self.linger, stop) if self.server is not None else None
             return 128 + interrupted if interrupted is not None else self.exit_code()
         finally:
             if cut is not None:
@@ -194,38 +184,11 @@ class Launcher:
             if self.zygote is not None:
                 self.zygote.close()
 
-    def _cut_off(self, message: str) -> None:
-        """The store is out of reach: kill every local worker (they fence themselves too) and exit 75."""
+    def _kill_running(self) -> None:
+        """Kill every local worker still running (this host is cut off: `launch_hosts.cut_off_watch`)."""
         for slot in self.slots:
             if slot.proc is not None and slot.proc.poll() is None:
                 slot.proc.kill()
-        exit_fenced(message)
-
-    def _serve_other_hosts(self, stop: list[int]) -> int | None:
-        """Keep serving the store while workers of other hosts still beat (at most 20 x `linger` s),
-        unless a signal asks us to stop (`stop`, filled by `run`'s handlers): returns that signal.
-
-        Without this, the store would vanish under workers of other hosts still leaving the job
-        (closing their groups), and they would fence themselves instead of exiting cleanly. On a
-        signal the user asked for exactly that: they lose the store, fence themselves (status 75)
-        and their launchers, with no answer for `--store-timeout`, stop what is left and exit 75.
-        """
-        local = {s.worker for s in self.slots}
-        remote = [w for w in Topology.of(self.pp, self.dp).workers if w not in local]
-        if self.server is None or not remote:
-            return None
-        beats, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 20 * self.linger
-        while time.monotonic() < deadline:
-            if stop:
-                log.warning("signal %d: no longer serving the store to the workers of other hosts", stop[0])
-                return stop[0]
-            now = [get_int(self.store, Keys.heartbeat(w), 0) for w in remote]
-            if now != beats:
-                beats, quiet_since = now, time.monotonic()
-            elif time.monotonic() - quiet_since > self.linger:
-                return None
-            time.sleep(min(0.5, self.linger / 4))
-        return None
 
     def step(self) -> bool:
         """One round of watching: restart, reap, notify, fence, replace. False once nothing is left to watch."""

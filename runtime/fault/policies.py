@@ -83,10 +83,15 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None])
                             "layers at a plan switch")
 
 
+def runs_pieces(policy: RecoveryPolicy) -> bool:
+    """Whether `policy` can run plans that re-cut micro-batches: lossy (its residual streams, lost chunks and
+    rescaling) and logging (its boundary logs and replay) work with whole ones."""
+    return not isinstance(policy, (LossyPolicy, SwiftPolicy))
+
+
 def refuse_recut(policy: RecoveryPolicy, recut: bool) -> None:
-    """Refuse, in one line, a policy that works with whole micro-batches when the plans may re-cut them
-    (lossy: its residual streams, lost chunks and rescaling; logging: its boundary logs and replay)."""
-    if recut and isinstance(policy, (LossyPolicy, SwiftPolicy)):
+    """Refuse, in one line, a policy that works with whole micro-batches when the plans may re-cut them."""
+    if recut and not runs_pieces(policy):
         raise RuntimeSetupError(f"the {policy.name} policy works with whole micro-batches, but this plan source "
                                 "re-cuts them (precompile --recut): use policy='rollback' (the default), or a cache "
                                 "precompiled without --recut")

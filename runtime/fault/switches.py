@@ -7,9 +7,9 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
   failed set), hand the state to replacements; returns the iteration to run next;
 - `admit(rt, completed)`: at an iteration boundary, admit the replacements due there, regroup, hand over;
 - `improve(rt, completed)`: switch to the plan source's better plan at the boundary all members agreed on
-  (not to a re-cut one with a piece too small for the job's batches: `data.PieceRows`);
-- at start, `join_as_replacement(rt)` (a replacement's state from a donor, or the logging policy's replay)
-  or `resume(rt, stages)` (the agreed checkpoint restored, per layer into the plan's cut).
+  (not to a re-cut one with a piece too small for the job's batches: `data.PieceRows`).
+
+How a worker starts (joins, or is restored from a checkpoint) is in `fault.worker_start`.
 
 A plan that cuts the model elsewhere (`Plan.partition`) moves layers at the switch (`runtime.moves`), once
 the policy has restored a consistent state (after the rollback's undo), among the survivors only:
@@ -24,58 +24,15 @@ import logging
 import time
 from typing import Any
 
-from schedcomp.errors import RecoveryError
 from schedcomp.ir import Plan
 from schedcomp.runtime.data import empty_piece
-from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state, send_held_state
+from schedcomp.runtime.fault.chunks import held_of, held_snapshot, send_held_state
 from schedcomp.runtime.fault.membership import GenerationAborted
-from schedcomp.runtime.fault.report import Recovery, Rejoined
+from schedcomp.runtime.fault.policies import runs_pieces
+from schedcomp.runtime.fault.report import Recovery
 from schedcomp.runtime.fault.rollback import Rollback
 
 log = logging.getLogger(__name__)
-
-
-def join_as_replacement(rt: Any) -> int:
-    """A replacement's start: its stage's state from a live replica (the donor), or rebuilt by the logging
-    policy's replay when none is left; returns the iteration to run next."""
-    session = rt.session
-    donor = session.donor_for(session.me.stage)
-    rebuild = getattr(rt.policy, "rebuild", None)  # logging-based recovery replays the stage
-    if donor is None and rebuild is not None:
-        try:
-            start = rebuild(rt)
-        except RecoveryError as e:  # a parallel replay lost a worker: restart from the checkpoints
-            rt.last_resort.give_up(e)
-        rt.report.resumed_at = start
-        session.commit(start - 1)
-        return start
-    if donor is None:
-        raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
-                            "restart the job from a checkpoint")
-    receiving = time.time()
-    got = recv_held_state(rt.held, session.groups.world, src=session.groups.rank_of(donor), wait=rt.wait)
-    assert session.announced_at is not None and session.admitted_at is not None
-    rt.report.rejoined = Rejoined(session.announced_at, session.admitted_at, receiving, time.time(), got.nbytes)
-    start = int(got.info["iteration"])
-    session.commit(start - 1)  # it holds the donor's state after that step
-    rt.report.resumed_at = start
-    return start
-
-
-def resume(rt: Any, stages: int) -> int:
-    """A run's start: the replicas synchronised and the checkpoint every worker agrees on restored into the
-    cut the trainer was built with (`fault.restart`; per layer, so whichever cut wrote it). Returns the
-    iteration to run next."""
-    session = rt.session
-    rt.trainer.sync_replicas()
-    resumed = rt.last_resort.resume(rt.held, stages, rt.checkpoint_cut)
-    start = resumed.start
-    if start > 0:
-        session.commit(start - 1)  # it holds the checkpoint's state after that step
-    rt.report.run, rt.report.restored_from = session.env.run, resumed.restored_from
-    rt.report.iterations_lost = resumed.iterations_lost
-    rt.report.restart_reason = resumed.previous.reason if resumed.previous is not None else None
-    return start
 
 
 def follow(rt: Any) -> None:
@@ -177,11 +134,17 @@ def admit(rt: Any, completed: int) -> None:
 def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
-    problem = empty_piece(plan.cut, rt.pieces.per) if plan is not None and rt.pieces.per is not None else None
-    if problem:  # every member ran the same batches: all keep their plan
+    per = rt.plans.pieces.per  # rows per regular micro-batch of the job's batches (None: none checked yet)
+    problem = empty_piece(plan.cut, per) if plan is not None and per is not None else None
+    if plan is not None and plan.cut and not runs_pieces(rt.policy):  # every member decides alike: all keep theirs
+        log.warning("not switching to the better plan: it re-cuts micro-batches, which the %s policy does not run",
+                    rt.policy.name)
+    elif problem:
         log.warning("not switching to the better plan: its piece %s at this batch size", problem)
     elif plan is not None:
-        rt.refuse_cut(plan)
+        rt.plans.refuse_cut(plan)
+        if plan.cut:  # later batch sizes are checked against its pieces too
+            rt.plans.pieces.add(plan.cut)
         rt.trainer.use_plan(plan)
         follow(rt)
         rt.report.improved.append(completed + 1)

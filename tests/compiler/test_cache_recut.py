@@ -51,8 +51,8 @@ def test_an_index_without_recut_reads_as_before_and_refuses_a_re_cut_plan(recut_
     cache = PlanCache.load(copy_cache(recut_dir, tmp_path, as_whole))  # as precompile wrote indexes before --recut
     assert not cache.recut and not cache.cuts
     assert not cache.lookup([]).cut
-    with pytest.raises(PlanFormatError, match=r"its cut of micro-batches \(\{'2': .*\) is not the one the index "
-                                              r"gives \(none\)"):
+    with pytest.raises(PlanFormatError, match=r"its cut of micro-batches \(6 pieces over pipelines 2\) differs from "
+                                              r"the one the index gives \(none\)"):
         cache.lookup([Worker(1, 1)])
 
 
@@ -63,7 +63,8 @@ def test_a_plan_whose_cut_is_not_its_index_entrys_is_refused(recut_dir: Path, tm
                 entry["cut"] = {"2": [0.0, 1.0, 3.0]}
 
     cache = PlanCache.load(copy_cache(recut_dir, tmp_path, other_cut))
-    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+    with pytest.raises(PlanFormatError, match=r"\(6 pieces over pipelines 2\) differs from the one the index gives "
+                                              r"\(2 pieces over pipelines 2\)"):
         cache.lookup([Worker(1, 1)])
 
 
@@ -73,6 +74,7 @@ def test_a_plan_whose_cut_is_not_its_index_entrys_is_refused(recut_dir: Path, tm
     (lambda index: index["scenarios"][1].update(cut={"2": [0.0, 2.0]}), "covers 2 micro-batches but the plan has 3"),
     (lambda index: index["scenarios"][1].update(cut={"2": [0.0, 0.0, 3.0]}), "boundaries must increase"),
     (lambda index: index["scenarios"][1].update(cut={}), "its 'cut' is empty"),
+    (lambda index: index["scenarios"][0].update(cut={"0": [0.0, 1.5, 3.0]}), "re-cuts a pipeline that lost no worker"),
 ])
 def test_a_malformed_cut_in_the_index_is_refused_at_load(recut_dir: Path, tmp_path: Path, edit, message: str) -> None:
     with pytest.raises(PlanFormatError, match=re.escape(message)):

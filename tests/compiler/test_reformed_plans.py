@@ -7,6 +7,8 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schedcomp.check import check, peak_memory
 from schedcomp.check_reformed import segments_passed
@@ -167,6 +169,36 @@ def test_global_rows_keep_whole_shares_exact_and_cover_re_balanced_shares_once()
     rows = [shares.global_rows(p, i, dp, m, r) for p in range(dp) for i in range(shares.count(p, m))]
     assert rows[0][0] == 0 and rows[-1][1] == dp * m * r
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(rows))
+
+
+@st.composite
+def share_cuts(draw: st.DrawFn) -> tuple[Cut, int, int, int]:
+    """Random re-balanced shares over dp pipelines (each cut into pieces of any sizes, or left whole at M)
+    totalling dp x M, and a row count per micro-batch."""
+    dp, m, r = draw(st.integers(2, 5)), draw(st.integers(1, 6)), draw(st.integers(1, 9))
+    weights = draw(st.lists(st.integers(1, 20), min_size=dp, max_size=dp))
+    shares = [dp * m * w / sum(weights) for w in weights]
+    bounds = {}
+    for p, share in enumerate(shares):
+        if draw(st.booleans()) or p == 0:
+            inner = sorted(set(draw(st.lists(st.integers(1, 99), max_size=6))))
+            bounds[p] = (0.0, *(share * x / 100 for x in inner), share)
+        else:
+            bounds[p] = tuple(float(i) * share / m for i in range(m + 1))
+    return Cut.of(bounds, shares=True), dp, m, r
+
+
+@given(share_cuts())
+@settings(max_examples=300, deadline=None)
+def test_global_rows_cover_every_row_once_in_order_whatever_the_shares(case: tuple[Cut, int, int, int]) -> None:
+    cut, dp, m, r = case
+    rows = [cut.global_rows(p, i, dp, m, r) for p in range(dp) for i in range(cut.count(p, m))]
+    assert rows[0][0] == 0 and rows[-1][1] == dp * m * r
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # consecutive: every row once, none twice
+    # each boundary rounded once: a piece's rows are within one of its size (rounding twice could be off by
+    # 1.5 and leave a piece of more than a row with none)
+    sizes = [cut.size(p, i) * r for p in range(dp) for i in range(cut.count(p, m))]
+    assert all(abs(stop - start - size) <= 1 + 1e-9 for (start, stop), size in zip(rows, sizes, strict=True))
 
 
 @pytest.mark.parametrize(("edit", "says"), [

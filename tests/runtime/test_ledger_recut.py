@@ -22,8 +22,10 @@ from schedcomp.errors import PlanFormatError, RuntimeSetupError
 from schedcomp.ir import InstrKind
 from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
+from schedcomp.runtime.fault.recovery import RollbackPolicy
 from schedcomp.runtime.iteration import Iteration
 from schedcomp.runtime.layout import Layout
+from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.topology import Topology, Worker
 
 
@@ -165,7 +167,7 @@ def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refus
                                                                                  tmp_path: Path) -> None:
     # The index says whole micro-batches; the lossy policy reads every plan at construction (to refuse plans
     # that move layers), and reading checks each against the index: refused there too, not at a failure.
-    with pytest.raises(PlanFormatError, match="is not the one the index gives"):
+    with pytest.raises(PlanFormatError, match="differs from the one the index gives"):
         trainer(PlanCache.load(copy_cache(recut_cache, tmp_path, as_whole)), tmp_path, "lossy")
 
 
@@ -175,17 +177,17 @@ def test_a_cache_whose_index_says_whole_cannot_slip_a_re_cut_plan_past_the_refus
 def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_plan_is_read(recut_cache: Path,
                                                                                          tmp_path: Path) -> None:
     cache = PlanCache.load(recut_cache)
-    rt = trainer(cache, tmp_path, "rollback")
-    assert rt.pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
+    pieces = trainer(cache, tmp_path, "rollback").plans.pieces
+    assert pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
     chunks = DP * M
-    rt.pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
-    assert rt.pieces.per == 2
+    pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    assert pieces.per == 2
     with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
                                                 r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
                                                 r"batch of 9 rows\): use a larger batch"):
-        rt.pieces.check((torch.zeros(chunks, 1), None), chunks)
-    rt.pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
-    assert rt.pieces.checked == {2 * chunks}
+        pieces.check((torch.zeros(chunks, 1), None), chunks)
+    pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+    assert pieces.checked == {2 * chunks}
 
 
 def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(monkeypatch) -> None:
@@ -194,14 +196,19 @@ def test_a_better_plan_whose_pieces_do_not_fit_the_batches_is_not_switched_to(mo
 
     monkeypatch.setattr(switches, "follow", lambda rt: None)  # the switch's collective part: no job here
     plan = compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
-    for per, switched in ((1, False), (2, True)):  # pieces of half a micro-batch: 2 rows per micro-batch hold them
+    for per, policy, switched in ((1, RollbackPolicy(), False), (2, RollbackPolicy(), True), (2, LossyPolicy(), False)):
+        # pieces of half a micro-batch: 2 rows per micro-batch hold them; the lossy policy runs whole ones only
         used: list = []
+        pieces = PieceRows([], {2 * DP * M}, per=per)
         rt = SimpleNamespace(better=SimpleNamespace(due=lambda view, completed: plan), session=SimpleNamespace(),
-                             pieces=PieceRows([], per=per), refuse_cut=lambda p: None,
+                             plans=SimpleNamespace(pieces=pieces, refuse_cut=lambda p: None), policy=policy,
                              trainer=SimpleNamespace(use_plan=used.append), report=SimpleNamespace(improved=[]))
         rt.session.view = None
         switches.improve(rt, 3)
         assert used == ([plan] if switched else []) and rt.report.improved == ([4] if switched else []), per
+        # a plan switched to joins the cuts every batch size is checked against, sizes seen before included
+        assert pieces.cuts == ([plan.cut] if switched else [])
+        assert pieces.checked == (set() if switched else {2 * DP * M})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -223,3 +230,18 @@ def test_the_ledger_stays_exact_in_the_all_reduce_whatever_the_gradients_dtype(d
         dist.destroy_process_group()
     assert ledger.tolist() == [257.0, 1.0, 4099.0]
     assert len(got) == 1 and got[0].dtype == dtype and got[0].tolist() == grads.tolist()
+
+
+def test_a_plan_functions_re_cut_plan_is_checked_against_the_batches_as_it_is_served(tmp_path: Path) -> None:
+    # A plain function (e.g. `lambda t: lookup_or_repair(cache, t)`) says nothing in advance: its re-cut plan is
+    # checked against the batch size when served, on every worker alike, in one line (not a ValueError in the
+    # middle of the recovery's iteration), and joins the cuts later batch sizes are checked against.
+    whole, recut = compile(PP, DP, M), compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
+    rt = trainer(lambda t: recut if t.failed else whole, tmp_path, "rollback")
+    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP * M)  # one row per micro-batch: half-pieces hold none
+    with pytest.raises(RuntimeSetupError, match=r"the plan for failed workers 1:1 has a piece that is a piece of 0.5 "
+                                                r"micro-batches, no whole sample of the 1 per micro-batch"):
+        rt.plan_for(recut.topology)
+    assert rt.plans.pieces.cuts == [recut.cut]
+    rt.plans.pieces.per = 2
+    assert rt.plan_for(recut.topology) is recut  # two rows per micro-batch hold half-pieces

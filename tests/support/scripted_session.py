@@ -31,6 +31,7 @@ class ScriptedSession:
     signal: threading.Event = field(default_factory=threading.Event)
     commits: dict[Worker, int] = field(default_factory=lambda: {ME: -1})
     reported: list[str] = field(default_factory=list)
+    agree_timeout: float = 60.0  # bounds the record exchange of lossy recovery, as `FaultSession`'s does
 
     def __post_init__(self) -> None:
         self.me = ME
