@@ -48,7 +48,9 @@ class PipelineTrainer:
       topology has `chunks` = v > 1) the model has pp * v stages: `build_stage` is called with
       each virtual stage index this worker holds (`Topology.chunks_of`), and an `nn.Sequential`
       is split into pp * v stages. `self.stages` maps each held virtual stage to its `Stage`;
-      `self.stage` is the first of them (the only one without virtual stages).
+      `self.stage` is the first of them (the only one without virtual stages). A plan with re-formed
+      pipelines (`Plan.partitions`) needs an `nn.Sequential`: each worker takes its own pipeline's
+      layers (`self.held_layers`), and ALLREDUCE reduces per segment (`runtime.layout`).
     - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
     - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
     - `profile=True` records every instruction's start and end, and the activation memory held after
@@ -76,7 +78,9 @@ class PipelineTrainer:
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
     `p * microbatches + m` of `dp * microbatches` equal chunks. Each micro-batch's loss is scaled
     by `1 / (dp * microbatches)` and ALLREDUCE sums, so gradients are those of the global mean
-    loss whoever ran which micro-batch. `step` never waits on other stages: see `Loss`.
+    loss whoever ran which micro-batch (a plan with a cut, `Plan.cut`, loads each piece's rows by
+    `Cut.global_rows` and weights its loss by its rows over the batch's). `step` never waits on other
+    stages: see `Loss`.
     """
 
     def __init__(self, plan: Plan, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
