@@ -10,7 +10,8 @@ Groups (every rank creates them, in the same order, so no call can mismatch):
   pair's transfers on one stream per group; with one direction per group a receive posted early
   can never sit in front of a send the peer is waiting for. Gloo does not need it and does not mind.
 - a control group over every rank: shape probe, parameter sync, loss reduction.
-- one group per stage over its live workers (created when a plan first needs it) for ALLREDUCE.
+- one group per stage over its live workers (created when a plan first needs it) for ALLREDUCE; with
+  re-formed pipelines one per distinct holder set of a segment, in layer order (`runtime.layout`).
 
 Devices: the groups serve both the CPU and the GPU (`"cpu:gloo,cuda:nccl"`, see `backend_spec`):
 activations, gradients and parameters go over NCCL on the GPU, small control tensors (plan

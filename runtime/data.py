@@ -4,9 +4,10 @@ Micro-batch m of home pipeline p is chunk `p * microbatches + m` of the global b
 dimension 0 into `dp * microbatches` equal chunks. Whoever runs the first or last stage of that
 micro-batch (its home pipeline or a peer it was re-routed to) loads the same samples and targets.
 
-A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's share (its M chunks
-together) into pieces of unequal sizes instead: piece m holds the rows `piece_rows` gives, rounded to
-whole samples, and its loss is weighted by its rows over the global batch's (`Iteration.scale_of`).
+A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's share (its M chunks together;
+with shares, re-formed pipelines', another number of them) into pieces of unequal sizes instead: piece m
+holds the rows `piece_rows` gives, rounded to whole samples, and its loss is weighted by its rows over
+the global batch's (`Iteration.scale_of`).
 The ledger of resilient jobs counts, per regular micro-batch, the rows of it each piece holds (`held_rows`).
 """
 
@@ -59,21 +60,22 @@ def batch_rows(value: Tensors) -> int:
 
 
 def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chunks: int, rows: int) -> tuple[int, int]:
-    """The rows [start, stop) of the global batch (`rows` of them, cut into `chunks` regular micro-batches)
-    that micro-batch `microbatch` of `pipeline` covers, under `cut` (re-cut pieces, or whole micro-batches)."""
+    """The rows [start, stop) of the global batch (`rows` of them, cut into `chunks` = dp x `microbatches`
+    regular micro-batches) that micro-batch `microbatch` of `pipeline` covers, under `cut` (re-cut pieces, or
+    whole micro-batches; with shares, pipelines of re-formed plans run other shares than `microbatches`):
+    `Cut.global_rows`, of which every share `microbatches` is the special case."""
     if rows == 0 or rows % chunks:
         raise RuntimeSetupError(
             f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
             f"use a batch size that is a multiple of {chunks}"
         )
     per = rows // chunks
-    start, stop = cut.rows(pipeline, microbatch, per)
+    start, stop = cut.global_rows(pipeline, microbatch, chunks // microbatches, microbatches, per)
     if stop <= start:
         what = _no_sample(cut, pipeline, microbatch, per)
         raise RuntimeSetupError(f"micro-batch {microbatch} of pipeline {pipeline} {what}: use a larger batch with this "
                                 "re-cut plan")
-    offset = pipeline * microbatches * per
-    return offset + start, offset + stop
+    return start, stop
 
 
 def _no_sample(cut: Cut, pipeline: int, microbatch: int, per: int) -> str:

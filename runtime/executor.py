@@ -12,13 +12,15 @@ Virtual stages: a worker holds one `Stage` per chunk (`Iteration.stages`, by vir
 each op runs on the chunk its `op.stage` names. Tensors in flight are keyed by (channel, chunk,
 micro-batch). A tensor between two chunks of this worker has no SEND or RECV: the producer leaves
 it in `outgoing` and the consumer takes it from there (a local hand-off). ALLREDUCE reduces every
-chunk's gradients in one collective (the worker's stage group holds the same chunks everywhere);
+chunk's gradients in one collective (the worker's stage group holds the same chunks everywhere); with
+re-formed pipelines it runs one collective per segment the worker holds, in layer order (`runtime.layout`);
 STEP steps every chunk's optimizer. The iteration's state (tensors in flight, tags) is
 `runtime.iteration.Iteration`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -29,8 +31,11 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import COMPUTE_KINDS, InstrKind, Instruction, Op
 from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch, take_rows
 from schedcomp.runtime.iteration import Iteration, Key, key_of, slot_of
+from schedcomp.runtime.layout import Layout, Reduction
 from schedcomp.runtime.rng import stream_seed
+from schedcomp.runtime.stage import Stage
 from schedcomp.semantics import ACT, GRAD, SEMANTICS, semantics_of
+from schedcomp.topology import Worker
 
 __all__ = ["HANDLERS", "Iteration", "Timing", "handler", "run_residual", "run_stream"]
 
@@ -52,12 +57,12 @@ def _load(it: Iteration, ins: Instruction) -> None:
 
 def _recv_act(it: Iteration, ins: Instruction) -> None:
     assert ins.op is not None
-    it.post_recvs(ACT, ins, it.boundaries[ins.op.stage - 1])
+    it.post_recvs(ACT, ins, it.incoming(ins.op))
 
 
 def _recv_grad(it: Iteration, ins: Instruction) -> None:
     assert ins.op is not None
-    it.post_recvs(GRAD, ins, tuple(m for m in it.boundaries[ins.op.stage] if m.has_grad))
+    it.post_recvs(GRAD, ins, it.outgoing_grads(ins.op))
 
 
 def _send_act(it: Iteration, ins: Instruction) -> None:
@@ -120,15 +125,24 @@ def _backward_weight(it: Iteration, ins: Instruction) -> None:
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
-    group = it.comm.stage_group(it.plan.topology.stage_group(it.worker.stage))
-    stages = [stage for stage in it.stages.values() if stage.params]
-    if group is None or not stages:
-        return  # the only live worker of its stage: its gradients are already the sum
-    # one collective for every chunk held (a single chunk's flat gradients are not copied again)
-    flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
+    for reduction in it.units.reductions_of(it.worker):
+        _reduce(it, reduction)
+
+
+def _reduce(it: Iteration, reduction: Reduction) -> None:
+    """One collective of ALLREDUCE (`runtime.layout`): the holders sum the gradients of the reduction's layers
+    (of every chunk held, for a reduction over a stage group)."""
+    group = it.comm.stage_group(reduction.holders)
+    if group is None:
+        return  # the only live holder: its gradients are already the sum
+    gathered = _gather(it, reduction)
+    if gathered is None:
+        return
+    flat, scatter = gathered
     # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
     # counts are rows (up to thousands), exact in float32 and float64 but not in half precision (bf16: 256),
-    # so with half-precision gradients it goes in a float32 collective of its own on the same group.
+    # so with half-precision gradients it goes in a float32 collective of its own on the same group. (A plan
+    # with segments has none: the trainer refuses it.)
     rides = it.ledger is not None and flat.dtype in (torch.float32, torch.float64)
     if rides:
         flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])
@@ -141,11 +155,45 @@ def _allreduce(it: Iteration, ins: Instruction) -> None:
         counts = it.ledger.to(device=flat.device, dtype=torch.float32)
         it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
         it.ledger.copy_(counts)
-    offset = 0
-    for stage in stages:
-        n = stage.numel
-        stage.set_flat_grads(flat[offset:offset + n])
-        offset += n
+    scatter(flat)
+
+
+def _gather(it: Iteration, reduction: Reduction) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
+    """The gradients a reduction sums on this worker, flat, and how to put the sum back; None when it holds
+    no trainable parameter there. A stage group's: every chunk's (one chunk's flat gradients are not copied
+    again); a segment's: those of its layers within this worker's stage, in order."""
+    if reduction.layers is None:
+        stages = [stage for stage in it.stages.values() if stage.params]
+        if not stages:
+            return None
+        flat = stages[0].flat_grads() if len(stages) == 1 else torch.cat([stage.flat_grads() for stage in stages])
+        sizes = [stage.numel for stage in stages]
+        setters = [stage.set_flat_grads for stage in stages]
+    else:
+        params = segment_params(it.units, it.worker, it.stage, reduction.layers)
+        if not params:
+            return None
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        sizes = [p.numel() for p in params]
+        setters = [functools.partial(_set_grad, p) for p in params]
+
+    def scatter(summed: torch.Tensor) -> None:
+        offset = 0
+        for n, put in zip(sizes, setters, strict=True):
+            put(summed[offset:offset + n])
+            offset += n
+
+    return flat, scatter
+
+
+def segment_params(layout: Layout, worker: Worker, stage: Stage, layers: range) -> list[torch.nn.Parameter]:
+    """The trainable parameters of model layers `layers` in `worker`'s stage, in order (a segment's)."""
+    return [p for layer in layout.layers_of(worker, stage.module, layers) for p in layer.parameters()
+            if p.requires_grad]
+
+
+def _set_grad(p: torch.nn.Parameter, flat: torch.Tensor) -> None:
+    p.grad = flat.view_as(p)
 
 
 def _step(it: Iteration, ins: Instruction) -> None:

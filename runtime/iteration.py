@@ -22,6 +22,7 @@ from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, held_rows, piece_rows
+from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
 from schedcomp.semantics import ACT, semantics_of
@@ -42,7 +43,7 @@ class Iteration:
     comm: Comm
     inputs: Tensors
     targets: Tensors
-    boundaries: tuple[tuple[TensorMeta, ...], ...]  # what crosses from virtual stage s to s + 1, per s
+    boundaries: dict[int, tuple[TensorMeta, ...]]  # what crosses into unit u, by u (`runtime.shapes`)
     number: int = 0  # of the iteration, for message tags
     record: bool = False  # profiling: note when each receive was seen complete
     step: Callable[[Iteration], None] | None = None  # runs STEP instead of `stage.step` (resilient: snapshot, commit)
@@ -51,6 +52,7 @@ class Iteration:
     meter: MemoryMeter | None = None  # profiling: activation memory around each compute op
     stages: dict[int, Stage] = field(default_factory=dict)  # every chunk held, by virtual stage (default: `stage`)
     seed: int | None = None  # the job's: each forward draws from its micro-batch's stream (`runtime.rng`)
+    layout: Layout | None = None  # units each stage holds, the all-reduce's collectives (default: the plan's)
     # state, filled and emptied as the stream runs
     loaded: dict[tuple[int, Key], tuple[Tensors | None, Tensors | None]] = field(default_factory=dict)
     recvs: dict[Slot, tuple[int, list[dist.Work], tuple[Tensor, ...]]] = field(default_factory=dict)
@@ -65,6 +67,21 @@ class Iteration:
     def __post_init__(self) -> None:
         if not self.stages:
             self.stages = {self.stage.index: self.stage}
+
+    @property
+    def units(self) -> Layout:
+        """Which units each pipeline's stages hold, and the all-reduce's collectives (`runtime.layout`)."""
+        if self.layout is None:
+            self.layout = Layout.of(self.plan)
+        return self.layout
+
+    def incoming(self, op: Op) -> tuple[TensorMeta, ...]:
+        """What `op`'s stage receives from the held stage before it (across any gap)."""
+        return self.boundaries[self.units.span(op.pipeline, op.stage).start]
+
+    def outgoing_grads(self, op: Op) -> tuple[TensorMeta, ...]:
+        """The gradients `op`'s stage receives from the held stage after it: of its floating-point outputs."""
+        return tuple(m for m in self.boundaries[self.units.span(op.pipeline, op.stage).stop] if m.has_grad)
 
     def stage_of(self, op: Op) -> Stage:
         """The chunk that runs `op` (its virtual stage)."""

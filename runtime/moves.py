@@ -1,13 +1,15 @@
-"""Layers moving between workers when a plan switch changes the partition (`Plan.partition`).
+"""Layers moving between workers when a plan switch changes the partition (`Plan.partition`, or per
+pipeline `Plan.partitions`).
 
 A plan compiled for a failure set may cut the model elsewhere than the plan in use: layers leave a
-stage that lost workers for its neighbours (the same cut in every pipeline). At an iteration boundary
+stage that lost workers for its neighbours (the same cut in every pipeline), or a re-formed pipeline's
+live workers take all the model's layers between them (each pipeline its own cut). At an iteration boundary
 (every stage stepped) `move_layers(old, new, ...)` gives each worker the layers the new partition puts
 on it, with their parameters and optimizer state, bit for bit, and rebuilds its stages:
 
 - who sends what (`plan_moves`, pure): a worker receives each layer it newly holds from the worker of
   its own pipeline that held it, when that one is live, else from the lowest-rank live worker that held
-  it (a replica of that stage: replicas are identical after the step). One message per (receiver,
+  it, in any pipeline (replicas are identical after the step). One message per (receiver,
   source) pair, all of them in one order (receiver rank, then source rank) that every rank derives from
   the two partitions and the live workers alone: no negotiation, and no deadlock (the first transfer
   not yet done always has both its ends at it);
@@ -36,7 +38,9 @@ import torch
 from torch import nn
 
 from schedcomp.errors import RecoveryError, RuntimeSetupError
+from schedcomp.ir import Plan
 from schedcomp.partition import Partition, spans, stage_of_layer
+from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.fault.transfer import flatten, recv_tree, send_tree
 from schedcomp.runtime.stage import Stage, even_split
@@ -62,42 +66,56 @@ class Move:
     layers: tuple[int, ...]
 
 
-def plan_moves(old: Partition, new: Partition, workers: Sequence[Worker],
+Cuts = Partition | Partitions
+"""One partition every pipeline shares, or per pipeline its own (`Plan.partitions`, re-formed pipelines)."""
+
+
+def _per_pipeline(cuts: Cuts) -> Callable[[int], Partition]:
+    if cuts and isinstance(cuts[0], tuple):
+        return lambda d: cuts[d]  # type: ignore[return-value]
+    return lambda d: cuts  # type: ignore[return-value]
+
+
+def plan_moves(old: Cuts, new: Cuts, workers: Sequence[Worker],
                place_of: Callable[[int], int] = _identity) -> tuple[Move, ...]:
-    """Every message that takes the live `workers` (in rank order) from partition `old` to `new`.
+    """Every message that takes the live `workers` (in rank order) from cut `old` to `new` (each one shared
+    partition or per-pipeline partitions).
 
     `place_of(s)`: the place (`Worker.stage`) holding virtual stage s (`Topology.place_of`; the identity
     without virtual stages). RecoveryError when no live worker held a layer that must move.
     """
-    if sum(old) != sum(new):
-        raise RuntimeSetupError(f"partitions {list(old)} and {list(new)} cut models of different sizes "
-                                f"({sum(old)} and {sum(new)} layers): a plan switch keeps the model")
+    old_of, new_of = _per_pipeline(old), _per_pipeline(new)
+    pipelines = {w.pipeline for w in workers}
+    if len({sum(old_of(d)) for d in pipelines} | {sum(new_of(d)) for d in pipelines}) > 1:
+        raise RuntimeSetupError(f"cuts {list(old)} and {list(new)} cut models of different sizes: a plan switch "
+                                "keeps the model")
     rank = {w: r for r, w in enumerate(workers)}
-    old_place = [place_of(s) for s in stage_of_layer(old)]
+    old_place = {d: [place_of(s) for s in stage_of_layer(old_of(d))] for d in pipelines}
     messages: dict[tuple[Worker, Worker], list[int]] = {}
     for receiver in workers:
-        for s, held in enumerate(spans(new)):
+        for s, held in enumerate(spans(new_of(receiver.pipeline))):
             if place_of(s) != receiver.stage:
                 continue
             for layer in held:
-                place = old_place[layer]
-                if place == receiver.stage:
+                if old_place[receiver.pipeline][layer] == receiver.stage:
                     continue  # it keeps this layer
-                source = _source(Worker(receiver.pipeline, place), rank, layer)
+                source = _source(receiver, rank, old_place, layer)
                 messages.setdefault((receiver, source), []).append(layer)
     order = sorted(messages, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
     return tuple(Move(source, receiver, tuple(messages[receiver, source])) for receiver, source in order)
 
 
-def _source(own: Worker, rank: Mapping[Worker, int], layer: int) -> Worker:
-    """The same pipeline's old holder when live, else the lowest-rank live worker at its place."""
+def _source(receiver: Worker, rank: Mapping[Worker, int], old_place: Mapping[int, list[int]], layer: int) -> Worker:
+    """The receiver's own pipeline's old holder when live, else the lowest-rank live worker that held the layer
+    (in any pipeline: every replica holds the same weights and optimizer state after a step)."""
+    own = Worker(receiver.pipeline, old_place[receiver.pipeline][layer])
     if own in rank:
         return own
-    replicas = [w for w in rank if w.stage == own.stage]
-    if not replicas:
-        raise RecoveryError(f"no live worker holds layer {layer} (every worker at place {own.stage} failed): "
+    holders = [w for w in rank if old_place[w.pipeline][layer] == w.stage]
+    if not holders:
+        raise RecoveryError(f"no live worker holds layer {layer} (every worker that held it failed): "
                             "restart the job from a checkpoint")
-    return min(replicas, key=rank.__getitem__)
+    return min(holders, key=rank.__getitem__)
 
 
 # ---- a stage's state, per layer ------------------------------------------------------------------------
@@ -196,7 +214,7 @@ def _check_movable(module: nn.Module, params: Sequence[nn.Parameter], optimizer:
 # ---- the move ------------------------------------------------------------------------------------------
 
 
-def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], model: nn.Sequential, *,
+def move_layers(old: Cuts, new: Cuts, stages: Mapping[int, Stage], model: nn.Sequential, *,
                 me: Worker, workers: Sequence[Worker], comm: Comm, build: StageFactory,
                 place_of: Callable[[int], int] = _identity) -> dict[int, Stage]:
     """This worker's stages under `new`, with the layers it newly holds received (collective over `workers`).
@@ -205,7 +223,7 @@ def move_layers(old: Partition, new: Partition, stages: Mapping[int, Stage], mod
     the ones stages hold; `workers`: the live workers taking part, in rank order (`comm`'s ranks);
     `build(s, module)`: a new, prepared `Stage` (its optimizer fresh) for virtual stage s.
     """
-    old_spans, new_spans = spans(old), spans(new)
+    old_spans, new_spans = spans(_per_pipeline(old)(me.pipeline)), spans(_per_pipeline(new)(me.pipeline))
     mine: dict[int, LayerState] = {}
     for s, stage in stages.items():
         mine.update(layer_states(stage.module, stage.optimizer, old_spans[s].start))
@@ -306,3 +324,15 @@ def partition_for(partition: Partition | None, model: nn.Sequential | None, base
         raise RuntimeSetupError(f"the plan's partition {list(partition)} holds {sum(partition)} layers but the model "
                                 f"has {len(model)}: compile the plan for this model")
     return tuple(partition)
+
+
+def cuts_for(plan: Plan, model: nn.Sequential | None, base: Partition | None) -> Partitions | None:
+    """Per pipeline, the layers each (virtual) stage of `plan` holds on this model: `Plan.partitions`, else
+    the one cut `partition_for` gives every pipeline (None for a stage builder); one line where it cannot."""
+    if plan.partitions is None:
+        job = partition_for(plan.partition, model, base, plan.topology.stages)
+        return None if job is None else (job,) * plan.topology.dp
+    if model is None or sum(plan.partitions[0]) != len(model):
+        raise RuntimeSetupError(f"the plan's pipelines hold {sum(plan.partitions[0])} layers each (re-formed "
+                                "pipelines): pass the model as an nn.Sequential of that many layers")
+    return plan.partitions

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition
+from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm
 from schedcomp.topology import Worker
 
@@ -33,7 +34,7 @@ def describe_shape(shape: Shape) -> str:
     return f"pp={pp}, dp={dp}" + (f", {chunks} chunks per worker ({placement})" if chunks > 1 else "")
 
 
-def check_same_plan(plan: Plan, cut: Partition | None, comm: Comm, workers: Sequence[Worker],
+def check_same_plan(plan: Plan, cut: Partition | Partitions | None, comm: Comm, workers: Sequence[Worker],
                     joined: Collection[Worker] = ()) -> None:
     """Collective over `workers` (every rank, in rank order): raise unless all hold `plan` and, but for
     `joined` workers and fresh ones (`cut` None: they hold the layers they were built with), one cut."""

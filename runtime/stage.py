@@ -90,11 +90,14 @@ class Stage:
 
     Micro-batch keys are `(home pipeline, microbatch)`. `forward` keeps the inputs and outputs
     needed by the backward; `backward` frees them (keeping only what W needs, in `store`).
+    `ends`: whether it holds the model's first and last layers (default: stage 0 and the last; a
+    re-formed pipeline's stage may hold either end elsewhere, `runtime.layout`).
     """
 
     def __init__(self, index: int, stages: int, module: nn.Module, loss_fn: LossFn | None,
-                 make_optimizer: OptimizerFactory) -> None:
+                 make_optimizer: OptimizerFactory, ends: tuple[bool, bool] | None = None) -> None:
         self.index, self.stages = index, stages
+        self.is_first, self.is_last = ends if ends is not None else (index == 0, index == stages - 1)
         self.module = module
         self.loss_fn = loss_fn
         self.store = WeightGradStore()
@@ -104,14 +107,6 @@ class Stage:
         self.autocast: torch.dtype | None = None  # F (and the loss) under torch.autocast (`training`)
         self.scaler: LossScaler | None = None  # float16: the loss is multiplied by its scale
         self._saved: dict[Key, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.stages - 1
 
     def forward(self, key: Key, inputs: tuple[Tensor, ...], targets: Tensors | None = None,
                 scale: float = 1.0, seed: int | None = None) -> tuple[Tensor, ...]:

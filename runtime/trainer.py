@@ -14,14 +14,16 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.partition import Partition
+from schedcomp.partition import spans
+from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
+from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream, segment_params
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
+from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
-from schedcomp.runtime.moves import base_partition, move_layers, partition_for
+from schedcomp.runtime.moves import base_partition, cuts_for, move_layers, partition_for
 from schedcomp.runtime.plan_agreement import check_same_plan, describe_shape, job_shape
 from schedcomp.runtime.result import Loss
 from schedcomp.runtime.shapes import probe_boundaries
@@ -33,14 +35,6 @@ from schedcomp.topology import Worker
 
 log = logging.getLogger(__name__)
 
-
-def refuse_reformed(plan: Plan) -> None:
-    """Refuse, in one line, a plan with per-pipeline partitions (re-formed pipelines, `schedcomp.partitions`):
-    the runtime does not run them yet (rows by share, per-segment all-reduce and layer moves between
-    pipelines of different depths are the runtime half, still to come)."""
-    if plan.partitions is not None:
-        raise RuntimeSetupError("the plan has re-formed pipelines (per-pipeline partitions), which the runtime "
-                                "does not run yet: compile the job with one partition for every pipeline")
 
 class PipelineTrainer:
     """Train one pipeline stage per process by executing a compiled plan's instruction streams.
@@ -54,7 +48,9 @@ class PipelineTrainer:
       topology has `chunks` = v > 1) the model has pp * v stages: `build_stage` is called with
       each virtual stage index this worker holds (`Topology.chunks_of`), and an `nn.Sequential`
       is split into pp * v stages. `self.stages` maps each held virtual stage to its `Stage`;
-      `self.stage` is the first of them (the only one without virtual stages).
+      `self.stage` is the first of them (the only one without virtual stages). A plan with re-formed
+      pipelines (`Plan.partitions`) needs an `nn.Sequential`: each worker takes its own pipeline's
+      layers (`self.held_layers`), and ALLREDUCE reduces per segment (`runtime.layout`).
     - `loss_fn(outputs, targets)`: the mean loss of one micro-batch, on the last stage.
     - `make_optimizer(params)`: the optimizer of one stage (e.g. `lambda p: torch.optim.SGD(p, lr=0.1)`).
     - `profile=True` records every instruction's start and end, and the activation memory held after
@@ -82,7 +78,9 @@ class PipelineTrainer:
     the first and last stages read it). Micro-batch (home pipeline p, index m) is chunk
     `p * microbatches + m` of `dp * microbatches` equal chunks. Each micro-batch's loss is scaled
     by `1 / (dp * microbatches)` and ALLREDUCE sums, so gradients are those of the global mean
-    loss whoever ran which micro-batch. `step` never waits on other stages: see `Loss`.
+    loss whoever ran which micro-batch (a plan with a cut, `Plan.cut`, loads each piece's rows by
+    `Cut.global_rows` and weights its loss by its rows over the batch's). `step` never waits on other
+    stages: see `Loss`.
     """
 
     def __init__(self, plan: Plan, build_stage: StageBuilder | nn.Sequential, loss_fn: LossFn,
@@ -97,7 +95,6 @@ class PipelineTrainer:
         self.seed = seed
         self.options = TrainingOptions(lr_scheduler, max_grad_norm, skip_nonfinite, grad_check, autocast)
         self.options.refuse_chunks(plan.topology.chunks)  # before any process group is made
-        refuse_reformed(plan)
         rank, size, device = process if process is not None else init_distributed(backend)
         self.ranks = RankMap.of(plan)
         if size != len(self.ranks.workers):
@@ -119,8 +116,10 @@ class PipelineTrainer:
         self.comm = Comm(self.ranks, rank, device, make_group, wait)
         self.checks: GlobalCheck | None = None
         self.profile = profile
+        self.cuts = cuts_for(plan, self.model, self.base_partition)  # per pipeline, the layers of each place
+        self._layout = Layout.of(plan)  # of the plan whose cut the stages hold (`_build_stage` reads it)
         cut = self.partition if self.model is not None else layers_per_stage
-        self._hold({s: self._build_stage(s, build_module(build_stage, s, stages, cut).to(device))
+        self._hold({s: self._build_stage(s, self._module(build_stage, s, stages, cut).to(device))
                     for s in plan.topology.chunks_of(self.worker.stage)})
         self._fresh = True  # holds the layers it was built with: nothing to compare before its first plan
         self.iteration = 0
@@ -128,7 +127,7 @@ class PipelineTrainer:
         self._history: list[tuple[int, Plan]] = []
         self._timings: list[tuple[int, Timing, dict[int, float], dict[int, tuple[float, float]]]] = []
         self._signature: tuple[int, tuple[TensorMeta, ...]] | None = None
-        self._boundaries: list[tuple[TensorMeta, ...]] = []
+        self._boundaries: dict[int, tuple[TensorMeta, ...]] = {}
         self.use_plan(plan)
         if setup_collectives:
             self.sync_replicas()
@@ -158,14 +157,19 @@ class PipelineTrainer:
         if job_shape(plan) != self.shape:
             raise RuntimeSetupError(f"plan is for {describe_shape(job_shape(plan))} but this job runs "
                                     f"{describe_shape(self.shape)}: compile the plan for this job's shape")
-        refuse_reformed(plan)  # (every rank alike, before anything collective)
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
+        cuts = cuts_for(plan, self.model, self.base_partition)
         self._check_same_plan(plan, joined)
-        if target != self.partition and self.worker not in joined:
-            self._move(plan, target, joined)
-        self.comm.prepare_stage_groups([plan.topology.stage_group(s) for s in range(self.pp)])
+        idle = self.worker in plan.topology.failed  # its process idles on this plan: it holds on to its layers
+        if cuts != self.cuts and self.worker not in joined and not idle:
+            self._move(plan, cuts, joined)
+        if self.worker not in joined:  # (a joined worker's state comes whole from a replica, after the switch)
+            self.partition, self.cuts = target, cuts
+        self._layout = Layout.of(plan)
+        # one group per distinct holder set, in the reductions' (layer) order: the same on every rank
+        self.comm.prepare_stage_groups([r.holders for r in self._layout.reductions])
         self.comm.connect(channels(plan))
         if self._history and self._history[-1][0] == self.iteration:
             self._history[-1] = (self.iteration, plan)
@@ -181,23 +185,39 @@ class PipelineTrainer:
     def _check_same_plan(self, plan: Plan, joined: Collection[Worker] = ()) -> None:
         """Refuse to run unless every rank holds the same plan and, but for fresh and `joined` workers,
         the same cut of the model (`runtime.plan_agreement`)."""
-        check_same_plan(plan, None if self._fresh else self.partition, self.comm, self.ranks.workers, joined)
+        check_same_plan(plan, None if self._fresh else self.cuts, self.comm, self.ranks.workers, joined)
         self._fresh = False
 
-    def _move(self, plan: Plan, partition: Partition, joined: Collection[Worker]) -> None:
-        """Take this worker's stages from the current cut to `partition` (collective over the other
+    def _module(self, build: StageBuilder | nn.Sequential, s: int, stages: int,
+                cut: Sequence[int] | None) -> nn.Module:
+        """This worker's virtual stage s: its own pipeline's layers where pipelines hold different ones."""
+        if self.model is not None and self.cuts is not None and self._layout.per_layer:
+            held = self._layout.span(self.worker.pipeline, s)
+            return nn.Sequential(*(self.model[i] for i in held))
+        return build_module(build, s, stages, cut)
+
+    @property
+    def held_layers(self) -> range:
+        """The model layers this worker's (only) stage holds (an `nn.Sequential` model without virtual stages)."""
+        assert self.cuts is not None
+        return spans(self.cuts[self.worker.pipeline])[self.worker.stage]
+
+    def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker]) -> None:
+        """Take this worker's stages from the current cut to `cuts` (collective over the other
         workers, but for `joined`; see `runtime.moves`)."""
-        assert self.model is not None and self.partition is not None
+        assert self.model is not None and self.cuts is not None and cuts is not None
         self.settle()  # a pending step is applied before its state moves
-        workers = tuple(w for w in self.ranks.workers if w not in joined)
-        self._hold(move_layers(self.partition, partition, self.stages, self.model, me=self.worker, workers=workers,
+        # layers come only from workers live in the new plan (an idle process's are not its to give)
+        workers = tuple(w for w in self.ranks.workers if w not in joined and w not in plan.topology.failed)
+        self._layout = Layout.of(plan)  # the rebuilt stages' ends
+        self._hold(move_layers(self.cuts, cuts, self.stages, self.model, me=self.worker, workers=workers,
                                comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of))
-        self.partition = partition
 
     def _build_stage(self, s: int, module: nn.Module) -> Stage:
         """Virtual stage s over `module` (on this worker's device), with a fresh optimizer and the options."""
         stages = self.pp * self.shape[2]  # virtual stages: pp * chunks
-        stage = Stage(s, stages, module, self._loss_fn if s == stages - 1 else None, self._make_optimizer)
+        ends = self._layout.ends(self.worker.pipeline, s)
+        stage = Stage(s, stages, module, self._loss_fn if ends[1] else None, self._make_optimizer, ends)
         prepare_stage(stage, self.options)
         return stage
 
@@ -208,7 +228,7 @@ class PipelineTrainer:
         if self.options.checks_globally:
             snapshot = StepSnapshot(self.stage.module, self.stage.optimizer)
             if self.checks is None:
-                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counts_norm)
+                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counted)
             self.checks.stage, self.checks.snapshot = self.stage, snapshot
         self._meter = MemoryMeter(tuple(stages.values()), self.device) if self.profile else None
 
@@ -229,20 +249,30 @@ class PipelineTrainer:
         self.use_plan(plan, joined)
 
     def sync_replicas(self) -> None:
-        """Give every replica of this stage the lowest rank's parameters and buffers."""
-        workers = self.plan.topology.stage_group(self.worker.stage)
-        group = self.comm.stage_group(workers)
-        if group is None or self.worker not in workers:
-            return
-        src = min(self.ranks.rank(w) for w in workers)
-        modules = [stage.module for stage in self.stages.values()]
-        with torch.no_grad():
-            for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
-                self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
+        """Give every replica of this stage (every holder of a segment, `runtime.layout`) the lowest rank's
+        parameters and buffers, reduction by reduction, in the all-reduce's order."""
+        for reduction in self._layout.reductions_of(self.worker):
+            group = self.comm.stage_group(reduction.holders)
+            if group is None:
+                continue
+            src = min(self.ranks.rank(w) for w in reduction.holders)
+            if reduction.layers is None:
+                modules = [stage.module for stage in self.stages.values()]
+            else:
+                modules = self._layout.layers_of(self.worker, self.stage.module, reduction.layers)
+            with torch.no_grad():
+                for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
+                    self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
 
-    def _counts_norm(self) -> bool:
-        """Whether this worker's stage norm enters the global one (its stage's lowest live replica)."""
-        return self.worker == min(self.plan.topology.stage_group(self.worker.stage))
+    def _counted(self) -> list[nn.Parameter]:
+        """The parameters whose gradients' norm this worker adds to the global one: each reduction's lowest
+        holder counts it (a stage's lowest live replica its stage's; with re-formed pipelines, per segment)."""
+        out: list[nn.Parameter] = []
+        for reduction in self._layout.reductions_of(self.worker):
+            if self.worker == min(reduction.holders):
+                out += (self.stage.params if reduction.layers is None
+                        else segment_params(self._layout, self.worker, self.stage, reduction.layers))
+        return out
 
     def settle(self) -> StepOutcome | None:
         """Validate the last update now (max_grad_norm, skip_nonfinite; see `training`): parameters
@@ -277,7 +307,8 @@ class PipelineTrainer:
         signature = (chunks, tuple(TensorMeta.of(t) for t in first))
         if signature == self._signature:
             return
-        self._boundaries = probe_boundaries(first, self.plan.topology, self.stages, self.comm, self.device)
+        self._boundaries = probe_boundaries(first, self._layout, self.plan.topology, self.stages, self.comm,
+                                            self.device)
         self._signature = signature
 
     # ---- training ---------------------------------------------------------------------------------
@@ -328,13 +359,17 @@ class PipelineTrainer:
 
     def _iteration(self, number: int, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
                    ledger: Tensor | None) -> Iteration:
+        if ledger is not None and self._layout.per_layer:
+            raise RuntimeSetupError("the ledger of resilient jobs counts per stage group, not per segment of a plan "
+                                    "with re-formed pipelines: run such plans without a recovery policy for now")
         inputs, targets = batch
         held = self.stages
         it = Iteration(
             plan=self.plan, worker=self.worker, stage=self.stage, stages=held, comm=self.comm,
             inputs=_to(inputs, self.device) if any(stage.is_first for stage in held.values()) else inputs,
             targets=_to(targets, self.device) if any(stage.is_last for stage in held.values()) else targets,
-            boundaries=tuple(self._boundaries),
+            boundaries=self._boundaries,
+            layout=self._layout,
             number=number,
             record=self.profile,
             step=step,

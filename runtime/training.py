@@ -216,9 +216,9 @@ class GlobalCheck:
     """
 
     def __init__(self, options: TrainingOptions, stage: Any, snapshot: Any, comm: Callable[[], Any],
-                 counts_norm: Callable[[], bool]) -> None:
+                 counted: Callable[[], Sequence[nn.Parameter]]) -> None:
         self.options, self.stage, self.snapshot = options, stage, snapshot
-        self.comm, self.counts_norm = comm, counts_norm  # the current generation's `Comm` (it changes on regroup)
+        self.comm, self.counted = comm, counted  # the current generation's `Comm` (it changes on regroup)
         self.outcomes: dict[int, StepOutcome] = {}
         self._pending: _Pending | None = None
         self._launched = -1  # the last iteration whose share was sent
@@ -236,7 +236,10 @@ class GlobalCheck:
         """(this stage's norm, its share of the squared global norm, 1.0 if a gradient is not finite)."""
         norm = float(grad_norm(self.stage.params))
         finite = math.isfinite(norm)
-        return norm, (norm * norm if self.counts_norm() and finite else 0.0), (0.0 if finite else 1.0)
+        # the parameters whose norm this worker counts: all of its stage's, none, or (re-formed pipelines) some
+        counted = self.counted()
+        share = norm if len(counted) == len(self.stage.params) else float(grad_norm(counted)) if counted else 0.0
+        return norm, (share * share if finite else 0.0), (0.0 if finite else 1.0)
 
     def step(self, iteration: int) -> None:
         self.settle()  # at most one pending step

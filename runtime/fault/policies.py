@@ -1,6 +1,6 @@
 """Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
 `logging`), and which ones a job with virtual stages, whose plans move layers, or whose plans re-cut
-micro-batches, refuses.
+micro-batches, refuses (and that no resilient job takes a plan with re-formed pipelines yet: `cut_of`).
 
 The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
 `fault.swift` (logging-based recovery).
@@ -116,7 +116,13 @@ def recuts_of(plans: Any) -> list[Cut]:
 
 def cut_of(plan: Plan, model: Any) -> Partition | None:
     """The cut `plan` runs `model` at: its partition, else the runtime's even split of an `nn.Sequential`
-    (None for a stage builder)."""
+    (None for a stage builder). Every plan a resilient job takes passes here (at construction those of a
+    cache it reads, then each as it is served), so a plan with re-formed pipelines is refused here, in one
+    line: checkpoints, recovery and the ledger assume one cut for every pipeline."""
+    if plan.partitions is not None:
+        raise RuntimeSetupError("the plan source serves a plan with re-formed pipelines (per-pipeline partitions), "
+                                "which resilient jobs do not run yet: serve plans with one partition for every "
+                                "pipeline (compile without --reform)")
     if plan.partition is not None or not isinstance(model, nn.Sequential):
         return plan.partition
     return even_split(len(model), plan.topology.stages)

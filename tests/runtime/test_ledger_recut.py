@@ -24,6 +24,7 @@ from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
 from schedcomp.runtime.fault.recovery import RollbackPolicy
 from schedcomp.runtime.iteration import Iteration
+from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.topology import Topology, Worker
 
@@ -220,9 +221,10 @@ def test_the_ledger_stays_exact_in_the_all_reduce_whatever_the_gradients_dtype(d
         got: list[torch.Tensor] = []
         stage = SimpleNamespace(params=[object()], numel=4, flat_grads=lambda: grads.clone(), set_flat_grads=got.append)
         comm = SimpleNamespace(stage_group=lambda workers: dist.group.WORLD, wait=lambda work: work.wait())
-        plan = SimpleNamespace(topology=Topology.of(1, 2))
+        plan = SimpleNamespace(topology=Topology.of(1, 2), partitions=None)
         ledger = torch.tensor([257.0, 1.0, 4099.0], dtype=torch.float64)
-        it = SimpleNamespace(comm=comm, plan=plan, worker=Worker(0, 0), stages={0: stage}, ledger=ledger)
+        it = SimpleNamespace(comm=comm, plan=plan, worker=Worker(0, 0), stages={0: stage}, ledger=ledger,
+                             units=Layout.of(plan))  # type: ignore[arg-type]
         HANDLERS[InstrKind.ALLREDUCE](it, None)  # type: ignore[arg-type]
     finally:
         dist.destroy_process_group()

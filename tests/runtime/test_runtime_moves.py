@@ -241,7 +241,7 @@ def mismatched_cuts(rank: int, plan: Plan, outdir: str) -> None:
 
     trainer = PipelineTrainer(plan, nn.Sequential(*model()[:4]), F.mse_loss, Momentum)
     if rank == 1:
-        trainer.partition = (3, 1)  # as if a failure had interrupted a move after this worker's part
+        trainer.cuts = ((3, 1),)  # as if a failure had interrupted a move after this worker's part (dp 1)
     try:
         trainer.use_plan(dataclasses.replace(plan, partition=(1, 3)))
     except RecoveryError as e:
