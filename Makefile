@@ -25,12 +25,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The in-process tests on every core first; then the `slow` ones (worker processes whose heartbeats
-# and timeouts are part of what they test) one at a time, so no job competes with another for the CPU.
+# The in-process tests on every core first; then the `slow` ones (whole jobs, mostly waiting on
+# heartbeats, deaths and stores rather than computing) two at a time: every job has its own store
+# port, temporary folders and network namespaces, so neighbours cannot meet (bench/README.md, CI).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow" -n auto
-	$(PY) -m pytest -q -m slow --durations=15
+	$(PY) -m pytest -q -m slow -n 2 --durations=15
 
 # Everything but the tests marked `slow` (worker processes, whole jobs, > ~5 s), on every core (pytest-xdist).
 test-fast: $(STAMP)
