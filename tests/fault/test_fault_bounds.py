@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from schedcomp.runtime.fault import agreement
+from schedcomp.runtime.fault import launch as launch_module
 from schedcomp.runtime.fault import session as session_module
 from schedcomp.runtime.fault.agreement import AgreementTimeout, agree
 from schedcomp.runtime.fault.launch import Launcher
@@ -182,19 +183,19 @@ def test_timeouts_are_never_taken_for_a_failure_to_recover_from() -> None:
 
 @pytest.mark.slow  # starts a worker process (a bare interpreter: about a second)
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts() -> None:
+def test_a_signal_stops_the_launcher_while_it_serves_the_store_to_other_hosts(monkeypatch) -> None:
     # This host runs 0:0 only; 1:0 runs elsewhere and keeps beating. Once 0:0 finished, the launcher
     # serves the store to it while it beats (up to 20 x linger s); a Ctrl-C must end that at once.
     launcher = Launcher([sys.executable, "-c", "pass"], pp=1, dp=2, workers=[Worker(0, 0)], poll=0.01,
                         linger=2.5)  # alone, it stops only after 2.5 s without a beat
     remote = launcher.address.connect()
-    done, serving = threading.Event(), launcher._serve_other_hosts
+    done, serving = threading.Event(), launch_module.serve_other_hosts
 
-    def interrupted_serving(stop: list[int]) -> int | None:  # the Ctrl-C comes once 0:0 is done and it serves 1:0
+    def interrupted_serving(*args, **kwargs) -> int | None:  # the Ctrl-C comes once 0:0 is done and it serves 1:0
         os.kill(os.getpid(), signal.SIGINT)  # run's handler records it; the serving loop must see it
-        return serving(stop)
+        return serving(*args, **kwargs)
 
-    launcher._serve_other_hosts = interrupted_serving  # type: ignore[method-assign]
+    monkeypatch.setattr(launch_module, "serve_other_hosts", interrupted_serving)
 
     def other_host() -> None:  # without the signal, these beats would keep the store served 20 x linger s
         while not done.is_set():
