@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from schedcomp.cut import Cut
@@ -32,6 +33,13 @@ def as_tuple(value: Tensors) -> tuple[Tensor, ...]:
     raise RuntimeSetupError(
         f"stage values must be a tensor or a tuple of tensors, got {type(value).__name__}: return tensors from forward"
     )
+
+
+def to_device(value: Tensors, device: torch.device) -> Tensors:
+    """`value` (a tensor or a tuple of them) on `device`."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return tuple(v.to(device) for v in as_tuple(value))
 
 
 def chunk_index(pipeline: int, microbatch: int, microbatches: int) -> int:

@@ -12,6 +12,7 @@ Compute spans also carry the activation memory measured around them (`runtime.me
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,10 +29,22 @@ from schedcomp.timeline import Span
 from schedcomp.topology import Worker
 
 if TYPE_CHECKING:
+    from schedcomp.runtime.comm import Comm
     from schedcomp.runtime.trainer import PipelineTrainer
 
 _COLUMNS = 6  # iteration, index, start, end, memory held after, memory peak (NaN: not measured)
 _NAN = float("nan")
+
+
+def common_origin(comm: Comm) -> float:
+    """Rank 0's `perf_counter` now: one origin for every rank's spans (collective over the control group).
+
+    `perf_counter` is the host's monotonic clock, shared by its processes, so spans of
+    workers on one host line up exactly; across hosts their clocks are not compared.
+    """
+    origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=comm.control_device)
+    dist.broadcast(origin, src=0, group=comm.control)
+    return float(origin.item())
 
 
 def _local_rows(trainer: PipelineTrainer) -> list[tuple[float, ...]]:

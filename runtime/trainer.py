@@ -17,18 +17,19 @@ from schedcomp.ir import InstrKind, Instruction, Plan
 from schedcomp.partition import spans
 from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
-from schedcomp.runtime.data import Tensors, as_tuple, micro_batch
-from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream, segment_params
+from schedcomp.runtime.data import Tensors, as_tuple, micro_batch, to_device
+from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
 from schedcomp.runtime.fault.residual import Residual
 from schedcomp.runtime.fault.transfer import StepSnapshot
 from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.moves import base_partition, cuts_for, move_layers, partition_for
 from schedcomp.runtime.plan_agreement import check_same_plan, describe_shape, job_shape
+from schedcomp.runtime.replicas import counted_params, sync_replicas
 from schedcomp.runtime.result import Loss
 from schedcomp.runtime.shapes import probe_boundaries
 from schedcomp.runtime.stage import LossFn, OptimizerFactory, Stage, StageBuilder, TensorMeta, build_module
-from schedcomp.runtime.trace import gather_spans, write_trace
+from schedcomp.runtime.trace import common_origin, gather_spans, write_trace
 from schedcomp.runtime.training import POST, GlobalCheck, SchedulerFactory, StepOutcome, TrainingOptions, prepare_stage
 from schedcomp.timeline import Span
 from schedcomp.topology import Worker
@@ -131,7 +132,7 @@ class PipelineTrainer:
         self.use_plan(plan)
         if setup_collectives:
             self.sync_replicas()
-            self._clock0 = self._common_origin()
+            self._clock0 = common_origin(self.comm)
         else:
             self._clock0 = time.perf_counter()
 
@@ -228,7 +229,8 @@ class PipelineTrainer:
         if self.options.checks_globally:
             snapshot = StepSnapshot(self.stage.module, self.stage.optimizer)
             if self.checks is None:
-                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm, self._counted)
+                self.checks = GlobalCheck(self.options, self.stage, snapshot, lambda: self.comm,
+                                          lambda: counted_params(self._layout, self.worker, self.stage))
             self.checks.stage, self.checks.snapshot = self.stage, snapshot
         self._meter = MemoryMeter(tuple(stages.values()), self.device) if self.profile else None
 
@@ -249,30 +251,8 @@ class PipelineTrainer:
         self.use_plan(plan, joined)
 
     def sync_replicas(self) -> None:
-        """Give every replica of this stage (every holder of a segment, `runtime.layout`) the lowest rank's
-        parameters and buffers, reduction by reduction, in the all-reduce's order."""
-        for reduction in self._layout.reductions_of(self.worker):
-            group = self.comm.stage_group(reduction.holders)
-            if group is None:
-                continue
-            src = min(self.ranks.rank(w) for w in reduction.holders)
-            if reduction.layers is None:
-                modules = [stage.module for stage in self.stages.values()]
-            else:
-                modules = self._layout.layers_of(self.worker, self.stage.module, reduction.layers)
-            with torch.no_grad():
-                for t in [t for module in modules for t in (*module.parameters(), *module.buffers())]:
-                    self.comm.wait(dist.broadcast(t.data, src=src, group=group, async_op=True))
-
-    def _counted(self) -> list[nn.Parameter]:
-        """The parameters whose gradients' norm this worker adds to the global one: each reduction's lowest
-        holder counts it (a stage's lowest live replica its stage's; with re-formed pipelines, per segment)."""
-        out: list[nn.Parameter] = []
-        for reduction in self._layout.reductions_of(self.worker):
-            if self.worker == min(reduction.holders):
-                out += (self.stage.params if reduction.layers is None
-                        else segment_params(self._layout, self.worker, self.stage, reduction.layers))
-        return out
+        """Give every replica of this stage the lowest rank's parameters and buffers (`runtime.replicas`)."""
+        sync_replicas(self._layout, self.worker, self.stages, self.ranks, self.comm)
 
     def settle(self) -> StepOutcome | None:
         """Validate the last update now (max_grad_norm, skip_nonfinite; see `training`): parameters
@@ -286,16 +266,6 @@ class PipelineTrainer:
         else:
             for stage in self.stages.values():
                 stage.step()
-
-    def _common_origin(self) -> float:
-        """Rank 0's `perf_counter` now: one origin for every rank's spans.
-
-        `perf_counter` is the host's monotonic clock, shared by its processes, so spans of
-        workers on one host line up exactly; across hosts their clocks are not compared.
-        """
-        origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=self.comm.control_device)
-        dist.broadcast(origin, src=0, group=self.comm.control)
-        return float(origin.item())
 
     # ---- shapes ----------------------------------------------------------------------------------
 
@@ -366,8 +336,8 @@ class PipelineTrainer:
         held = self.stages
         it = Iteration(
             plan=self.plan, worker=self.worker, stage=self.stage, stages=held, comm=self.comm,
-            inputs=_to(inputs, self.device) if any(stage.is_first for stage in held.values()) else inputs,
-            targets=_to(targets, self.device) if any(stage.is_last for stage in held.values()) else targets,
+            inputs=to_device(inputs, self.device) if any(stage.is_first for stage in held.values()) else inputs,
+            targets=to_device(targets, self.device) if any(stage.is_last for stage in held.values()) else targets,
             boundaries=self._boundaries,
             layout=self._layout,
             number=number,
@@ -429,9 +399,3 @@ class PipelineTrainer:
         self.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _to(value: Tensors, device: torch.device) -> Tensors:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    return tuple(v.to(device) for v in as_tuple(value))

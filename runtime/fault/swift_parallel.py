@@ -37,7 +37,7 @@ from torch import Tensor
 
 from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError
-from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch
+from schedcomp.runtime.data import as_tuple, chunk_index, micro_batch, to_device
 from schedcomp.runtime.fault.boundary_log import BoundaryLog, Key
 from schedcomp.runtime.fault.checkpoint import restore
 from schedcomp.runtime.fault.membership import GenerationAborted
@@ -45,7 +45,6 @@ from schedcomp.runtime.fault.recovery import RecoveryHost
 from schedcomp.runtime.fault.transfer import encode_header, flatten, recv_tree, to_bytes
 from schedcomp.runtime.rng import stream_seed
 from schedcomp.runtime.stage import Stage, build_module
-from schedcomp.runtime.trainer import _to
 from schedcomp.runtime.training import prepare_stage
 from schedcomp.topology import Worker
 
@@ -231,7 +230,7 @@ def replay(stage: Stage, iterations: Iterable[int], inputs: Logged, grads: Logge
                 x = tuple(t.to(device) for t in as_tuple(micro_batch(x_all, index, chunks)))
             else:
                 x = tuple(t.to(device).clone() for t in inputs[j][key])  # becomes a leaf with a .grad
-            y = _to(micro_batch(y_all, index, chunks), device) if stage.is_last else None
+            y = to_device(micro_batch(y_all, index, chunks), device) if stage.is_last else None
             drawn = None if seed is None else stream_seed(seed, j, stage.index, p, m)
             stage.forward(key, x, y, scale=1.0 / chunks, seed=drawn)
             stage.backward(key, () if stage.is_last else tuple(g.to(device) for g in grads[j][key]), split=False)
