@@ -77,12 +77,13 @@ def _per_pipeline(cuts: Cuts) -> Callable[[int], Partition]:
 
 
 def plan_moves(old: Cuts, new: Cuts, workers: Sequence[Worker],
-               place_of: Callable[[int], int] = _identity) -> tuple[Move, ...]:
+               place_of: Callable[[int], int] = _identity, stale: Collection[Worker] = ()) -> tuple[Move, ...]:
     """Every message that takes the live `workers` (in rank order) from cut `old` to `new` (each one shared
     partition or per-pipeline partitions).
 
     `place_of(s)`: the place (`Worker.stage`) holding virtual stage s (`Topology.place_of`; the identity
-    without virtual stages). RecoveryError when no live worker held a layer that must move.
+    without virtual stages). `stale`: workers that idled on the old plan (their layers missed its steps), never
+    a source. RecoveryError when no live worker held a layer that must move.
     """
     old_of, new_of = _per_pipeline(old), _per_pipeline(new)
     pipelines = {w.pipeline for w in workers}
@@ -99,7 +100,7 @@ def plan_moves(old: Cuts, new: Cuts, workers: Sequence[Worker],
             for layer in held:
                 if old_place[receiver.pipeline][layer] == receiver.stage:
                     continue  # it keeps this layer
-                source = _source(receiver, rank, old_place, layer)
+                source = _source(receiver, {w: r for w, r in rank.items() if w not in stale}, old_place, layer)
                 messages.setdefault((receiver, source), []).append(layer)
     order = sorted(messages, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
     return tuple(Move(source, receiver, tuple(messages[receiver, source])) for receiver, source in order)
@@ -216,7 +217,7 @@ def _check_movable(module: nn.Module, params: Sequence[nn.Parameter], optimizer:
 
 def move_layers(old: Cuts, new: Cuts, stages: Mapping[int, Stage], model: nn.Sequential, *,
                 me: Worker, workers: Sequence[Worker], comm: Comm, build: StageFactory,
-                place_of: Callable[[int], int] = _identity) -> dict[int, Stage]:
+                place_of: Callable[[int], int] = _identity, stale: Collection[Worker] = ()) -> dict[int, Stage]:
     """This worker's stages under `new`, with the layers it newly holds received (collective over `workers`).
 
     `stages`: its stages under `old`, by virtual stage; `model`: the whole model, whose layer objects are
@@ -227,7 +228,7 @@ def move_layers(old: Cuts, new: Cuts, stages: Mapping[int, Stage], model: nn.Seq
     mine: dict[int, LayerState] = {}
     for s, stage in stages.items():
         mine.update(layer_states(stage.module, stage.optimizer, old_spans[s].start))
-    for move in plan_moves(old, new, workers, place_of):
+    for move in plan_moves(old, new, workers, place_of, stale):
         if move.source == me:
             send_tree({layer: mine[layer] for layer in move.layers}, comm.p2p_group(*_ranks(comm, move)),
                       [comm.ranks.rank(move.receiver)], comm.device, wait=comm.wait)

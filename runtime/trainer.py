@@ -163,9 +163,13 @@ class PipelineTrainer:
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
         cuts = cuts_for(plan, self.model, self.base_partition)
         self._check_same_plan(plan, joined)
-        idle = self.worker in plan.topology.failed  # its process idles on this plan: it holds on to its layers
-        if cuts != self.cuts and self.worker not in joined and not idle:
-            self._move(plan, cuts, joined)
+        # A process idling on this plan moves like any other (its layers are current, and it may be their only
+        # holder), except where the plan gives its place no layers (a re-formed pipeline's failed place): it keeps
+        # what it has and gives none; its record says it holds none, so a later plan sends it all it needs.
+        keeps = frozenset(w for w in plan.topology.failed if cuts is not None and plan.topology.chunks == 1
+                          and cuts[w.pipeline][w.stage] == 0)
+        if cuts != self.cuts and self.worker not in joined and self.worker not in keeps:
+            self._move(plan, cuts, frozenset(joined) | keeps)
         if self.worker not in joined:  # (a joined worker's state comes whole from a replica, after the switch)
             self.partition, self.cuts = target, cuts
         self._layout = Layout.of(plan)
@@ -205,14 +209,15 @@ class PipelineTrainer:
 
     def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker]) -> None:
         """Take this worker's stages from the current cut to `cuts` (collective over the other
-        workers, but for `joined`; see `runtime.moves`)."""
+        workers, but for `joined`, which take no part; see `runtime.moves`)."""
         assert self.model is not None and self.cuts is not None and cuts is not None
         self.settle()  # a pending step is applied before its state moves
-        # layers come only from workers live in the new plan (an idle process's are not its to give)
-        workers = tuple(w for w in self.ranks.workers if w not in joined and w not in plan.topology.failed)
+        workers = tuple(w for w in self.ranks.workers if w not in joined)
+        stale = self.plan.topology.failed  # idle on the plan in use: their layers missed its steps, never a source
         self._layout = Layout.of(plan)  # the rebuilt stages' ends
         self._hold(move_layers(self.cuts, cuts, self.stages, self.model, me=self.worker, workers=workers,
-                               comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of))
+                               comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of,
+                               stale=stale))
 
     def _build_stage(self, s: int, module: nn.Module) -> Stage:
         """Virtual stage s over `module` (on this worker's device), with a fresh optimizer and the options."""

@@ -148,6 +148,44 @@ def test_layers_move_with_their_adam_state_both_ways(tmp_path: Path, family: str
     assert holders == sorted(list(range(LAYERS)) * dp)
 
 
+def idle_then_back(rank: int, plans: list[Plan], outdir: str) -> None:
+    """Train on each plan in turn (an idle process steps nothing); record what each process holds after each
+    switch against what its cut says it holds."""
+    from schedcomp.runtime import PipelineTrainer
+
+    torch.set_num_threads(1)
+    trainer = PipelineTrainer(plans[0], model(), F.mse_loss, adam)
+    chunks, records = plans[0].topology.dp * plans[0].microbatches, []
+    for i, plan in enumerate(plans):
+        if i:
+            trainer.use_plan(plan)
+        records.append((sorted(held(trainer)), list(range(sum(trainer.partition[:trainer.worker.stage]),
+                                                            sum(trainer.partition[:trainer.worker.stage + 1])))))
+        float(trainer.step(batch(i, chunks)))
+    torch.save(records, Path(outdir) / f"{rank}.pt")
+    trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_process_idling_on_a_plan_that_moves_layers_holds_what_its_cut_says(tmp_path: Path) -> None:
+    # 0:1 idles on the middle plan, whose partition moves layer 2 off place 1: its process must give it away
+    # like every other (it was current, and the records of what each process holds must stay true), else a
+    # later switch labels its layers by the wrong cut and hands one layer's Adam state to another.
+    plans = [plan_with((2, 2, 2, 2)), dataclasses.replace(compile(PP, DP, M, failed=["0:1"], memory_limit=None),
+                                                         partition=(3, 1, 2, 2)), plan_with((2, 2, 2, 2))]
+    spawn(idle_then_back, PP * DP, (plans, str(tmp_path)), timeout=180)
+    for rank in range(PP * DP):
+        for step, (holds, says) in enumerate(torch.load(tmp_path / f"{rank}.pt")):
+            assert holds == says, (rank, step)
+
+
+def test_a_worker_idle_on_the_old_plan_is_never_a_source() -> None:
+    # 0:1's layers missed the old plan's steps: 0:0 takes layer 2 from the other pipeline's holder
+    moves = plan_moves((2, 2, 2, 2), (3, 1, 2, 2), everyone(), stale={Worker(0, 1)})
+    assert moves == (Move(Worker(1, 1), Worker(0, 0), (2,)), Move(Worker(1, 1), Worker(1, 0), (2,)))
+
+
 # ---- who sends what -----------------------------------------------------------------------------------
 
 
