@@ -373,7 +373,8 @@ class PipelineTrainer:
             it = self._iteration(number, batch, step, ledger)
             if started is not None:
                 started(it)
-        it.comm, it.plan, it.step = self.comm, self.plan, step
+        # the residual runs on the current plan: its live workers are the ones its all-reduces sum over
+        it.comm, it.plan, it.layout, it.step = self.comm, self.plan, self._layout, step
         run_residual(it, residual.resend, residual.repost, residual.rest, residual.lost)
         self.iteration = number + 1
         return it
