@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from saved_layers import compare_saved
 from torch import Tensor, nn
 
 from schedcomp.compiler import compile
@@ -106,22 +107,6 @@ def reference(layers: int, rows: int, steps: int, max_grad_norm: float | None = 
     return net, optimizer, losses
 
 
-def compare(outdir: Path, plan: Plan, net: nn.Sequential, want_losses: list[float] | None) -> list[int]:
-    """Every saved layer (and loss) against the reference; the layers seen, with repeats."""
-    results = [torch.load(f) for f in sorted(outdir.glob("*.pt"))]
-    assert sorted(r["worker"] for r in results) == sorted(map(str, plan.workers))
-    seen = []
-    for result in results:
-        if want_losses is not None:
-            assert result["losses"] == pytest.approx(want_losses, abs=TOL, rel=0), result["worker"]
-        for layer, state in result["held"].items():
-            seen.append(layer)
-            for name, want in net[layer].state_dict().items():
-                err = (state[name] - want).abs().max().item()
-                assert err <= TOL, f"{result['worker']} layer {layer} {name} is off by {err:.3g}"
-    return sorted(seen)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_re_formed_plan_trains_as_one_process(tmp_path: Path) -> None:
@@ -129,7 +114,7 @@ def test_a_re_formed_plan_trains_as_one_process(tmp_path: Path) -> None:
     plan = reformed_plan()
     spawn(train, len(plan.workers), (plan, str(tmp_path)), timeout=150.0)
     net, _, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS)
-    assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
+    assert compare_saved(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
 
 
 @pytest.mark.slow
@@ -140,7 +125,7 @@ def test_the_global_norm_counts_each_segment_once(tmp_path: Path) -> None:
     plan, limit = reformed_plan(), 0.02
     spawn(train, len(plan.workers), (plan, str(tmp_path), limit), timeout=150.0)
     net, _, losses = reference(6, plan.topology.dp * plan.microbatches * ROWS, ITERATIONS, limit)
-    assert compare(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
+    assert compare_saved(tmp_path, plan, net, losses) == sorted([*range(6)] * 2)
 
 
 # ---- a switch to a re-formed plan moves layers between pipelines of different depths --------------------
