@@ -91,6 +91,7 @@ def plan_moves(old: Cuts, new: Cuts, workers: Sequence[Worker],
         raise RuntimeSetupError(f"cuts {list(old)} and {list(new)} cut models of different sizes: a plan switch "
                                 "keeps the model")
     rank = {w: r for r, w in enumerate(workers)}
+    sources = {w: r for w, r in rank.items() if w not in stale}
     old_place = {d: [place_of(s) for s in stage_of_layer(old_of(d))] for d in pipelines}
     messages: dict[tuple[Worker, Worker], list[int]] = {}
     for receiver in workers:
@@ -100,7 +101,7 @@ def plan_moves(old: Cuts, new: Cuts, workers: Sequence[Worker],
             for layer in held:
                 if old_place[receiver.pipeline][layer] == receiver.stage:
                     continue  # it keeps this layer
-                source = _source(receiver, {w: r for w, r in rank.items() if w not in stale}, old_place, layer)
+                source = _source(receiver, sources, old_place, layer)
                 messages.setdefault((receiver, source), []).append(layer)
     order = sorted(messages, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
     return tuple(Move(source, receiver, tuple(messages[receiver, source])) for receiver, source in order)

@@ -161,7 +161,7 @@ class PipelineTrainer:
         for w in plan.workers:
             self.ranks.rank(w)  # raises if the plan needs a worker with no process
         target = partition_for(plan.partition, self.model, self.base_partition, plan.topology.stages)
-        cuts = cuts_for(plan, self.model, self.base_partition)
+        cuts, layout = cuts_for(plan, self.model, self.base_partition), Layout.of(plan)
         self._check_same_plan(plan, joined)
         # A process idling on this plan moves like any other (its layers are current, and it may be their only
         # holder), except where the plan gives its place no layers (a re-formed pipeline's failed place): it keeps
@@ -169,10 +169,10 @@ class PipelineTrainer:
         keeps = frozenset(w for w in plan.topology.failed if cuts is not None and plan.topology.chunks == 1
                           and cuts[w.pipeline][w.stage] == 0)
         if cuts != self.cuts and self.worker not in joined and self.worker not in keeps:
-            self._move(plan, cuts, frozenset(joined) | keeps)
+            self._move(plan, cuts, frozenset(joined) | keeps, layout)
         if self.worker not in joined:  # (a joined worker's state comes whole from a replica, after the switch)
             self.partition, self.cuts = target, cuts
-        self._layout = Layout.of(plan)
+        self._layout = layout
         # one group per distinct holder set, in the reductions' (layer) order: the same on every rank
         self.comm.prepare_stage_groups([r.holders for r in self._layout.reductions])
         self.comm.connect(channels(plan))
@@ -207,14 +207,14 @@ class PipelineTrainer:
         assert self.cuts is not None
         return spans(self.cuts[self.worker.pipeline])[self.worker.stage]
 
-    def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker]) -> None:
+    def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker], layout: Layout) -> None:
         """Take this worker's stages from the current cut to `cuts` (collective over the other
         workers, but for `joined`, which take no part; see `runtime.moves`)."""
         assert self.model is not None and self.cuts is not None and cuts is not None
         self.settle()  # a pending step is applied before its state moves
         workers = tuple(w for w in self.ranks.workers if w not in joined)
         stale = self.plan.topology.failed  # idle on the plan in use: their layers missed its steps, never a source
-        self._layout = Layout.of(plan)  # the rebuilt stages' ends
+        self._layout = layout  # the rebuilt stages' ends (after the pending step, which is the old plan's)
         self._hold(move_layers(self.cuts, cuts, self.stages, self.model, me=self.worker, workers=workers,
                                comm=self.comm, build=self._build_stage, place_of=plan.topology.place_of,
                                stale=stale))

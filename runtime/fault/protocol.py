@@ -213,13 +213,13 @@ def meet(store: KeyValue, key: str, size: int, signal: threading.Event, *,
 
 
 def await_keys(store: KeyValue, keys: list[str], signal: threading.Event, *, timeout: float, what: str,
-               poll: float = 0.005) -> None:
+               poll: float = 0.005, most: float = 0.02) -> None:
     """Wait until every one of `keys` is in the store (members' records), with `meet`'s bounds: raise
     `GenerationAborted` as soon as the generation breaks, `MeetingTimeout` past `timeout` seconds.
-    `what` names what is awaited, for the messages."""
-    deadline = time.monotonic() + timeout
+    `what` names what is awaited, for the messages. Polls back off from `poll` to `most`, as `meet`'s do."""
+    deadline, delays = time.monotonic() + timeout, backoff(poll, most)
     while not store.check(keys):
-        if signal.wait(min(poll, max(0.0, deadline - time.monotonic()))):
+        if signal.wait(min(next(delays), max(0.0, deadline - time.monotonic()))):
             raise GenerationAborted(f"the generation broke while waiting for {what}: agree on the next one")
         if time.monotonic() > deadline and (missing := [k for k in keys if not store.check([k])]):
             raise MeetingTimeout(f"{what}: {len(missing)} of {len(keys)} keys missing after {timeout:g} s "
