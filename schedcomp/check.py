@@ -258,8 +258,7 @@ class _Checker(TransferRules, OrderRules):
             counts = np.array([self.plan.cut.count(d, self.plan.microbatches) for d in range(topo.dp)])
             sound |= np.repeat((np.arange(topo.dp * mbs) % mbs) >= np.repeat(counts, mbs), ns)
         if self.reach is not None:  # re-formed pipelines: no op at a gap, every op where its layers are
-            check_reformed.gap_and_span_failure(self, f, b, w, bw)
-            sound |= check_reformed.absent_slots(self)
+            sound |= check_reformed.gap_and_span_failure(self, f, b, w, bw)
         if not sound.all():
             slot = int(np.argmin(sound))
             self.slot_failure(slot, *(None if at < 0 else at for at in (f[slot], b[slot], w[slot], bw[slot])))

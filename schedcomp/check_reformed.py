@@ -124,9 +124,10 @@ def absent_slots(checker: Any) -> NDArray[np.bool_]:
 
 
 def gap_and_span_failure(checker: Any, f: NDArray[np.int64], b: NDArray[np.int64], w: NDArray[np.int64],
-                         bw: NDArray[np.int64]) -> None:
+                         bw: NDArray[np.int64]) -> NDArray[np.bool_]:
     """Fail at the first op that runs at a stage its pipeline holds no layers of, or on a worker whose
-    pipeline holds other layers at that place (f, b, w, bw: per slot the packed places, -1 for none)."""
+    pipeline holds other layers at that place (f, b, w, bw: per slot the packed places, -1 for none).
+    Returns the absent slots (`absent_slots`): sound with no op."""
     plan, mbs, ns, pp = checker.plan, checker.mbs, checker.ns, checker.pp
     partitions = plan.partitions
     absent = absent_slots(checker)
@@ -153,6 +154,7 @@ def gap_and_span_failure(checker: Any, f: NDArray[np.int64], b: NDArray[np.int64
         checker.fail(*checker.where(int(f[slots[k]])),
                      f"runs an op of pipeline {d} at stage {s} (layers {_layers(mine)}) on a worker of pipeline {x}, "
                      f"which holds layers {_layers(theirs)} there: an op runs only on a worker holding its layers")
+    return absent
 
 
 def _layers(span: range) -> str:

@@ -124,11 +124,11 @@ def static_of(layer_costs: LayerCosts, partition: Partition) -> tuple[float, ...
 
 
 def stage_costs(layer_costs: LayerCosts, partition: Partition, *,
-                limit_from: tuple[CostModel, Partition] | None = None, piece: float = 1.0) -> CostModel:
+                limit_from: tuple[CostModel, Partition] | None = None) -> CostModel:
     """The per-stage cost model of `partition`: per stage the sums over its layers (b_frees: the
     activation-weighted mean). `limit_from` = (the job's stage model with its resolved limit, the job's
     partition) carries the limit over by the static-memory rule of the module docstring (each stage must
-    have room for one piece of `piece` micro-batches); without it the result has no limit."""
+    have room for one micro-batch); without it the result has no limit."""
     check_partition(layer_costs, partition)
     c = layer_costs.costs
     ranges = spans(partition)
@@ -143,7 +143,7 @@ def stage_costs(layer_costs: LayerCosts, partition: Partition, *,
                       for span, a in zip(ranges, activation, strict=True))
     limit: float | tuple[float, ...] | None = None
     if limit_from is not None:
-        limit = moved_limit(layer_costs, partition, *limit_from, piece=piece)
+        limit = moved_limit(layer_costs, partition, *limit_from)
     return dataclasses.replace(
         c, forward=total(c.forward), backward_input=total(c.backward_input), backward_weight=total(c.backward_weight),
         allreduce=total(c.allreduce), optimizer=total(c.optimizer), activation=activation, b_frees=frees,
