@@ -20,6 +20,7 @@ memory limit that whole micro-batches break. `meta["reform"]` says which won.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -32,7 +33,7 @@ from schedcomp.layers import LayerCosts, moved_limit, stage_costs
 from schedcomp.lower import lower
 from schedcomp.partition import Partition
 from schedcomp.partitions import Partitions, held_stages
-from schedcomp.repartition import min_max_partition
+from schedcomp.repartition import live_partition
 from schedcomp.schedules import ONE_STAGE_FAMILIES, get_family
 from schedcomp.topology import Topology, Worker
 
@@ -69,11 +70,8 @@ def reform_pipelines(value: object, topology: Topology) -> tuple[int, ...]:
 def reformed_partition(layers: LayerCosts, costs: CostModel, topology: Topology, pipeline: int) -> Partition:
     """Pipeline `pipeline`'s partition: the min-max contiguous partition of the layers over its live places
     (weighted by their speeds), 0 at its failed places."""
-    c = layers.costs
-    work = [f + b + w for f, b, w in zip(c.forward, c.backward_input, c.backward_weight, strict=True)]
     live = [s for s in range(topology.pp) if Worker(pipeline, s) not in topology.failed]
-    found = min_max_partition(work, [1.0 / costs.speed.get(Worker(pipeline, s), 1.0) for s in live])
-    assert found is not None  # (no memory rooms given: every partition fits)
+    found = live_partition(layers, costs.speed, pipeline, live)
     out = [0] * topology.pp
     for s, n in zip(live, found, strict=True):
         out[s] = n
@@ -87,7 +85,7 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
     family = schedule if schedule in ONE_STAGE_FAMILIES and schedule != "1f1b" else DEFAULT_FAMILY
     partitions: Partitions = tuple(reformed_partition(layers, costs, topology, d) if d in pipes else job_partition
                                    for d in range(topology.dp))
-    times = {d: CostModel(**{**stage_costs(layers, partitions[d]).__dict__, "speed": costs.speed})  # the job's speeds
+    times = {d: dataclasses.replace(stage_costs(layers, partitions[d]), speed=costs.speed)  # the job's speeds
              for d in pipes}
     from schedcomp.simulator import simulate
 

@@ -178,13 +178,10 @@ def _whole_layers(layers: Layered, costs: CostModel, pipeline: int,
                   live: Sequence[int]) -> tuple[CostModel, tuple[float, ...]]:
     """A re-formed pipeline's cost model cutting whole layers (the min-max partition over its live
     workers, weighted by their speeds), and the static memory of each new stage."""
-    from schedcomp.repartition import min_max_partition
+    from schedcomp.repartition import live_partition
 
-    c = layers.costs.costs
-    work = [f + b + w for f, b, w in zip(c.forward, c.backward_input, c.backward_weight, strict=True)]
     speeds = [costs.speed.get(Worker(pipeline, s), 1.0) for s in live]
-    partition = min_max_partition(work, [1.0 / v for v in speeds])
-    assert partition is not None  # (no memory rooms given: every partition fits)
+    partition = live_partition(layers.costs, costs.speed, pipeline, live)
     cut = stage_costs(layers.costs, partition)
     speed = {Worker(0, i): v for i, v in enumerate(speeds) if Worker(pipeline, live[i]) in costs.speed}
     step = [a + o for a, o in zip(cut.allreduce, cut.optimizer, strict=True)]

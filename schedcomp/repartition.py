@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -201,6 +201,17 @@ def fits_memory(partition: Partition, memory: Sequence[float], rooms: Sequence[f
             return False
         start += n
     return True
+
+
+def live_partition(layers: LayerCosts, speed: Mapping[Worker, float], pipeline: int,
+                   live: Sequence[int]) -> Partition:
+    """The layers of a pipeline re-formed over its `live` places: the min-max contiguous partition of their
+    F + B + W, each place weighted by its worker's speed (no memory rooms given, so one always exists)."""
+    c = layers.costs
+    work = [f + b + w for f, b, w in zip(c.forward, c.backward_input, c.backward_weight, strict=True)]
+    found = min_max_partition(work, [1.0 / speed.get(Worker(pipeline, s), 1.0) for s in live])
+    assert found is not None
+    return found
 
 
 def min_max_partition(work: Sequence[float], weights: Sequence[float], memory: Sequence[float] | None = None,
