@@ -23,6 +23,7 @@ from schedcomp.simulator import simulate
 
 CASES = [  # (pp, dp, M, failed, pipelines re-formed)
     (4, 4, 8, ["3:1"], (3,)),
+    (4, 8, 8, ["3:1"], (3,)),  # issue 14's re-cut case (its target: period <= 28)
     (4, 4, 8, ["3:1", "3:2"], (3,)),
     (4, 4, 8, ["3:0", "3:1", "3:2"], (3,)),
     (4, 2, 8, ["1:1"], (1,)),
