@@ -134,20 +134,22 @@ def adaptive_solution(
 
 
 def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
-    """The best schedule over whole micro-batches and the cuts of `recut.PIECES` (ties to the fewer pieces,
-    tried first): a re-cut is kept only where it schedules faster."""
-    from schedcomp.recut import PIECES, recut
+    """The best schedule over whole micro-batches, the cuts of `recut.PIECES`, then the same cuts with the
+    other pipelines halved (`recut.halve_the_rest`), tried in that order (fewer pieces first): a cut is kept
+    only where it schedules faster."""
+    from schedcomp.recut import PIECES, halve_the_rest, recut
 
-    problems = []
-    for piece in PIECES:
-        cut, routing = recut(problem, piece)
+    cuts = [recut(problem, piece) for piece in PIECES]
+    cuts += [(halve_the_rest(cut, problem.topology.dp, problem.microbatches), routing) for cut, routing in cuts]
+    problems: list[Problem] = []
+    for cut, routing in cuts:
         if all(cut != p.cut for p in problems):
             cut_problem = replace(problem, cut=cut)
             problems.append(replace(cut_problem, routing=tuple(sorted(
                 (cut_problem.slot_id(*key), wid) for key, wid in routing.items()))))
     # The fractional work bound and the warm-up bound of the workers that run whole micro-batches of their
-    # own only, the same in every cut and below whole micro-batches' bound: what any cut may reach.
-    target = lower_bound(problems[0])
+    # own only, below whole micro-batches' bound: what some cut may reach (halved pipelines warm up sooner).
+    target = min(lower_bound(p) for p in problems)
     best = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
     for cut_problem in problems:
         if best.period <= target * (1 + _TOL):

@@ -68,9 +68,11 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
             raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
         files[key], digests[key] = root / file, digest
         cut = entry_cut(item, n, dp, microbatches, recut)
-        if not {p for p, _ in cut.bounds} <= {d for d, _ in failed}:
-            raise PlanFormatError(f"scenario {n}: its 'cut' re-cuts a pipeline that lost no worker there (a plan "
-                                  "re-cuts only the failed workers' pipelines): re-run schedcomp precompile")
+        # (A failure plan may halve the pipelines that lost no worker too, `recut.halve_the_rest`; a fault-free
+        # one re-cuts nothing.)
+        if cut and not failed:
+            raise PlanFormatError(f"scenario {n}: its 'cut' re-cuts a fault-free plan (only failure plans re-cut "
+                                  "micro-batches): re-run schedcomp precompile")
         if cut:
             cuts[key] = cut
     return recut, files, digests, cuts
