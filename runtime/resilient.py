@@ -178,8 +178,9 @@ class ResilientTrainer:
 
     @property
     def checkpoint_cut(self) -> Partition | None:
-        """The model's cut its checkpoints are written and restored under, layer by layer (None: per stage)."""
-        return self.trainer.partition if self.per_layer and self.trainer is not None else None
+        """The cut this worker's checkpoints are written and restored under, layer by layer: its own pipeline's
+        partition (None: per stage)."""
+        return self.trainer.own_cut if self.per_layer and self.trainer is not None else None
 
     def wait(self, work: Any) -> None:
         """Wait for `work`; give up (`GenerationAborted`) as soon as the generation breaks."""
@@ -225,7 +226,7 @@ class ResilientTrainer:
             session.commit(i)  # nothing touches the network between the step and its record
             # per layer under any cut (a restart may cut the model otherwise); per stage only under the base cut,
             # the one a restart builds
-            if checkpoint and (self.per_layer or trainer.partition == trainer.base_partition):
+            if checkpoint and (self.per_layer or trainer.on_base_cut):
                 self.last_resort.after_step(i, self.held, self.checkpoint_cut)
 
         return step
@@ -243,7 +244,7 @@ class ResilientTrainer:
 
         trainer.iteration = i
         batch = self.batch_for(i)
-        self.plans.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
+        self.plans.pieces.check(batch, trainer.dp, trainer.plan.microbatches)
         self.record(i, trainer.run_iteration(batch, step=self.step_for(i), ledger=ledger, before=before,
                                              started=self.policy.on_iteration))
 

@@ -135,7 +135,8 @@ def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
     per = rt.plans.pieces.per  # rows per regular micro-batch of the job's batches (None: none checked yet)
-    problem = empty_piece(plan.cut, per) if plan is not None and per is not None else None
+    problem = (empty_piece(plan.cut, per, plan.topology.dp, plan.microbatches) if plan is not None and per is not None
+               else None)
     if plan is not None and plan.cut and not runs_pieces(rt.policy):  # every member decides alike: all keep theirs
         log.warning("not switching to the better plan: it re-cuts micro-batches, which the %s policy does not run",
                     rt.policy.name)

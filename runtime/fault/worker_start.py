@@ -68,13 +68,13 @@ def start_worker(rt: Any) -> int:
         trainer.base_partition = base
     # refused now, not in the middle of a recovery that moves one; a first plan off the base cut restores
     # per-layer checkpoints (per-stage ones would load other layers' weights)
-    if plans.moves_layers or (sequential and trainer.partition != base):
+    if plans.moves_layers or (sequential and not trainer.on_base_cut):
         for stage in trainer.stages.values():
             check_movable(stage)
     # checkpoints hold each layer where every stage's layers can move (else each stage, restored into the
     # base cut), judged alike by every worker: one job never writes both formats
     rt.per_layer = sequential and job_splits_per_layer(rt.build_stage, base, rt.make_optimizer)
-    if sequential and not rt.per_layer and not session.env.rejoining and trainer.partition != base \
+    if sequential and not rt.per_layer and not session.env.rejoining and not trainer.on_base_cut \
             and rt.last_resort.schedule is not None:
         raise RuntimeSetupError("this job's checkpoints hold each stage, not each layer (some stage's optimizer "
                                 "has several param groups or a tensor setting), so they restore only into the "

@@ -62,7 +62,7 @@ def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tupl
     rows = [0] * (dp * microbatches)
     for p in range(dp):
         for m in range(cut.count(p, microbatches)):
-            for index, held in held_rows(cut, p, m, microbatches, per):
+            for index, held in held_rows(cut, p, m, dp, microbatches, per):
                 assert 0 < held <= per
                 rows[index] += held
     assert rows == [per] * (dp * microbatches)
@@ -77,8 +77,8 @@ def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tupl
 
 def test_held_rows_of_a_piece_across_a_microbatch_boundary() -> None:
     cut = Cut.of({1: (0.0, 0.3, 0.9, 1.7, 2.1, 3.0)})  # rows 0-2, 2-6, 6-12, 12-15, 15-21 of 7 per micro-batch
-    assert held_rows(cut, 1, 2, 3, 7) == [(3, 1), (4, 5)]  # rows 6 of micro-batch 0, 7-11 of micro-batch 1
-    assert held_rows(cut, 0, 2, 3, 7) == [(2, 7)]  # a pipeline not re-cut: its micro-batch whole
+    assert held_rows(cut, 1, 2, 2, 3, 7) == [(3, 1), (4, 5)]  # rows 6 of micro-batch 0, 7-11 of micro-batch 1
+    assert held_rows(cut, 0, 2, 2, 3, 7) == [(2, 7)]  # a pipeline not re-cut: its micro-batch whole
 
 
 def test_a_re_cut_plans_streams_count_every_microbatch_once_per_stage() -> None:
@@ -180,13 +180,13 @@ def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_pl
     pieces = trainer(cache, tmp_path, "rollback").plans.pieces
     assert pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
     chunks = DP * M
-    pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    pieces.check((torch.zeros(2 * chunks, 1), None), DP, M)  # 2 rows per micro-batch: 1 per piece
     assert pieces.per == 2
     with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
                                                 r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
                                                 r"batch of 9 rows\): use a larger batch"):
-        pieces.check((torch.zeros(chunks, 1), None), chunks)
-    pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+        pieces.check((torch.zeros(chunks, 1), None), DP, M)
+    pieces.check((torch.zeros(chunks + 1, 1), None), DP, M)  # does not divide: the iteration refuses it
     assert pieces.checked == {2 * chunks}
 
 

@@ -1,0 +1,91 @@
+"""A resilient job whose failure plan re-forms the pipeline that lost a worker: the survivors switch to it, exactly.
+
+pp = 3, dp = 2, M = 3 (6 worker processes, CPU, gloo), a 6-layer float64 `nn.Sequential` (Linear + Tanh blocks)
+trained with Adam (`resilient_procs`, CHAOS_MOVES). The cache (`reformed_cache`) holds the fault-free plan
+(2, 2, 2 in both pipelines) and, for worker 1:1 failed, the plan `compile(..., reform=(1,))` makes: pipeline 1
+re-formed over its places 0 and 2 (3, 0, 3), both pipelines' shares of the batch by throughput (3.6 and 2.4
+micro-batches, cut into pieces). Worker 1:1 is SIGKILLed in the middle of iteration 1: the survivors roll back
+and switch, and the dead worker's layers come from its live replica in pipeline 0 (layer 2 to 1:0, layer 3 to
+1:2, both from 0:1). Every survivor's layers equal one process training the whole model on the same batches
+(float64, 1e-10), and its ledger, per segment, shows every row entered each update once (all ones, exactly).
+Also: the policies that keep layers in place and whole micro-batches refuse such a cache in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fault_procs import run_job
+from resilient_procs import HERE, adam, chaos_sequential
+
+from schedcomp.cache import PlanCache, precompile
+from schedcomp.compiler import compile
+from schedcomp.errors import RuntimeSetupError
+from schedcomp.scenarios import canonical
+from schedcomp.topology import Worker
+
+PP, DP, M, LAYERS, ITERATIONS = 3, 2, 3, 6, 4
+VICTIM = Worker(1, 1)
+REFORMED = ((2, 2, 2), (3, 0, 3))
+
+
+def reformed_cache(directory: Path) -> Path:
+    """The job's cache (one failure at most, 2 layers per place) whose plan for VICTIM failed re-forms its
+    pipeline (`compile(reform=)`, put in the cache as tests put plans there), saved in `directory`."""
+    cache = precompile(PP, DP, M, 1, time_limit=1.0, layers=LAYERS // PP)
+    plan = compile(PP, DP, M, failed=[str(VICTIM)], layers=LAYERS // PP, reform=(VICTIM.pipeline,))
+    key = canonical(plan.topology, plan.costs).key
+    assert key in cache.plans and plan.partitions == REFORMED
+    cache.plans[key] = plan
+    cache.save(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_survivors_switch_to_a_re_formed_plan_and_train_the_fault_free_model(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = PlanCache.load(reformed_cache(tmp_path))
+    assert cache.partitions == {canonical(cache.lookup([VICTIM]).topology, cache.costs).key: REFORMED}
+    stream = cache.lookup([]).streams[VICTIM]
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    results, _ = run_job(PP, DP, ["--respawn", "0"],
+                         [str(HERE), "resilient", str(ITERATIONS), str(tmp_path), f"{VICTIM}@1.{len(stream) // 2}",
+                          "-1"], timeout=150.0)
+    survivors = {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}
+    assert set(results) == survivors, sorted(results)
+    for r in results.values():
+        worker = Worker.parse(r["worker"])
+        assert r["iterations"] == ITERATIONS and r["failed"] == [str(VICTIM)]
+        assert [rec["rerun"] for rec in r["recoveries"]] in ([1], [2]), r["recoveries"]
+        # the plan they run is the re-formed one, and each holds its own pipeline's span of it: pipeline 1's
+        # workers took the dead worker's layers (2 and 3: from 0:1, their only live holder)
+        assert [list(p) for p in r["partitions"]] == [list(p) for p in REFORMED]
+        own = REFORMED[worker.pipeline]
+        first = sum(own[:worker.stage])
+        assert sorted(map(int, r["layers"])) == list(range(first, first + own[worker.stage])), r["worker"]
+        for layer, diff in r["layers"].items():
+            assert diff <= 1e-10, (r["worker"], layer, diff)
+        assert sorted(map(int, r["ledger"])) == list(range(ITERATIONS))
+        for i, counts in r["ledger"].items():
+            assert counts == [1.0] * DP * M, (r["worker"], i, counts)
+
+
+@pytest.mark.parametrize("policy", ["lossy", "logging"])
+def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line(tmp_path: Path, policy: str) -> None:
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    cache = PlanCache.load(reformed_cache(tmp_path / "plans"))
+    options = ({"policy": "lossy"} if policy == "lossy" else
+               {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
+    with pytest.raises(RuntimeSetupError, match=r"^the \w+ policy keeps each stage's layers and whole micro-batches, "
+                                                r"but this plan source serves plans with re-formed pipelines"):
+        ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
+    assert not cache.plans  # known from the index alone
+    # rollback takes it (a stage builder cannot: a re-formed plan's layers are cut from one model)
+    ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, session=object())
+    with pytest.raises(RuntimeSetupError, match=r"pass the model as an nn\.Sequential"):
+        ResilientTrainer(cache, lambda s: None, lambda y, t: y, adam, lambda i: None, session=object())
