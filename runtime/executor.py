@@ -149,7 +149,7 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
     gathered = _gather(it, reduction)
     if gathered is None:  # no trainable parameter here (nor on its other holders, which hold the same layers)
         if it.ledger is not None:
-            _sum_ledger(it, group)
+            _sum_ledger(it, group, it.comm.device)
         return
     flat, scatter = gathered
     # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
@@ -165,14 +165,15 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
         it.ledger.copy_(flat[n:])
         flat = flat[:n]
     elif it.ledger is not None:
-        _sum_ledger(it, group)
+        _sum_ledger(it, group, flat.device)
     scatter(flat)
 
 
-def _sum_ledger(it: Iteration, group: dist.ProcessGroup) -> None:
-    """The ledger summed over `group` in a float32 collective of its own (exact: integer counts below 2**24)."""
+def _sum_ledger(it: Iteration, group: dist.ProcessGroup, device: torch.device) -> None:
+    """The ledger summed over `group` in a float32 collective of its own on `device` (exact: integer counts below
+    2**24)."""
     assert it.ledger is not None
-    counts = it.ledger.to(device=it.device, dtype=torch.float32)
+    counts = it.ledger.to(device=device, dtype=torch.float32)
     it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
     it.ledger.copy_(counts)
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from ledgers import ledger_of
 from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
 
 from schedcomp.cache import PlanCache
@@ -23,17 +24,9 @@ from schedcomp.ir import InstrKind
 from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
 from schedcomp.runtime.fault.recovery import RollbackPolicy
-from schedcomp.runtime.iteration import Iteration
 from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.topology import Topology, Worker
-
-
-def ledger_of(plan: object, dp: int, microbatches: int, per: int) -> Iteration:
-    """An iteration that only counts (no stage, no communication), on a batch of `per` rows per micro-batch."""
-    return Iteration(plan=plan, worker=Worker(0, 0), stage=SimpleNamespace(index=0), comm=None,
-                     inputs=torch.zeros(dp * microbatches * per, 1), targets=None, boundaries=(),
-                     ledger=torch.zeros(dp * microbatches, dtype=torch.float64))
 
 
 @st.composite
@@ -238,7 +231,7 @@ def test_a_plan_functions_re_cut_plan_is_checked_against_the_batches_as_it_is_se
     # middle of the recovery's iteration), and joins the cuts later batch sizes are checked against.
     whole, recut = compile(PP, DP, M), compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
     rt = trainer(lambda t: recut if t.failed else whole, tmp_path, "rollback")
-    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP * M)  # one row per micro-batch: half-pieces hold none
+    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP, M)  # one row per micro-batch: half-pieces hold none
     with pytest.raises(RuntimeSetupError, match=r"the plan for failed workers 1:1 has a piece that is a piece of 0.5 "
                                                 r"micro-batches, no whole sample of the 1 per micro-batch"):
         rt.plan_for(recut.topology)
