@@ -178,12 +178,7 @@ class PlanCache:
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
                 raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
-            if plan.cut != self.cuts.get(key, NO_CUT):  # said by size: a hostile cut may have millions of pieces
-                raise PlanFormatError(f"its cut of micro-batches ({plan.cut.summary}) differs from the one the "
-                                      f"index gives ({self.cuts.get(key, NO_CUT).summary})")
-            if plan.partitions != self.partitions.get(key):
-                raise PlanFormatError(f"its per-pipeline partitions ({_shown(plan.partitions)}) differ from the ones "
-                                      f"the index gives ({_shown(self.partitions.get(key))})")
+            cachefiles.check_entry(plan, self.cuts.get(key, NO_CUT), self.partitions.get(key))
             check(plan)
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
@@ -284,10 +279,6 @@ def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tupl
     if dataclasses.replace(expected, memory_limit=costs.memory_limit) != costs:
         raise PlanFormatError("its stage cost model is not the one its layer costs and partition make")
     return layers, partition
-
-
-def _shown(partitions: Partitions | None) -> str:
-    return "none" if partitions is None else " | ".join(",".join(map(str, p)) for p in partitions)
 
 
 def _chunk_text(chunks: int, placement: str) -> str:

@@ -109,6 +109,21 @@ def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: b
     return cut
 
 
+def check_entry(plan: Plan, cut: Cut, partitions: Partitions | None) -> None:
+    """Refuse (PlanFormatError) a cached plan whose cut of micro-batches or per-pipeline partitions are not the
+    ones its index entry gives (what a job knew of it before reading it)."""
+    if plan.cut != cut:  # said by size: a hostile cut may have millions of pieces
+        raise PlanFormatError(f"its cut of micro-batches ({plan.cut.summary}) differs from the one the index gives "
+                              f"({cut.summary})")
+    if plan.partitions != partitions:
+        raise PlanFormatError(f"its per-pipeline partitions ({_shown(plan.partitions)}) differ from the ones the index "
+                              f"gives ({_shown(partitions)})")
+
+
+def _shown(partitions: Partitions | None) -> str:
+    return "none" if partitions is None else " | ".join(",".join(map(str, p)) for p in partitions)
+
+
 def read_verified(path: Path, root: Path | None, digest: str | None) -> bytes:
     """The bytes of a cached plan: a regular file directly inside `root` (no symlink out, no device or
     FIFO, within the size limit) whose SHA-256 is `digest`."""

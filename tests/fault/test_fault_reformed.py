@@ -17,36 +17,23 @@ from pathlib import Path
 
 import pytest
 from fault_procs import run_job
+from reformed_cache import DP, LAYERS, PP, REFORMED, VICTIM, M, reformed_cache
 from resilient_procs import HERE, adam, chaos_sequential
 
-from schedcomp.cache import PlanCache, precompile
-from schedcomp.compiler import compile
+from schedcomp.cache import PlanCache
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.scenarios import canonical
 from schedcomp.topology import Worker
 
-PP, DP, M, LAYERS, ITERATIONS = 3, 2, 3, 6, 4
-VICTIM = Worker(1, 1)
-REFORMED = ((2, 2, 2), (3, 0, 3))
-
-
-def reformed_cache(directory: Path) -> Path:
-    """The job's cache (one failure at most, 2 layers per place) whose plan for VICTIM failed re-forms its
-    pipeline (`compile(reform=)`, put in the cache as tests put plans there), saved in `directory`."""
-    cache = precompile(PP, DP, M, 1, time_limit=1.0, layers=LAYERS // PP)
-    plan = compile(PP, DP, M, failed=[str(VICTIM)], layers=LAYERS // PP, reform=(VICTIM.pipeline,))
-    key = canonical(plan.topology, plan.costs).key
-    assert key in cache.plans and plan.partitions == REFORMED
-    cache.plans[key] = plan
-    cache.save(directory)
-    return directory
+ITERATIONS = 4
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_survivors_switch_to_a_re_formed_plan_and_train_the_fault_free_model(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = PlanCache.load(reformed_cache(tmp_path))
+    reformed_cache(tmp_path)
+    cache = PlanCache.load(tmp_path)
     assert cache.partitions == {canonical(cache.lookup([VICTIM]).topology, cache.costs).key: REFORMED}
     stream = cache.lookup([]).streams[VICTIM]
     monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
@@ -78,7 +65,8 @@ def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line
     from schedcomp.runtime.fault.restart import CheckpointPolicy
     from schedcomp.runtime.resilient import ResilientTrainer
 
-    cache = PlanCache.load(reformed_cache(tmp_path / "plans"))
+    reformed_cache(tmp_path / "plans")
+    cache = PlanCache.load(tmp_path / "plans")
     options = ({"policy": "lossy"} if policy == "lossy" else
                {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
     with pytest.raises(RuntimeSetupError, match=r"^the \w+ policy keeps each stage's layers and whole micro-batches, "
