@@ -112,7 +112,7 @@ def hand_over(rt: Any, resume_at: int) -> None:
     session = rt.session
     stage = session.me.stage
     for joiner in session.joiners():
-        if joiner.stage == stage and session.donor_for(stage) == session.me:
+        if joiner.stage == stage and session.donor_for(stage, rt.trainer.holds_like(joiner)) == session.me:
             send_held_state(rt.held, session.groups.world, [session.groups.rank_of(joiner)],
                             info={"iteration": resume_at}, wait=rt.wait)
             rt.report.handed_over += 1

@@ -93,7 +93,7 @@ def join_as_replacement(rt: Any) -> int:
     """A replacement's start: its stage's state from a live replica (the donor), or rebuilt by the logging
     policy's replay when none is left; returns the iteration to run next."""
     session = rt.session
-    donor = session.donor_for(session.me.stage)
+    donor = session.donor_for(session.me.stage, rt.trainer.holds_like(session.me))
     rebuild = getattr(rt.policy, "rebuild", None)  # logging-based recovery replays the stage
     if donor is None and rebuild is not None:
         try:
@@ -104,7 +104,7 @@ def join_as_replacement(rt: Any) -> int:
         session.commit(start - 1)
         return start
     if donor is None:
-        raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
+        raise RecoveryError(f"no live replica of stage {session.me.stage} holding its layers to copy from: "
                             "restart the job from a checkpoint")
     receiving = time.time()
     got = recv_held_state(rt.held, session.groups.world, src=session.groups.rank_of(donor), wait=rt.wait)

@@ -77,3 +77,26 @@ def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line
     ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, session=object())
     with pytest.raises(RuntimeSetupError, match=r"pass the model as an nn\.Sequential"):
         ResilientTrainer(cache, lambda s: None, lambda y, t: y, adam, lambda i: None, session=object())
+
+
+def test_a_replacements_donor_holds_its_layers_where_pipelines_hold_different_ones() -> None:
+    # dp 3, pipeline 2 re-formed (3, 3, 0): at place 1, 2:1 holds layers 3-5, not the 2-3 a replacement of 1:1
+    # holds. With 0:1 rejoining too (no state to give), 2:1 is place 1's only old member: no donor, so the
+    # replacement's start is a RecoveryError (a restart from the checkpoint) rather than a load of other layers.
+    from types import SimpleNamespace
+
+    from schedcomp.runtime.fault.session import FaultSession
+    from schedcomp.runtime.trainer import PipelineTrainer
+    from schedcomp.topology import Topology
+
+    trainer = SimpleNamespace(cuts=((2, 2, 2), (2, 2, 2), (3, 3, 0)))
+    holds = PipelineTrainer.holds_like(trainer, Worker(1, 1))
+    assert holds(Worker(0, 1)) and not holds(Worker(2, 1))
+    assert PipelineTrainer.holds_like(SimpleNamespace(cuts=((2, 2, 2),) * 3), Worker(1, 1))(Worker(2, 1))
+    session = FaultSession.__new__(FaultSession)
+    topology = Topology.of(3, 3, [Worker(2, 2)])
+    session.view = SimpleNamespace(topology=topology)
+    session.previous = SimpleNamespace(members=[w for w in topology.workers if w not in (Worker(0, 1), Worker(1, 1))])
+    assert session.donor_for(1) == Worker(2, 1) and session.donor_for(1, holds) is None
+    session.previous.members.append(Worker(0, 1))
+    assert session.donor_for(1, holds) == Worker(0, 1)
