@@ -13,6 +13,7 @@ Also: the policies that keep layers in place and whole micro-batches refuse such
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,34 @@ from schedcomp.topology import Worker
 ITERATIONS = 4
 
 
+def launch(plans: Path, victim: Worker, iterations: int, respawn: int = 0, hold: int = -1) -> dict[str, dict]:
+    """Run the job (CHAOS_MOVES: the Adam `nn.Sequential`) with `victim` killed in the middle of iteration 1."""
+    stream = PlanCache.load(plans).lookup([]).streams[victim]
+    results, _ = run_job(PP, DP, ["--respawn", str(respawn)],
+                         [str(HERE), "resilient", str(iterations), str(plans), f"{victim}@1.{len(stream) // 2}",
+                          str(hold)], timeout=150.0)
+    return results
+
+
+def check(results: dict[str, dict], expected: set[str], partitions: tuple[tuple[int, ...], ...] | None,
+          iterations: int) -> None:
+    """Every worker of `expected` trained `iterations`, ends on a plan with `partitions`, holds its own pipeline's
+    span of them, each layer equal to one process's training (1e-10), and counted every row once per iteration."""
+    assert set(results) == expected, sorted(results)
+    for r in results.values():
+        worker = Worker.parse(r["worker"])
+        assert r["iterations"] == iterations
+        assert r["partitions"] == ([list(p) for p in partitions] if partitions is not None else None)
+        own = (partitions or ((LAYERS // PP,) * PP,) * DP)[worker.pipeline]
+        first = sum(own[:worker.stage])
+        assert sorted(map(int, r["layers"])) == list(range(first, first + own[worker.stage])), r["worker"]
+        for layer, diff in r["layers"].items():
+            assert diff <= 1e-10, (r["worker"], layer, diff)
+        assert sorted(map(int, r["ledger"])) == list(range(r["resumed_at"] or 0, iterations))
+        for i, counts in r["ledger"].items():
+            assert counts == [1.0] * DP * M, (r["worker"], i, counts)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_survivors_switch_to_a_re_formed_plan_and_train_the_fault_free_model(tmp_path: Path,
@@ -35,28 +64,39 @@ def test_survivors_switch_to_a_re_formed_plan_and_train_the_fault_free_model(tmp
     reformed_cache(tmp_path)
     cache = PlanCache.load(tmp_path)
     assert cache.partitions == {canonical(cache.lookup([VICTIM]).topology, cache.costs).key: REFORMED}
-    stream = cache.lookup([]).streams[VICTIM]
     monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
-    results, _ = run_job(PP, DP, ["--respawn", "0"],
-                         [str(HERE), "resilient", str(ITERATIONS), str(tmp_path), f"{VICTIM}@1.{len(stream) // 2}",
-                          "-1"], timeout=150.0)
-    survivors = {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}
-    assert set(results) == survivors, sorted(results)
+    results = launch(tmp_path, VICTIM, ITERATIONS)
+    # the plan the survivors run is the re-formed one, and each holds its own pipeline's span of it: pipeline 1's
+    # workers took the dead worker's layers (2 and 3: from 0:1, their only live holder)
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(VICTIM)}, REFORMED, ITERATIONS)
     for r in results.values():
-        worker = Worker.parse(r["worker"])
-        assert r["iterations"] == ITERATIONS and r["failed"] == [str(VICTIM)]
+        assert r["failed"] == [str(VICTIM)]
         assert [rec["rerun"] for rec in r["recoveries"]] in ([1], [2]), r["recoveries"]
-        # the plan they run is the re-formed one, and each holds its own pipeline's span of it: pipeline 1's
-        # workers took the dead worker's layers (2 and 3: from 0:1, their only live holder)
-        assert [list(p) for p in r["partitions"]] == [list(p) for p in REFORMED]
-        own = REFORMED[worker.pipeline]
-        first = sum(own[:worker.stage])
-        assert sorted(map(int, r["layers"])) == list(range(first, first + own[worker.stage])), r["worker"]
-        for layer, diff in r["layers"].items():
-            assert diff <= 1e-10, (r["worker"], layer, diff)
-        assert sorted(map(int, r["ledger"])) == list(range(ITERATIONS))
-        for i, counts in r["ledger"].items():
-            assert counts == [1.0] * DP * M, (r["worker"], i, counts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_re_formed_job_checkpoints_per_pipeline_and_its_replacement_rejoins(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0:1 dies: pipeline 0 re-forms (3, 0, 3) and its workers write places 0 and 2's checkpoints under their own
+    # partition (layers 0-2, 3-5), 1:1 place 1's (2-3). Its replacement is admitted at iteration 3 or later: the
+    # plan is the fault-free one again, 0:0 and 0:2 drop a layer each and the replacement receives layers 2-3
+    # from 1:1 (the donor holding them).
+    from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir, latest_complete
+
+    victim, iterations = Worker(0, 1), 6
+    reformed_cache(tmp_path / "plans")
+    monkeypatch.setenv("CHAOS_MOVES", str(LAYERS))
+    monkeypatch.setenv("CHAOS_CHECKPOINT", str(tmp_path / "ckpt"))
+    results = launch(tmp_path / "plans", victim, iterations, respawn=1, hold=3)
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)}, None, iterations)
+    joined = results[str(victim)]
+    assert joined["incarnation"] == 1 and joined["resumed_at"] in (4, 5)
+    assert all(r["admitted"] == [joined["resumed_at"]] for w, r in results.items() if w != str(victim))
+    assert latest_complete(tmp_path / "ckpt", PP, LAYERS) == iterations - 1
+    written = [[e["index"] for e in json.loads((checkpoint_dir(tmp_path / "ckpt", 2, s) / MANIFEST).read_text())[
+        "layers"]] for s in range(PP)]
+    assert written == [[0, 1, 2], [2, 3], [3, 4, 5]]  # iteration 2: under the re-formed plan
 
 
 @pytest.mark.parametrize("policy", ["lossy", "logging"])
