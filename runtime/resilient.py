@@ -59,11 +59,15 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   checkpoints either ends the worker with one line and status 1, which its launcher reports.
 - Re-cut micro-batches (`precompile --recut`): rollback and restart run pieces like any micro-batch;
   lossy and logging-based recovery refuse such a source (`policies.refuse_recut`).
+- Re-formed pipelines (`Plan.partitions`): rollback switches to them like to any plan that cuts the model
+  elsewhere (each worker its own pipeline's layers; checkpoints under its own pipeline's partition, the ledger
+  per segment); lossy and logging-based recovery refuse such a source (`policies.refuse_reformed`).
 
 The ledger: each worker counts, per regular micro-batch, the samples whose weight gradients it accumulated
 in an iteration (whole micro-batches, or the rows each re-cut piece holds of it: `Iteration.count`); the
 counts ride along in the stage's gradient all-reduce, so after STEP every replica holds, for its stage, how
-often each micro-batch's samples entered the update it applied. `Report.ledger[i]` is that vector for
+often each micro-batch's samples entered the update it applied (with re-formed pipelines per segment, the
+worker's ledger their common count: `executor.segment_ledger`). `Report.ledger[i]` is that vector for
 iteration i, in micro-batches (all ones, exactly, when every sample counted once).
 """
 
