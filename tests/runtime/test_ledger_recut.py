@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from ledgers import ledger_of
+from ledgers import ledger_of, rows_over_pieces
 from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
 
 from schedcomp.cache import PlanCache
@@ -52,13 +52,7 @@ def cuts(draw: st.DrawFn) -> tuple[Cut, int, int, int]:
 @given(cuts())
 def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tuple[Cut, int, int, int]) -> None:
     cut, dp, microbatches, per = case
-    rows = [0] * (dp * microbatches)
-    for p in range(dp):
-        for m in range(cut.count(p, microbatches)):
-            for index, held in held_rows(cut, p, m, dp, microbatches, per):
-                assert 0 < held <= per
-                rows[index] += held
-    assert rows == [per] * (dp * microbatches)
+    assert rows_over_pieces(cut, dp, microbatches, per) == [per] * (dp * microbatches)
     it = ledger_of(SimpleNamespace(cut=cut, microbatches=microbatches, topology=SimpleNamespace(dp=dp)), dp,
                    microbatches, per)
     for p in range(dp):

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from ledgers import ledger_of
+from ledgers import ledger_of, rows_over_pieces
 
 from schedcomp.compiler import compile
 from schedcomp.cut import Cut
@@ -35,13 +35,8 @@ def reformed():
 
 @pytest.mark.parametrize("per", [2, 3, 5, 7])
 def test_the_pieces_of_every_pipeline_cover_each_regular_microbatch_once(reformed, per: int) -> None:
-    cut, rows = reformed.cut, [0] * (DP * M)
-    for d in range(DP):
-        for m in range(cut.count(d, M)):
-            for index, held in held_rows(cut, d, m, DP, M, per):
-                assert 0 < held <= per
-                rows[index] += held
-    assert rows == [per] * (DP * M)
+    cut = reformed.cut
+    assert rows_over_pieces(cut, DP, M, per) == [per] * (DP * M)
     # pipeline 1 starts 3.6 micro-batches in: its first piece holds rows of regular micro-batches 3 and 4
     assert [index for index, _ in held_rows(cut, 1, 0, DP, M, per)] == [3, 4]
 
