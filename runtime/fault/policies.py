@@ -155,9 +155,9 @@ def cut_of(plan: Plan, model: Any) -> Cuts | None:
 def may_cut_elsewhere(plans: Any, model: Any) -> bool:
     """Whether a plan source may switch to plans that cut the model elsewhere (so layers move): a cache with
     layer costs whose plans cut it in more than one way, or whose background compiles may re-partition
-    (`ImprovingPlans`), or a cache holding such plans in memory. A plain function is not known in advance,
-    nor a cache without layer costs whose plans on disk were edited to cut elsewhere: False (a refusal then
-    comes at the switch)."""
+    (`ImprovingPlans`), one that may re-form pipelines (`may_reform`), or a cache holding such plans in
+    memory. A plain function is not known in advance, nor a cache without layer costs whose plans on disk
+    were edited to cut elsewhere: False (a refusal then comes at the switch)."""
     if not isinstance(model, nn.Sequential):
         return False
     cache = getattr(plans, "cache", plans)
@@ -166,6 +166,8 @@ def may_cut_elsewhere(plans: Any, model: Any) -> bool:
         return True
     if layered:  # its plans re-partition: read them all now (a lookup at failure time then reads none)
         return len(set(cuts_of(plans, model))) > 1
+    if may_reform(plans):  # a re-formed plan always cuts the model elsewhere (known from a cache's index)
+        return True
     # Without layer costs a precompiled cache's plans leave the cut to the runtime: only the plans already in
     # memory are looked at. Reading every plan from disk at start costs seconds per plan at scale, which a
     # job that never moves a layer should not pay.

@@ -113,6 +113,13 @@ def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line
                                                 r"but this plan source serves plans with re-formed pipelines"):
         ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
     assert not cache.plans  # known from the index alone
+    from schedcomp.runtime.fault.policies import may_cut_elsewhere
+
+    # (and that layers may move: every stage's optimizer is checked movable at start; a cache with layer costs
+    # reads its plans for that, so a failure reads none)
+    assert may_cut_elsewhere(cache, chaos_sequential(LAYERS)) and cache.plans
+    unlayered = PlanCache(PP, DP, M, cache.costs, partitions=cache.partitions)  # no layer costs, no plan read
+    assert may_cut_elsewhere(unlayered, chaos_sequential(LAYERS))
     # rollback takes it (a stage builder cannot: a re-formed plan's layers are cut from one model)
     ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, session=object())
     with pytest.raises(RuntimeSetupError, match=r"pass the model as an nn\.Sequential"):
