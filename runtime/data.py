@@ -118,9 +118,10 @@ class PieceRows:
         if rows not in self.checked:
             for cut in self.cuts:
                 problem = empty_piece(cut, self.per, dp, microbatches)
-                if problem:
-                    raise RuntimeSetupError(f"a re-cut plan this job may switch to has a piece that {problem} (a "
-                                            f"batch of {rows} rows): use a larger batch, or plans without --recut")
+                if problem:  # (shares: only re-formed plans have them)
+                    kind, without = ("re-formed", "reform") if cut.shares else ("re-cut", "--recut")
+                    raise RuntimeSetupError(f"a {kind} plan this job may switch to has a piece that {problem} (a "
+                                            f"batch of {rows} rows): use a larger batch, or plans without {without}")
             self.checked.add(rows)
 
 

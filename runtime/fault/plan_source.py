@@ -61,8 +61,8 @@ class PlanSource:
         refuse_recut(policy, may_recut(plans))
         self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
-        self.cuts: set[Cuts | None] = set(cuts_of(plans, model)) if isinstance(policy, (LossyPolicy,
-                                                                                          SwiftPolicy)) else set()
+        self.cuts: set[Cuts | None] = (set(cuts_of(plans, model)) if isinstance(policy, (LossyPolicy, SwiftPolicy))
+                                       else set())
         refuse_moves(policy, self.cuts)
         self.moves_layers = may_cut_elsewhere(plans, model)  # then every stage is checked movable at start
         if self.moves_layers and isinstance(policy, (LossyPolicy, SwiftPolicy)):

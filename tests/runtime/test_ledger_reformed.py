@@ -17,8 +17,9 @@ from ledgers import ledger_of, rows_over_pieces
 
 from schedcomp.compiler import compile
 from schedcomp.cut import Cut
+from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind
-from schedcomp.runtime.data import empty_piece, held_rows
+from schedcomp.runtime.data import PieceRows, empty_piece, held_rows
 from schedcomp.runtime.executor import segment_ledger
 from schedcomp.runtime.layout import Layout
 
@@ -76,3 +77,9 @@ def test_a_piece_empty_only_where_load_takes_its_rows_in_the_global_batch_is_ref
     assert cut.global_rows(1, 0, 2, 2, 1) == (2, 2)
     assert empty_piece(cut, 1, 2, 2) == "is a piece of 0.6 micro-batches, no whole sample of the 1 per micro-batch"
     assert empty_piece(cut, 2, 2, 2) is None
+    pieces = PieceRows([cut])  # what a resilient job checks each batch size against, at its first iteration
+    pieces.check((torch.zeros(8, 1), None), 2, 2)
+    with pytest.raises(RuntimeSetupError, match=r"^a re-formed plan this job may switch to has a piece that is a piece "
+                                                r"of 0.6 micro-batches, .* \(a batch of 4 rows\): use a larger batch, "
+                                                r"or plans without reform$"):
+        pieces.check((torch.zeros(4, 1), None), 2, 2)
