@@ -29,30 +29,31 @@ from schedcomp.topology import Worker
 ITERATIONS = 4
 
 
-def launch(plans: Path, victim: Worker, iterations: int, respawn: int = 0, hold: int = -1) -> dict[str, dict]:
+def launch(plans: Path, victim: Worker | None, iterations: int, respawn: int = 0, hold: int = -1) -> dict[str, dict]:
     """Run the job (CHAOS_MOVES: the Adam `nn.Sequential`) with `victim` killed in the middle of iteration 1."""
-    stream = PlanCache.load(plans).lookup([]).streams[victim]
+    spec = f"{victim}@1.{len(PlanCache.load(plans).lookup([]).streams[victim]) // 2}" if victim is not None else ""
     results, _ = run_job(PP, DP, ["--respawn", str(respawn)],
-                         [str(HERE), "resilient", str(iterations), str(plans), f"{victim}@1.{len(stream) // 2}",
-                          str(hold)], timeout=150.0)
+                         [str(HERE), "resilient", str(iterations), str(plans), spec, str(hold)], timeout=150.0)
     return results
 
 
 def check(results: dict[str, dict], expected: set[str], partitions: tuple[tuple[int, ...], ...] | None,
-          iterations: int) -> None:
+          iterations: int, first: int | None = None) -> None:
     """Every worker of `expected` trained `iterations`, ends on a plan with `partitions`, holds its own pipeline's
-    span of them, each layer equal to one process's training (1e-10), and counted every row once per iteration."""
+    span of them, each layer equal to one process's training (1e-10), and counted every row once in each iteration
+    it ran (from `first`, else from where it joined)."""
     assert set(results) == expected, sorted(results)
     for r in results.values():
         worker = Worker.parse(r["worker"])
         assert r["iterations"] == iterations
         assert r["partitions"] == ([list(p) for p in partitions] if partitions is not None else None)
         own = (partitions or ((LAYERS // PP,) * PP,) * DP)[worker.pipeline]
-        first = sum(own[:worker.stage])
-        assert sorted(map(int, r["layers"])) == list(range(first, first + own[worker.stage])), r["worker"]
+        start = sum(own[:worker.stage])
+        assert sorted(map(int, r["layers"])) == list(range(start, start + own[worker.stage])), r["worker"]
         for layer, diff in r["layers"].items():
             assert diff <= 1e-10, (r["worker"], layer, diff)
-        assert sorted(map(int, r["ledger"])) == list(range(r["resumed_at"] or 0, iterations))
+        assert sorted(map(int, r["ledger"])) == list(range(first if first is not None else r["resumed_at"] or 0,
+                                                           iterations))
         for i, counts in r["ledger"].items():
             assert counts == [1.0] * DP * M, (r["worker"], i, counts)
 
@@ -76,8 +77,8 @@ def test_survivors_switch_to_a_re_formed_plan_and_train_the_fault_free_model(tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_re_formed_job_checkpoints_per_pipeline_and_its_replacement_rejoins(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_re_formed_job_checkpoints_per_pipeline_rejoins_and_restarts_into_a_re_formed_cut(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 0:1 dies: pipeline 0 re-forms (3, 0, 3) and its workers write places 0 and 2's checkpoints under their own
     # partition (layers 0-2, 3-5), 1:1 place 1's (2-3). Its replacement is admitted at iteration 3 or later: the
     # plan is the fault-free one again, 0:0 and 0:2 drop a layer each and the replacement receives layers 2-3
@@ -97,6 +98,15 @@ def test_a_re_formed_job_checkpoints_per_pipeline_and_its_replacement_rejoins(tm
     written = [[e["index"] for e in json.loads((checkpoint_dir(tmp_path / "ckpt", 2, s) / MANIFEST).read_text())[
         "layers"]] for s in range(PP)]
     assert written == [[0, 1, 2], [2, 3], [3, 4, 5]]  # iteration 2: under the re-formed plan
+
+    # A second run starts without 0:1 (dead before joining): its first plan re-forms pipeline 0, so each worker
+    # builds its own pipeline's cut and restores exactly those layers from the checkpoint of iteration 5 (written
+    # under the fault-free cut: 0:0's three from two stage directories), then trains on.
+    monkeypatch.setenv("CHAOS_ABSENT", str(victim))
+    results = launch(tmp_path / "plans", None, iterations + 2)
+    check(results, {str(Worker(d, s)) for d in range(DP) for s in range(PP)} - {str(victim)}, REFORMED[::-1],
+          iterations + 2, first=iterations)
+    assert all(r["failed"] == [str(victim)] and not r["recoveries"] for r in results.values())
 
 
 @pytest.mark.parametrize("policy", ["lossy", "logging"])
