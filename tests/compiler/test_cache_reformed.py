@@ -81,3 +81,28 @@ def test_malformed_partitions_in_the_index_are_one_line_at_load(cache_dir: Path,
     pattern = r"^malformed plan cache index .*: scenario \d+: 'partitions'.*" + message
     with pytest.raises(PlanFormatError, match=pattern):
         PlanCache.load(copy_cache(cache_dir, tmp_path, lambda i: edited(i, partitions=partitions)))
+
+
+def test_lookup_or_repair_passes_over_a_re_formed_plan_even_without_a_cut() -> None:
+    # A re-formed plan with equal shares cuts nothing (its pipelines run M whole micro-batches each) but still has
+    # its own partitions, which `repair` cannot re-route over: the repair starts from the fault-free plan.
+    import dataclasses
+
+    from schedcomp.compiler import compile
+    from schedcomp.cut import NO_CUT
+    from schedcomp.errors import RecoveryError
+    from schedcomp.repair import lookup_or_repair
+
+    whole = compile(3, 2, M, memory_limit=None)
+    reformed = dataclasses.replace(compile(3, 2, M, failed=[str(VICTIM)], layers=2, reform=(1,), memory_limit=None),
+                                   cut=NO_CUT)
+
+    class Cached:
+        def lookup(self, failed):
+            found = {(): whole, (VICTIM,): reformed}.get(tuple(sorted(failed)))
+            if found is None:
+                raise RecoveryError("not cached")
+            return found
+
+    plan = lookup_or_repair(Cached(), [VICTIM, Worker(0, 2)], memory_limit=None)
+    assert plan.partitions is None and plan.topology.failed == {VICTIM, Worker(0, 2)}
