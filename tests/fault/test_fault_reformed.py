@@ -8,7 +8,10 @@ micro-batches, cut into pieces). Worker 1:1 is SIGKILLed in the middle of iterat
 and switch, and the dead worker's layers come from its live replica in pipeline 0 (layer 2 to 1:0, layer 3 to
 1:2, both from 0:1). Every survivor's layers equal one process training the whole model on the same batches
 (float64, 1e-10), and its ledger, per segment, shows every row entered each update once (all ones, exactly).
-Also: the policies that keep layers in place and whole micro-batches refuse such a cache in one line.
+Then with 0:1 the victim: checkpoints per layer under each writer's own pipeline's partition, a replacement
+that rejoins (layers move back, its donor holds its layers), and a run started without 0:1 that restores into
+its re-formed cut. Also: the policies that keep layers in place and whole micro-batches refuse such a cache in
+one line, and a replacement's donor must hold its layers.
 """
 
 from __future__ import annotations
