@@ -11,9 +11,10 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
 
 How a worker starts (joins, or is restored from a checkpoint) is in `fault.worker_start`.
 
-A plan that cuts the model elsewhere (`Plan.partition`) moves layers at the switch (`runtime.moves`), once
-the policy has restored a consistent state (after the rollback's undo), among the survivors only:
-replacements (`session.joiners()`) take no part, they receive their whole state from a donor afterwards.
+A plan that cuts the model elsewhere (`Plan.partition`, or per pipeline `Plan.partitions`: re-formed pipelines)
+moves layers at the switch (`runtime.moves`), once the policy has restored a consistent state (after the
+rollback's undo), among the survivors only: replacements (`session.joiners()`) take no part, they receive
+their whole state afterwards from a donor at their place that holds their layers (`PipelineTrainer.holds_like`).
 The lossy and logging-based policies, which work one fixed stage per worker, refuse plans that change the
 cut (`policies.refuse_moves`).
 """
