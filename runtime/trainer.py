@@ -218,14 +218,6 @@ class PipelineTrainer:
         """Whether every pipeline holds the job's base cut (the only one per-stage checkpoints restore into)."""
         return self.cuts is None or all(cut == self.base_partition for cut in self.cuts)
 
-    def holds_like(self, worker: Worker) -> Callable[[Worker], bool]:
-        """Whether a worker at `worker`'s place holds the layers `worker` holds under the plan in use (where
-        pipelines hold different ones, re-formed: a replacement's donor must; every replica, otherwise)."""
-        cuts = self.cuts
-        if cuts is None or len(set(cuts)) == 1:
-            return lambda other: True
-        return lambda other: spans(cuts[other.pipeline])[other.stage] == spans(cuts[worker.pipeline])[worker.stage]
-
     def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker], layout: Layout) -> None:
         """Take this worker's stages from the current cut to `cuts` (collective over the other
         workers, but for `joined`, which take no part; see `runtime.moves`)."""

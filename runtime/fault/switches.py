@@ -14,7 +14,7 @@ How a worker starts (joins, or is restored from a checkpoint) is in `fault.worke
 A plan that cuts the model elsewhere (`Plan.partition`, or per pipeline `Plan.partitions`: re-formed pipelines)
 moves layers at the switch (`runtime.moves`), once the policy has restored a consistent state (after the
 rollback's undo), among the survivors only: replacements (`session.joiners()`) take no part, they receive
-their whole state afterwards from a donor at their place that holds their layers (`PipelineTrainer.holds_like`).
+their whole state afterwards from a donor at their place that holds their layers (`moves.holds_like`).
 The lossy and logging-based policies, which work one fixed stage per worker, refuse plans that change the
 cut (`policies.refuse_moves`).
 """
@@ -32,6 +32,7 @@ from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.policies import runs_pieces
 from schedcomp.runtime.fault.report import Recovery
 from schedcomp.runtime.fault.rollback import Rollback
+from schedcomp.runtime.moves import holds_like
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def hand_over(rt: Any, resume_at: int) -> None:
     session = rt.session
     stage = session.me.stage
     for joiner in session.joiners():
-        if joiner.stage == stage and session.donor_for(stage, rt.trainer.holds_like(joiner)) == session.me:
+        if joiner.stage == stage and session.donor_for(stage, holds_like(rt.trainer.cuts, joiner)) == session.me:
             send_held_state(rt.held, session.groups.world, [session.groups.rank_of(joiner)],
                             info={"iteration": resume_at}, wait=rt.wait)
             rt.report.handed_over += 1

@@ -24,7 +24,7 @@ from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state
 from schedcomp.runtime.fault.policies import cut_of, refuse_chunks
 from schedcomp.runtime.fault.report import Rejoined, Report
-from schedcomp.runtime.moves import check_movable, job_splits_per_layer
+from schedcomp.runtime.moves import check_movable, holds_like, job_splits_per_layer
 from schedcomp.runtime.stage import build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.topology import Topology
@@ -93,7 +93,7 @@ def join_as_replacement(rt: Any) -> int:
     """A replacement's start: its stage's state from a live replica (the donor), or rebuilt by the logging
     policy's replay when none is left; returns the iteration to run next."""
     session = rt.session
-    donor = session.donor_for(session.me.stage, rt.trainer.holds_like(session.me))
+    donor = session.donor_for(session.me.stage, holds_like(rt.trainer.cuts, session.me))
     rebuild = getattr(rt.policy, "rebuild", None)  # logging-based recovery replays the stage
     if donor is None and rebuild is not None:
         try:

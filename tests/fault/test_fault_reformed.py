@@ -146,13 +146,12 @@ def test_a_replacements_donor_holds_its_layers_where_pipelines_hold_different_on
     from types import SimpleNamespace
 
     from schedcomp.runtime.fault.session import FaultSession
-    from schedcomp.runtime.trainer import PipelineTrainer
+    from schedcomp.runtime.moves import holds_like
     from schedcomp.topology import Topology
 
-    trainer = SimpleNamespace(cuts=((2, 2, 2), (2, 2, 2), (3, 3, 0)))
-    holds = PipelineTrainer.holds_like(trainer, Worker(1, 1))
+    holds = holds_like(((2, 2, 2), (2, 2, 2), (3, 3, 0)), Worker(1, 1))
     assert holds(Worker(0, 1)) and not holds(Worker(2, 1))
-    assert PipelineTrainer.holds_like(SimpleNamespace(cuts=((2, 2, 2),) * 3), Worker(1, 1))(Worker(2, 1))
+    assert holds_like(((2, 2, 2),) * 3, Worker(1, 1))(Worker(2, 1)) and holds_like(None, Worker(1, 1))(Worker(2, 1))
     session = FaultSession.__new__(FaultSession)
     topology = Topology.of(3, 3, [Worker(2, 2)])
     session.view = SimpleNamespace(topology=topology)
