@@ -8,7 +8,8 @@ A plan with re-cut micro-batches (`schedcomp.cut`) cuts a re-cut pipeline's shar
 with shares, re-formed pipelines', another number of them) into pieces of unequal sizes instead: piece m
 holds the rows `piece_rows` gives, rounded to whole samples, and its loss is weighted by its rows over
 the global batch's (`Iteration.scale_of`).
-The ledger of resilient jobs counts, per regular micro-batch, the rows of it each piece holds (`held_rows`).
+The ledger of resilient jobs counts, per regular micro-batch of the global batch, the rows of it each piece
+holds (`held_rows`).
 """
 
 from __future__ import annotations
@@ -106,38 +107,45 @@ class PieceRows:
         self.cuts.append(cut)
         self.checked.clear()
 
-    def check(self, batch: tuple[Tensors, Tensors], chunks: int) -> None:
-        """Refuse (one line) a batch too small for a piece of one of the cuts; `chunks`: dp x microbatches."""
+    def check(self, batch: tuple[Tensors, Tensors], dp: int, microbatches: int) -> None:
+        """Refuse (one line) a batch too small for a piece of one of the cuts (of a job of `dp` pipelines of
+        `microbatches` regular micro-batches)."""
+        chunks = dp * microbatches
         rows = batch_rows(batch[0]) if isinstance(batch, (tuple, list)) and batch else 0
         if rows == 0 or rows % chunks:  # refused by the iteration itself, as always
             return
         self.per = rows // chunks
         if rows not in self.checked:
             for cut in self.cuts:
-                problem = empty_piece(cut, self.per)
-                if problem:
-                    raise RuntimeSetupError(f"a re-cut plan this job may switch to has a piece that {problem} (a "
-                                            f"batch of {rows} rows): use a larger batch, or plans without --recut")
+                problem = empty_piece(cut, self.per, dp, microbatches)
+                if problem:  # (shares: only re-formed plans have them)
+                    kind, without = ("re-formed", "reform") if cut.shares else ("re-cut", "--recut")
+                    raise RuntimeSetupError(f"a {kind} plan this job may switch to has a piece that {problem} (a "
+                                            f"batch of {rows} rows): use a larger batch, or plans without {without}")
             self.checked.add(rows)
 
 
-def empty_piece(cut: Cut, per: int) -> str | None:
-    """What piece of `cut` holds no whole sample of `per` rows per regular micro-batch, or None."""
+def empty_piece(cut: Cut, per: int, dp: int, microbatches: int) -> str | None:
+    """What piece of `cut` (of a job of `dp` pipelines of `microbatches` each) holds no whole sample of `per` rows
+    per regular micro-batch, or None. The rows are the ones LOAD takes (`Cut.global_rows`): with shares each
+    boundary is rounded at its place in the global batch, not within its pipeline's share."""
     for p, b in cut.bounds:
         for m in range(len(b) - 1):
-            start, stop = cut.rows(p, m, per)
+            start, stop = cut.global_rows(p, m, dp, microbatches, per)
             if stop <= start:
                 return _no_sample(cut, p, m, per)
     return None
 
 
-def held_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, per: int) -> list[tuple[int, int]]:
-    """What micro-batch `microbatch` of `pipeline` holds of each regular micro-batch of that pipeline (`per`
-    rows each), under `cut`: (its chunk index, rows), for every one it overlaps. The pieces of a pipeline
-    cover its share once (`Cut.rows`), so each regular micro-batch's rows over them sum to exactly `per`."""
-    start, stop = cut.rows(pipeline, microbatch, per)
-    return [(chunk_index(pipeline, m, microbatches), min(stop, (m + 1) * per) - max(start, m * per))
-            for m in range(start // per, (stop + per - 1) // per)]
+def held_rows(cut: Cut, pipeline: int, microbatch: int, dp: int, microbatches: int, per: int
+              ) -> list[tuple[int, int]]:
+    """What micro-batch `microbatch` of `pipeline` holds of each regular micro-batch of the global batch (`dp` x
+    `microbatches` of `per` rows each), under `cut`: (its chunk index, rows), for every one it overlaps. The
+    pieces of all pipelines cover the global batch once (`Cut.global_rows`; with shares a piece may overlap
+    another pipeline's regular micro-batches), so each regular micro-batch's rows over them sum to exactly
+    `per`."""
+    start, stop = cut.global_rows(pipeline, microbatch, dp, microbatches, per)
+    return [(c, min(stop, (c + 1) * per) - max(start, c * per)) for c in range(start // per, (stop + per - 1) // per)]
 
 
 def take_rows(value: Tensors, start: int, stop: int) -> Tensors:

@@ -125,8 +125,19 @@ def _backward_weight(it: Iteration, ins: Instruction) -> None:
 
 
 def _allreduce(it: Iteration, ins: Instruction) -> None:
-    for reduction in it.units.reductions_of(it.worker):
+    reductions = it.units.reductions_of(it.worker)
+    if it.ledger is None or not it.units.per_layer:
+        for reduction in reductions:
+            _reduce(it, reduction)
+        return
+    # Per segment, the ledger: each reduction sums this worker's own counts (a W covers every layer it holds)
+    # over that segment's holders, so each segment's sum says how often each row entered its layers' update.
+    own, summed = it.ledger.clone(), []
+    for reduction in reductions:
+        it.ledger.copy_(own)
         _reduce(it, reduction)
+        summed.append(it.ledger.clone())
+    it.ledger.copy_(segment_ledger(summed, own))
 
 
 def _reduce(it: Iteration, reduction: Reduction) -> None:
@@ -136,13 +147,15 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
     if group is None:
         return  # the only live holder: its gradients are already the sum
     gathered = _gather(it, reduction)
-    if gathered is None:
+    if gathered is None:  # no trainable parameter here (nor on its other holders, which hold the same layers)
+        if it.ledger is not None:
+            _sum_ledger(it, group, it.comm.device)
         return
     flat, scatter = gathered
     # The ledger (kept on the CPU) rides along, so the counts summed are those of the gradients summed; its
     # counts are rows (up to thousands), exact in float32 and float64 but not in half precision (bf16: 256),
-    # so with half-precision gradients it goes in a float32 collective of its own on the same group. (A plan
-    # with segments has none: the trainer refuses it.)
+    # so with half-precision gradients it goes in a float32 collective of its own on the same group. (With
+    # segments `_allreduce` gives each reduction a fresh copy of this worker's counts.)
     rides = it.ledger is not None and flat.dtype in (torch.float32, torch.float64)
     if rides:
         flat = torch.cat([flat, it.ledger.to(device=flat.device, dtype=flat.dtype)])
@@ -152,10 +165,28 @@ def _reduce(it: Iteration, reduction: Reduction) -> None:
         it.ledger.copy_(flat[n:])
         flat = flat[:n]
     elif it.ledger is not None:
-        counts = it.ledger.to(device=flat.device, dtype=torch.float32)
-        it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
-        it.ledger.copy_(counts)
+        _sum_ledger(it, group, flat.device)
     scatter(flat)
+
+
+def _sum_ledger(it: Iteration, group: dist.ProcessGroup, device: torch.device) -> None:
+    """The ledger summed over `group` in a float32 collective of its own on `device` (exact: integer counts below
+    2**24)."""
+    assert it.ledger is not None
+    counts = it.ledger.to(device=device, dtype=torch.float32)
+    it.comm.wait(dist.all_reduce(counts, group=group, async_op=True))
+    it.ledger.copy_(counts)
+
+
+def segment_ledger(summed: Sequence[torch.Tensor], own: torch.Tensor) -> torch.Tensor:
+    """One ledger for a worker that reduced several segments (`summed`: each one's counts over its holders):
+    where they agree their count, where they differ NaN, so the report shows all ones exactly when every
+    segment counted every row once. A worker holding no segment (idle) keeps its own counts (`own`)."""
+    if not summed:
+        return own
+    first = summed[0]
+    agree = torch.stack([s == first for s in summed]).all(dim=0)
+    return torch.where(agree, first, torch.full_like(first, float("nan")))
 
 
 def _gather(it: Iteration, reduction: Reduction) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:

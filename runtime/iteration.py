@@ -208,7 +208,8 @@ class Iteration:
         if not self.plan.cut:
             self.ledger[chunk_index(key[0], key[1], self.plan.microbatches)] += 1
             return
-        for index, rows in held_rows(self.plan.cut, key[0], key[1], self.plan.microbatches, self.ledger_unit):
+        for index, rows in held_rows(self.plan.cut, key[0], key[1], self.plan.topology.dp, self.plan.microbatches,
+                                     self.ledger_unit):
             self.ledger[index] += rows
 
     def counted(self) -> Tensor:

@@ -120,6 +120,14 @@ def _source(receiver: Worker, rank: Mapping[Worker, int], old_place: Mapping[int
     return min(holders, key=rank.__getitem__)
 
 
+def holds_like(cuts: Partitions | None, worker: Worker) -> Callable[[Worker], bool]:
+    """Whether a worker at `worker`'s place holds the layers `worker` holds under per-pipeline `cuts` (the plan in
+    use; where pipelines hold different ones, re-formed, a replacement's donor must; every replica otherwise)."""
+    if cuts is None or len(set(cuts)) == 1:
+        return lambda other: True
+    return lambda other: spans(cuts[other.pipeline])[other.stage] == spans(cuts[worker.pipeline])[worker.stage]
+
+
 # ---- a stage's state, per layer ------------------------------------------------------------------------
 
 

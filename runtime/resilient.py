@@ -59,11 +59,15 @@ What happens (the integration of `fault.session`, the plan cache and `PipelineTr
   checkpoints either ends the worker with one line and status 1, which its launcher reports.
 - Re-cut micro-batches (`precompile --recut`): rollback and restart run pieces like any micro-batch;
   lossy and logging-based recovery refuse such a source (`policies.refuse_recut`).
+- Re-formed pipelines (`Plan.partitions`): rollback switches to them like to any plan that cuts the model
+  elsewhere (each worker its own pipeline's layers; checkpoints under its own pipeline's partition, the ledger
+  per segment); lossy and logging-based recovery refuse such a source (`policies.refuse_reformed`).
 
 The ledger: each worker counts, per regular micro-batch, the samples whose weight gradients it accumulated
 in an iteration (whole micro-batches, or the rows each re-cut piece holds of it: `Iteration.count`); the
 counts ride along in the stage's gradient all-reduce, so after STEP every replica holds, for its stage, how
-often each micro-batch's samples entered the update it applied. `Report.ledger[i]` is that vector for
+often each micro-batch's samples entered the update it applied (with re-formed pipelines per segment, the
+worker's ledger their common count: `executor.segment_ledger`). `Report.ledger[i]` is that vector for
 iteration i, in micro-batches (all ones, exactly, when every sample counted once).
 """
 
@@ -178,8 +182,9 @@ class ResilientTrainer:
 
     @property
     def checkpoint_cut(self) -> Partition | None:
-        """The model's cut its checkpoints are written and restored under, layer by layer (None: per stage)."""
-        return self.trainer.partition if self.per_layer and self.trainer is not None else None
+        """The cut this worker's checkpoints are written and restored under, layer by layer: its own pipeline's
+        partition (None: per stage)."""
+        return self.trainer.own_cut if self.per_layer and self.trainer is not None else None
 
     def wait(self, work: Any) -> None:
         """Wait for `work`; give up (`GenerationAborted`) as soon as the generation breaks."""
@@ -225,7 +230,7 @@ class ResilientTrainer:
             session.commit(i)  # nothing touches the network between the step and its record
             # per layer under any cut (a restart may cut the model otherwise); per stage only under the base cut,
             # the one a restart builds
-            if checkpoint and (self.per_layer or trainer.partition == trainer.base_partition):
+            if checkpoint and (self.per_layer or trainer.on_base_cut):
                 self.last_resort.after_step(i, self.held, self.checkpoint_cut)
 
         return step
@@ -243,7 +248,7 @@ class ResilientTrainer:
 
         trainer.iteration = i
         batch = self.batch_for(i)
-        self.plans.pieces.check(batch, trainer.dp * trainer.plan.microbatches)
+        self.plans.pieces.check(batch, trainer.dp, trainer.plan.microbatches)
         self.record(i, trainer.run_iteration(batch, step=self.step_for(i), ledger=ledger, before=before,
                                              started=self.policy.on_iteration))
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.partition import spans
+from schedcomp.partition import Partition, spans
 from schedcomp.partitions import Partitions
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch, to_device
@@ -207,6 +207,17 @@ class PipelineTrainer:
         assert self.cuts is not None
         return spans(self.cuts[self.worker.pipeline])[self.worker.stage]
 
+    @property
+    def own_cut(self) -> Partition | None:
+        """The partition of this worker's own pipeline, which its stages hold (a re-formed pipeline's differs from
+        the others'): per-layer checkpoints are written and restored under it."""
+        return self.cuts[self.worker.pipeline] if self.cuts is not None else self.partition
+
+    @property
+    def on_base_cut(self) -> bool:
+        """Whether every pipeline holds the job's base cut (the only one per-stage checkpoints restore into)."""
+        return self.cuts is None or all(cut == self.base_partition for cut in self.cuts)
+
     def _move(self, plan: Plan, cuts: Partitions | None, joined: Collection[Worker], layout: Layout) -> None:
         """Take this worker's stages from the current cut to `cuts` (collective over the other
         workers, but for `joined`, which take no part; see `runtime.moves`)."""
@@ -334,9 +345,6 @@ class PipelineTrainer:
 
     def _iteration(self, number: int, batch: tuple[Tensors, Tensors], step: Callable[[Iteration], None] | None,
                    ledger: Tensor | None) -> Iteration:
-        if ledger is not None and self._layout.per_layer:
-            raise RuntimeSetupError("the ledger of resilient jobs counts per stage group, not per segment of a plan "
-                                    "with re-formed pipelines: run such plans without a recovery policy for now")
         inputs, targets = batch
         held = self.stages
         it = Iteration(

@@ -6,11 +6,12 @@ concrete failure set, takes the canonical plan and renames its pipelines back, i
 plan's size and with no solving.
 
 On disk a cache is a directory: `index.json` (job shape, cost model, one entry per scenario with the
-SHA-256 of its plan file, and its cut of micro-batches if it re-cuts) and one plan JSON per scenario, read
+SHA-256 of its plan file, its cut of micro-batches if it re-cuts, and its per-pipeline partitions if it
+re-forms pipelines: what a job must know of its plans before reading them) and one plan JSON per scenario, read
 on first use. Nothing read from disk is trusted: the index is size- and depth-bounded and type-checked; a
 plan file must be named exactly as its scenario (so no `..`, absolute path or other directory), be a
 regular file inside the cache directory (no symlink out, no device), match its digest, and hold a plan
-for the index's job and scenario (and its cut) that passes `check`, before `lookup` returns it. All files
+for the index's job and scenario (its cut and partitions) that passes `check`, before `lookup` returns it. All files
 are written atomically.
 """
 
@@ -39,6 +40,7 @@ from schedcomp.ir import Plan
 from schedcomp.layers import LayerCosts, stage_costs
 from schedcomp.memory import FAULT_FREE, MemoryLimit
 from schedcomp.partition import Partition, as_partition
+from schedcomp.partitions import Partitions
 from schedcomp.scenarios import (  # canonical forms of failure sets; also re-exported from here
     Key,
     canonical,
@@ -89,6 +91,10 @@ class PlanCache:
     cuts: dict[Key, Cut] = field(default_factory=dict)
     """The cut of each scenario whose plan re-cuts, as the index gives it; a plan read from disk must have its
     scenario's, so a job knows from the index alone what its plans cut (`runtime.fault.policies.recuts_of`)."""
+    partitions: dict[Key, Partitions] = field(default_factory=dict)
+    """The per-pipeline partitions of each scenario whose plan re-forms pipelines, as the index gives them (its
+    cut then has shares); a plan read from disk must have its scenario's, so a job knows from the index alone
+    which plans re-form pipelines (`runtime.fault.policies.may_reform`)."""
 
     def __contains__(self, failed: object) -> bool:
         try:
@@ -172,9 +178,7 @@ class PlanCache:
             if canonical(topo, plan.costs).key != key:
                 failed = ",".join(str(w) for w in sorted(topo.failed)) or "none"
                 raise PlanFormatError(f"it is for failed workers {failed}, not scenario {key_name(key)}")
-            if plan.cut != self.cuts.get(key, NO_CUT):  # said by size: a hostile cut may have millions of pieces
-                raise PlanFormatError(f"its cut of micro-batches ({plan.cut.summary}) differs from the one the "
-                                      f"index gives ({self.cuts.get(key, NO_CUT).summary})")
+            cachefiles.check_entry(plan, self.cuts.get(key, NO_CUT), self.partitions.get(key))
             check(plan)
         except SchedcompError as exc:
             raise PlanFormatError(f"cached plan {path} is not usable: {exc}: re-run schedcomp precompile") from None
@@ -195,10 +199,12 @@ class PlanCache:
     def save(self, directory: str | Path) -> None:
         """Write every plan held in memory and the index to `directory` (created if missing)."""
         root = cachefiles.make_directory(directory)
-        for key, plan in self.plans.items():  # the index gives each re-cut plan's cut (`cuts`)
+        for key, plan in self.plans.items():  # the index gives each re-cut plan's cut (`cuts`), re-formed partitions
             self.cuts.pop(key, None)
             self.cuts.update({key: plan.cut} if plan.cut else {})
-        if self.cuts and not self.recut:
+            self.partitions.pop(key, None)
+            self.partitions.update({key: plan.partitions} if plan.partitions is not None else {})
+        if set(self.cuts) - set(self.partitions) and not self.recut:  # (a re-formed plan's cut is its shares)
             raise PlanFormatError("this cache holds plans that re-cut micro-batches: set its recut to True to save it")
         for key in self.keys():
             path = root / (key_name(key) + ".json")
@@ -219,7 +225,9 @@ class PlanCache:
             **({"recut": True} if self.recut else {}),  # (written only when set: an index without it reads as before)
             "scenarios": [{"failed": [f"{d}:{s}" for d, s in key[0]], "classes": list(key[1]),
                            "file": key_name(key) + ".json", "sha256": self.digests[key],
-                           **({"cut": self.cuts[key].to_json()} if key in self.cuts else {})} for key in self.keys()],
+                           **({"cut": self.cuts[key].to_json()} if key in self.cuts else {}),
+                           **({"partitions": [list(p) for p in self.partitions[key]]} if key in self.partitions
+                              else {})} for key in self.keys()],
         }
         fileio.write_atomic(root / INDEX, fileio.dumps_json(index, indent=1) + "\n", PlanFormatError)
 
@@ -248,14 +256,14 @@ class PlanCache:
                 raise PlanFormatError(f"its cost model has {costs.pp} stages but the job has {job.stages}")
             costs.check_workers(job)
             layers, partition = _index_layers(data, job, costs)
-            recut, files, digests, cuts = cachefiles.scenario_entries(data, root, pp, dp, mbs)
+            recut, files, digests, cuts, partitions = cachefiles.scenario_entries(data, root, pp, dp, mbs)
         except KeyError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: missing {exc}") from None
         except SchedcompError as exc:
             raise PlanFormatError(f"malformed plan cache index {index}: {exc}") from None
         return cls(pp=pp, dp=dp, microbatches=mbs, costs=costs, max_failures=k, files=files, digests=digests,
                    root=root, chunks=chunks, placement=placement, layers=layers, partition=partition, recut=recut,
-                   cuts=cuts)
+                   cuts=cuts, partitions=partitions)
 
 
 def _index_layers(data: dict[str, Any], job: Topology, costs: CostModel) -> tuple[LayerCosts | None, Partition | None]:

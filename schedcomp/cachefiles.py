@@ -16,8 +16,9 @@ from schedcomp import fileio, limits
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import PlanFormatError, SchedcompTypeError
 from schedcomp.ir import Plan
+from schedcomp.partitions import Partitions, as_partitions
 from schedcomp.scenarios import Key, key_name, legacy_key_name
-from schedcomp.topology import Topology
+from schedcomp.topology import Topology, Worker
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -49,9 +50,10 @@ def entry(item: Any, n: int, pp: int, dp: int) -> tuple[tuple[tuple[int, int], .
 
 
 def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microbatches: int
-                     ) -> tuple[bool, dict[Key, Path], dict[Key, str], dict[Key, Cut]]:
+                     ) -> tuple[bool, dict[Key, Path], dict[Key, str], dict[Key, Cut], dict[Key, Partitions]]:
     """The index's scenarios: whether its plans may re-cut micro-batches (`"recut"`), and by scenario its plan
-    file, its digest and (for a plan that re-cuts) its cut."""
+    file, its digest, (for a plan that re-cuts or re-balances shares) its cut and (for a plan with re-formed
+    pipelines) its per-pipeline partitions."""
     recut = data.get("recut", False)
     if not isinstance(recut, bool):
         raise PlanFormatError(f"'recut' must be true or false, got {recut!r}")
@@ -59,7 +61,7 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
     if not isinstance(entries, list):
         raise PlanFormatError("'scenarios' must be a list")
     limits.SCENARIOS.check(len(entries), "the index")
-    files, digests, cuts = {}, {}, {}
+    files, digests, cuts, partitions = {}, {}, {}, {}
     for n, item in enumerate(entries):
         failed, classes, file, digest = entry(item, n, pp, dp)
         key: Key = (failed, classes)
@@ -67,32 +69,61 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
         if file not in (key_name(key) + ".json", legacy_key_name(key) + ".json"):
             raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
         files[key], digests[key] = root / file, digest
-        cut = entry_cut(item, n, dp, microbatches, recut)
-        # (A failure plan may halve the pipelines that lost no worker too, `recut.halve_the_rest`; a fault-free
-        # one re-cuts nothing.)
+        reformed = entry_partitions(item, n, pp, dp, failed)
+        cut = entry_cut(item, n, dp, microbatches, recut, reformed is not None)
+        # (A failure plan may cut any pipeline: re-cut halves the pipelines that lost no worker too,
+        # `recut.halve_the_rest`, and re-formed pipelines re-balance every pipeline's share; a fault-free plan
+        # re-cuts nothing.)
         if cut and not failed:
             raise PlanFormatError(f"scenario {n}: its 'cut' re-cuts a fault-free plan (only failure plans re-cut "
                                   "micro-batches): re-run schedcomp precompile")
         if cut:
             cuts[key] = cut
-    return recut, files, digests, cuts
+        if reformed is not None:
+            partitions[key] = reformed
+    return recut, files, digests, cuts, partitions
 
 
-def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: bool) -> Cut:
+def entry_partitions(item: dict[str, Any], n: int, pp: int, dp: int, failed: tuple[tuple[int, int], ...]
+                     ) -> Partitions | None:
+    """Index scenario `n`'s per-pipeline partitions (`"partitions"`, written for a plan with re-formed pipelines;
+    none: one partition for every pipeline), checked as a plan's are (`partitions.as_partitions`)."""
+    if "partitions" not in item:
+        return None
+    return as_partitions(item["partitions"], dp, pp, {Worker(d, s) for d, s in failed}, f"scenario {n}: 'partitions'")
+
+
+def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: bool, shares: bool = False) -> Cut:
     """Index scenario `n`'s cut of micro-batches (`"cut"`, written for a plan that re-cuts; none: whole ones),
-    which must fit the job, and may be there only in an index that says its plans re-cut."""
+    which must fit the job, and may be there only in an index that says its plans re-cut, or for a plan with
+    re-formed pipelines (`shares`: its last boundaries are the pipelines' shares, as in the plan's JSON)."""
     if "cut" not in item:
         return NO_CUT
-    if not recut:
+    if not (recut or shares):
         raise PlanFormatError(f"scenario {n} has a 'cut' but the index does not say \"recut\": true")
     try:
-        cut = Cut.from_json(item["cut"])
+        cut = Cut.from_json(item["cut"], shares=shares)
     except PlanFormatError as exc:
         raise PlanFormatError(f"scenario {n}: {exc}") from None
     problem = cut.problem(dp, microbatches) or ("its 'cut' is empty" if not cut else None)
     if problem:
         raise PlanFormatError(f"scenario {n}: {problem}")
     return cut
+
+
+def check_entry(plan: Plan, cut: Cut, partitions: Partitions | None) -> None:
+    """Refuse (PlanFormatError) a cached plan whose cut of micro-batches or per-pipeline partitions are not the
+    ones its index entry gives (what a job knew of it before reading it)."""
+    if plan.cut != cut:  # said by size: a hostile cut may have millions of pieces
+        raise PlanFormatError(f"its cut of micro-batches ({plan.cut.summary}) differs from the one the index gives "
+                              f"({cut.summary})")
+    if plan.partitions != partitions:
+        raise PlanFormatError(f"its per-pipeline partitions ({_shown(plan.partitions)}) differ from the ones the index "
+                              f"gives ({_shown(partitions)})")
+
+
+def _shown(partitions: Partitions | None) -> str:
+    return "none" if partitions is None else " | ".join(",".join(map(str, p)) for p in partitions)
 
 
 def read_verified(path: Path, root: Path | None, digest: str | None) -> bytes:

@@ -110,8 +110,8 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
     failed workers in rank order that it holds, repaired around the rest one at a time: a cache of every
     k-failure set then serves more failures at once, with no compile. Deterministic, so every rank of a
     job that calls it gets the same plan (`ResilientTrainer(lambda t: lookup_or_repair(cache, t), ...)`).
-    `repair` moves whole micro-batches, so a cached plan that re-cuts them (`precompile --recut`) is passed
-    over for a smaller set's (the fault-free plan never re-cuts)."""
+    `repair` moves whole micro-batches over one partition, so a cached plan that re-cuts them (`precompile
+    --recut`) or re-forms pipelines is passed over for a smaller set's (the fault-free plan does neither)."""
     try:
         return plans.lookup(failed)  # type: ignore[no-any-return]
     except RecoveryError as miss:
@@ -121,7 +121,7 @@ def lookup_or_repair(plans: Any, failed: Iterable[Worker | tuple[int, int]] | To
                 plan: Plan = plans.lookup(workers[:n])
             except RecoveryError:
                 continue
-            if plan.cut:
+            if plan.cut or plan.partitions is not None:  # (a re-formed plan: its own partitions, none to re-route)
                 continue
             for w in workers[n:]:
                 plan = repair(plan, w, validate=validate, memory_limit=memory_limit)

@@ -5,8 +5,8 @@
 - it asks it with the job's chunks per worker and their placement (a cache knows them; a function's are
   those of its first plan), whatever topology the session hands it (the session's count places);
 - it refuses, in one line and before training, what the recovery policy cannot run of what it may serve
-  (`fault.policies`: virtual stages, re-cut micro-batches, plans that cut the model elsewhere), as far
-  as the source says in advance; the rest as each plan is served (`plan_for`, `refuse_cut`);
+  (`fault.policies`: virtual stages, re-cut micro-batches, re-formed pipelines, plans that cut the model
+  elsewhere), as far as the source says in advance; the rest as each plan is served (`plan_for`, `refuse_cut`);
 - it keeps the cuts of the re-cut plans a failure may bring, checked against each batch size
   (`data.PieceRows`), and whether its plans may move layers (then every stage is checked movable at start).
 """
@@ -25,14 +25,17 @@ from schedcomp.runtime.fault.policies import (
     cuts_of,
     may_cut_elsewhere,
     may_recut,
+    may_reform,
     recuts_of,
     refuse_chunks,
     refuse_moves,
     refuse_recut,
+    refuse_reformed,
 )
 from schedcomp.runtime.fault.recovery import RecoveryPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.lossy import LossyPolicy
+from schedcomp.runtime.moves import Cuts
 from schedcomp.runtime.training import TrainingOptions
 from schedcomp.topology import LOOP, Topology
 
@@ -54,11 +57,12 @@ class PlanSource:
         self.chunks, self.placement = getattr(plans, "chunks", 1), getattr(plans, "placement", LOOP)
         refuse_chunks(policy, self.chunks)
         options.refuse_chunks(self.chunks)
-        refuse_recut(policy, may_recut(plans))  # from a cache's index: before its plans are read
+        refuse_reformed(policy, may_reform(plans), model)  # from a cache's index: before its plans are read
+        refuse_recut(policy, may_recut(plans))
         self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
-        self.cuts: set[Partition | None] = set(cuts_of(plans, model)) if isinstance(policy, (LossyPolicy,
-                                                                                          SwiftPolicy)) else set()
+        self.cuts: set[Cuts | None] = (set(cuts_of(plans, model)) if isinstance(policy, (LossyPolicy, SwiftPolicy))
+                                       else set())
         refuse_moves(policy, self.cuts)
         self.moves_layers = may_cut_elsewhere(plans, model)  # then every stage is checked movable at start
         if self.moves_layers and isinstance(policy, (LossyPolicy, SwiftPolicy)):
@@ -71,11 +75,14 @@ class PlanSource:
         the plan source is asked with the job's chunks and placement)."""
         plan = self.lookup(Topology.of(topology.pp, topology.dp, topology.failed, self.chunks, self.placement))
         self.chunks, self.placement = plan.topology.chunks, plan.topology.placement
+        # a function's plans: known as it serves them
+        refuse_reformed(self.policy, plan.partitions is not None, self.model)
         self.refuse_cut(plan)
-        refuse_recut(self.policy, bool(plan.cut))  # a function's plans: known as it serves them
+        refuse_recut(self.policy, bool(plan.cut))
         if plan.cut and plan.cut not in self.pieces.cuts:  # a function's: checked now, on every worker alike
             self.pieces.add(plan.cut)
-            problem = empty_piece(plan.cut, self.pieces.per) if self.pieces.per is not None else None
+            problem = (empty_piece(plan.cut, self.pieces.per, plan.topology.dp, plan.microbatches)
+                       if self.pieces.per is not None else None)
             if problem:
                 raise RuntimeSetupError(f"the plan for failed workers {', '.join(map(str, sorted(topology.failed)))} "
                                         f"has a piece that {problem}: use a larger batch, or pass the PlanCache "
@@ -89,7 +96,13 @@ class PlanSource:
 
     def base_cut(self, pp: int, dp: int) -> Partition | None:
         """The job's base cut: its healthy plan's (no worker failed), the one per-stage checkpoints restore into."""
-        return cut_of(self.lookup(Topology.of(pp, dp, (), self.chunks, self.placement)), self.model)
+        healthy = self.lookup(Topology.of(pp, dp, (), self.chunks, self.placement))
+        if healthy.partitions is not None:  # (compile re-forms only pipelines that lost workers)
+            raise RuntimeSetupError("the plan source's fault-free plan re-forms pipelines: serve one partition for "
+                                    "every pipeline when no worker failed")
+        cut = cut_of(healthy, self.model)
+        assert cut is None or isinstance(cut[0], int)
+        return cut  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop what the source runs in the background (`ImprovingPlans`' compiles), if anything."""

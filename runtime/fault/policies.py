@@ -1,6 +1,7 @@
 """Which recovery policy a `ResilientTrainer` runs, from its arguments (`policy`, `checkpoint`,
-`logging`), and which ones a job with virtual stages, whose plans move layers, or whose plans re-cut
-micro-batches, refuses (and that no resilient job takes a plan with re-formed pipelines yet: `cut_of`).
+`logging`), and which ones a job with virtual stages, whose plans move layers, whose plans re-cut
+micro-batches, or whose plans re-form pipelines, refuses (`cut_of`: each plan's cut, per pipeline where it
+re-forms them).
 
 The policies themselves are in `fault.recovery` (rollback, restart), `runtime.lossy` and
 `fault.swift` (logging-based recovery).
@@ -16,12 +17,12 @@ from torch import nn
 from schedcomp.cut import Cut
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Plan
-from schedcomp.partition import Partition
 from schedcomp.runtime.fault.boundary_log import LoggingPolicy
 from schedcomp.runtime.fault.recovery import RecoveryPolicy, RestartPolicy, RollbackPolicy
 from schedcomp.runtime.fault.restart import RESTART, CheckpointPolicy
 from schedcomp.runtime.fault.swift import SwiftPolicy
 from schedcomp.runtime.lossy import LossyPolicy
+from schedcomp.runtime.moves import Cuts
 from schedcomp.runtime.stage import even_split
 
 POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {"rollback": RollbackPolicy, "lossy": LossyPolicy,
@@ -71,7 +72,7 @@ def refuse_chunks(policy: RecoveryPolicy, chunks: int) -> None:
                                 f"hold {chunks} chunks: use policy='rollback' (the default) with virtual stages")
 
 
-def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None]) -> None:
+def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Cuts | None]) -> None:
     """Refuse, in one line, a policy that works one fixed stage per worker when the plans cut the model in
     more than one way (lossy: its residual streams; logging: its boundary logs and replay)."""
     cuts = set(partitions)
@@ -81,6 +82,30 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Partition | None])
     raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but the plans cut the "
                             f"model in {len(cuts)} ways ({shown}): use policy='rollback' (the default), which moves "
                             "layers at a plan switch")
+
+
+def refuse_reformed(policy: RecoveryPolicy | None, reformed: bool, model: Any) -> None:
+    """Refuse, in one line, plans that may re-form pipelines (`reformed`) with a stage builder (their workers take
+    their own pipeline's layers of one model) or with a policy that keeps one fixed stage per worker and whole
+    micro-batches (re-formed workers hold other layers and run other shares of the batch)."""
+    if reformed and not isinstance(model, nn.Sequential):
+        raise RuntimeSetupError("the plan source serves plans with re-formed pipelines (per-pipeline partitions), "
+                                "whose workers take their own pipeline's layers of the model: pass the model as an "
+                                "nn.Sequential, not a stage builder")
+    if reformed and policy is not None and not runs_pieces(policy):
+        raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers and whole micro-batches, but this "
+                                "plan source serves plans with re-formed pipelines: use policy='rollback' (the "
+                                "default), or plans compiled without reform")
+
+
+def may_reform(plans: Any) -> bool:
+    """Whether a plan source may serve plans with re-formed pipelines, as far as known in advance: a cache whose
+    index gives some scenario's partitions (`PlanCache.partitions`), or whose plans in memory re-form, or whose
+    cuts have shares (only re-formed plans have them). A plain function's are known only as it serves them."""
+    cache = getattr(plans, "cache", plans)
+    indexed, held = getattr(cache, "partitions", None), getattr(cache, "plans", None)
+    return (bool(indexed) and isinstance(indexed, Mapping)) or any(cut.shares for cut in recuts_of(plans)) or (
+        isinstance(held, Mapping) and any(isinstance(p, Plan) and p.partitions is not None for p in held.values()))
 
 
 def runs_pieces(policy: RecoveryPolicy) -> bool:
@@ -114,15 +139,14 @@ def recuts_of(plans: Any) -> list[Cut]:
                     if isinstance(held, Mapping) else [])
 
 
-def cut_of(plan: Plan, model: Any) -> Partition | None:
-    """The cut `plan` runs `model` at: its partition, else the runtime's even split of an `nn.Sequential`
-    (None for a stage builder). Every plan a resilient job takes passes here (at construction those of a
-    cache it reads, then each as it is served), so a plan with re-formed pipelines is refused here, in one
-    line: checkpoints, recovery and the ledger assume one cut for every pipeline."""
+def cut_of(plan: Plan, model: Any) -> Cuts | None:
+    """The cut `plan` runs `model` at: per pipeline its partition where it re-forms pipelines (`Plan.partitions`),
+    else its partition, else the runtime's even split of an `nn.Sequential` (None for a stage builder). Every
+    plan a resilient job takes passes here (at construction those of a cache it reads, then each as it is
+    served); a re-formed plan's layers are cut from the model, so a stage builder is refused here, in one line."""
     if plan.partitions is not None:
-        raise RuntimeSetupError("the plan source serves a plan with re-formed pipelines (per-pipeline partitions), "
-                                "which resilient jobs do not run yet: serve plans with one partition for every "
-                                "pipeline (compile without --reform)")
+        refuse_reformed(None, True, model)
+        return plan.partitions
     if plan.partition is not None or not isinstance(model, nn.Sequential):
         return plan.partition
     return even_split(len(model), plan.topology.stages)
@@ -131,9 +155,9 @@ def cut_of(plan: Plan, model: Any) -> Partition | None:
 def may_cut_elsewhere(plans: Any, model: Any) -> bool:
     """Whether a plan source may switch to plans that cut the model elsewhere (so layers move): a cache with
     layer costs whose plans cut it in more than one way, or whose background compiles may re-partition
-    (`ImprovingPlans`), or a cache holding such plans in memory. A plain function is not known in advance,
-    nor a cache without layer costs whose plans on disk were edited to cut elsewhere: False (a refusal then
-    comes at the switch)."""
+    (`ImprovingPlans`), one that may re-form pipelines (`may_reform`), or a cache holding such plans in
+    memory. A plain function is not known in advance, nor a cache without layer costs whose plans on disk
+    were edited to cut elsewhere: False (a refusal then comes at the switch)."""
     if not isinstance(model, nn.Sequential):
         return False
     cache = getattr(plans, "cache", plans)
@@ -142,6 +166,8 @@ def may_cut_elsewhere(plans: Any, model: Any) -> bool:
         return True
     if layered:  # its plans re-partition: read them all now (a lookup at failure time then reads none)
         return len(set(cuts_of(plans, model))) > 1
+    if may_reform(plans):  # a re-formed plan always cuts the model elsewhere (known from a cache's index)
+        return True
     # Without layer costs a precompiled cache's plans leave the cut to the runtime: only the plans already in
     # memory are looked at. Reading every plan from disk at start costs seconds per plan at scale, which a
     # job that never moves a layer should not pay.
@@ -149,7 +175,7 @@ def may_cut_elsewhere(plans: Any, model: Any) -> bool:
     return isinstance(held, Mapping) and len({cut_of(plan, model) for plan in held.values()}) > 1
 
 
-def cuts_of(plans: Any, model: Any) -> list[Partition | None]:
+def cuts_of(plans: Any, model: Any) -> list[Cuts | None]:
     """The cuts of every plan a `PlanCache` (or `ImprovingPlans`' cache) holds (read from disk); a plain
     function's are known only as it serves them (empty)."""
     cache = getattr(plans, "cache", plans)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from torch.distributed import Store
 
@@ -175,10 +176,12 @@ class FaultSession:
         self._enter(view)
         return view
 
-    def donor_for(self, stage: int) -> Worker | None:
-        """The replica that hands stage `stage`'s state to replacements: its lowest member that ran before."""
+    def donor_for(self, stage: int, holds: Callable[[Worker], bool] | None = None) -> Worker | None:
+        """The replica that hands stage `stage`'s state to replacements: its lowest member that ran before (and, with
+        `holds`, holds what the replacement will: a re-formed pipeline's worker at the place holds other layers)."""
         assert self.view is not None and self.previous is not None
-        old = [w for w in self.view.topology.stage_group(stage) if w in self.previous.members]
+        old = [w for w in self.view.topology.stage_group(stage) if w in self.previous.members
+               and (holds is None or holds(w))]
         return old[0] if old else None
 
     def joiners(self) -> tuple[Worker, ...]:

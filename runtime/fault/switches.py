@@ -11,9 +11,10 @@ Each is a switch to another plan (`ResilientTrainer` calls these with itself as 
 
 How a worker starts (joins, or is restored from a checkpoint) is in `fault.worker_start`.
 
-A plan that cuts the model elsewhere (`Plan.partition`) moves layers at the switch (`runtime.moves`), once
-the policy has restored a consistent state (after the rollback's undo), among the survivors only:
-replacements (`session.joiners()`) take no part, they receive their whole state from a donor afterwards.
+A plan that cuts the model elsewhere (`Plan.partition`, or per pipeline `Plan.partitions`: re-formed pipelines)
+moves layers at the switch (`runtime.moves`), once the policy has restored a consistent state (after the
+rollback's undo), among the survivors only: replacements (`session.joiners()`) take no part, they receive
+their whole state afterwards from a donor at their place that holds their layers (`moves.holds_like`).
 The lossy and logging-based policies, which work one fixed stage per worker, refuse plans that change the
 cut (`policies.refuse_moves`).
 """
@@ -31,6 +32,7 @@ from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.policies import runs_pieces
 from schedcomp.runtime.fault.report import Recovery
 from schedcomp.runtime.fault.rollback import Rollback
+from schedcomp.runtime.moves import holds_like
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +114,7 @@ def hand_over(rt: Any, resume_at: int) -> None:
     session = rt.session
     stage = session.me.stage
     for joiner in session.joiners():
-        if joiner.stage == stage and session.donor_for(stage) == session.me:
+        if joiner.stage == stage and session.donor_for(stage, holds_like(rt.trainer.cuts, joiner)) == session.me:
             send_held_state(rt.held, session.groups.world, [session.groups.rank_of(joiner)],
                             info={"iteration": resume_at}, wait=rt.wait)
             rt.report.handed_over += 1
@@ -135,7 +137,8 @@ def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
     per = rt.plans.pieces.per  # rows per regular micro-batch of the job's batches (None: none checked yet)
-    problem = empty_piece(plan.cut, per) if plan is not None and per is not None else None
+    problem = (empty_piece(plan.cut, per, plan.topology.dp, plan.microbatches) if plan is not None and per is not None
+               else None)
     if plan is not None and plan.cut and not runs_pieces(rt.policy):  # every member decides alike: all keep theirs
         log.warning("not switching to the better plan: it re-cuts micro-batches, which the %s policy does not run",
                     rt.policy.name)

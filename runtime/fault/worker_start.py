@@ -24,7 +24,7 @@ from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.runtime.fault.chunks import held_of, held_snapshot, recv_held_state
 from schedcomp.runtime.fault.policies import cut_of, refuse_chunks
 from schedcomp.runtime.fault.report import Rejoined, Report
-from schedcomp.runtime.moves import check_movable, job_splits_per_layer
+from schedcomp.runtime.moves import check_movable, holds_like, job_splits_per_layer
 from schedcomp.runtime.stage import build_module
 from schedcomp.runtime.trainer import PipelineTrainer
 from schedcomp.topology import Topology
@@ -68,13 +68,13 @@ def start_worker(rt: Any) -> int:
         trainer.base_partition = base
     # refused now, not in the middle of a recovery that moves one; a first plan off the base cut restores
     # per-layer checkpoints (per-stage ones would load other layers' weights)
-    if plans.moves_layers or (sequential and trainer.partition != base):
+    if plans.moves_layers or (sequential and not trainer.on_base_cut):
         for stage in trainer.stages.values():
             check_movable(stage)
     # checkpoints hold each layer where every stage's layers can move (else each stage, restored into the
     # base cut), judged alike by every worker: one job never writes both formats
     rt.per_layer = sequential and job_splits_per_layer(rt.build_stage, base, rt.make_optimizer)
-    if sequential and not rt.per_layer and not session.env.rejoining and trainer.partition != base \
+    if sequential and not rt.per_layer and not session.env.rejoining and not trainer.on_base_cut \
             and rt.last_resort.schedule is not None:
         raise RuntimeSetupError("this job's checkpoints hold each stage, not each layer (some stage's optimizer "
                                 "has several param groups or a tensor setting), so they restore only into the "
@@ -93,7 +93,7 @@ def join_as_replacement(rt: Any) -> int:
     """A replacement's start: its stage's state from a live replica (the donor), or rebuilt by the logging
     policy's replay when none is left; returns the iteration to run next."""
     session = rt.session
-    donor = session.donor_for(session.me.stage)
+    donor = session.donor_for(session.me.stage, holds_like(rt.trainer.cuts, session.me))
     rebuild = getattr(rt.policy, "rebuild", None)  # logging-based recovery replays the stage
     if donor is None and rebuild is not None:
         try:
@@ -104,7 +104,7 @@ def join_as_replacement(rt: Any) -> int:
         session.commit(start - 1)
         return start
     if donor is None:
-        raise RecoveryError(f"no live replica of stage {session.me.stage} to copy from: "
+        raise RecoveryError(f"no live replica of stage {session.me.stage} holding its layers to copy from: "
                             "restart the job from a checkpoint")
     receiving = time.time()
     got = recv_held_state(rt.held, session.groups.world, src=session.groups.rank_of(donor), wait=rt.wait)

@@ -186,3 +186,39 @@ def test_a_crafted_schedule_state_is_refused_and_the_stage_keeps_its_own(written
         restore(root, ITERATION, 0, module, optimizer, WRITTEN)
     assert same(per_layer(net, [(module, optimizer)]), before)
     lr_scheduler_of(optimizer).step()  # the stage's own schedule still steps
+
+
+def test_a_re_formed_plans_writers_each_save_their_own_pipelines_span_and_together_every_layer(written,
+                                                                                             tmp_path: Path) -> None:
+    # pp 4, dp 2, worker 0:1 failed, pipeline 0 re-formed (3, 0, 3, 2). Each place's writer (its lowest live
+    # pipeline) saves under its own pipeline's partition (`PipelineTrainer.own_cut`, the resilient job's
+    # `checkpoint_cut`): 0:0 layers 0-2, 1:1 layers 2-3, 0:2 layers 3-5, 0:3 layers 6-7. Together they hold every
+    # layer (a re-formed pipeline's live workers hold the whole model), and restore bit for bit into the even cut.
+    from types import SimpleNamespace
+
+    from schedcomp.runtime.fault.checkpoint import checkpoint_writer
+    from schedcomp.runtime.trainer import PipelineTrainer
+    from schedcomp.topology import Topology, Worker
+
+    _, net, held = written
+    root = tmp_path / "reformed"
+    partitions = ((3, 0, 3, 2), (2, 2, 2, 2))
+    topology = Topology.of(4, 2, [Worker(0, 1)])
+    for s in range(4):
+        writer = checkpoint_writer(topology, s)
+        cut = PipelineTrainer.own_cut.fget(SimpleNamespace(cuts=partitions, worker=writer, partition=WRITTEN))
+        assert cut == partitions[writer.pipeline]
+        # the same training under the writer's cut (its held places: a failed one has no layers, no optimizer)
+        trained, live = model(0), [place for place, n in enumerate(cut) if n]
+        stage = stages(trained, tuple(cut[place] for place in live))
+        train(trained, stage, range(ITERATION + 1))
+        AsyncCheckpointer(root, s, every=1).save(ITERATION, *stage[live.index(s)], cut).result(timeout=60)
+    saved = [[e["index"] for e in json.loads((checkpoint_dir(root, ITERATION, s) / MANIFEST).read_text())["layers"]]
+             for s in range(4)]
+    assert saved == [[0, 1, 2], [2, 3], [3, 4, 5], [6, 7]]
+    assert latest_complete(root, 4, LAYERS) == ITERATION
+    fresh = model(1)
+    restored = stages(fresh, WRITTEN)
+    for s, (module, optimizer) in enumerate(restored):
+        restore(root, ITERATION, s, module, optimizer, WRITTEN)
+    assert same(per_layer(fresh, restored)[:LAYERS], per_layer(net, held)[:LAYERS])

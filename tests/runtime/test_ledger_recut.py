@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from ledgers import ledger_of, rows_over_pieces
 from recut_cache import DP, PP, M, as_whole, copy_cache, precompile_recut
 
 from schedcomp.cache import PlanCache
@@ -23,17 +24,9 @@ from schedcomp.ir import InstrKind
 from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
 from schedcomp.runtime.fault.recovery import RollbackPolicy
-from schedcomp.runtime.iteration import Iteration
 from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.topology import Topology, Worker
-
-
-def ledger_of(plan: object, dp: int, microbatches: int, per: int) -> Iteration:
-    """An iteration that only counts (no stage, no communication), on a batch of `per` rows per micro-batch."""
-    return Iteration(plan=plan, worker=Worker(0, 0), stage=SimpleNamespace(index=0), comm=None,
-                     inputs=torch.zeros(dp * microbatches * per, 1), targets=None, boundaries=(),
-                     ledger=torch.zeros(dp * microbatches, dtype=torch.float64))
 
 
 @st.composite
@@ -59,13 +52,7 @@ def cuts(draw: st.DrawFn) -> tuple[Cut, int, int, int]:
 @given(cuts())
 def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tuple[Cut, int, int, int]) -> None:
     cut, dp, microbatches, per = case
-    rows = [0] * (dp * microbatches)
-    for p in range(dp):
-        for m in range(cut.count(p, microbatches)):
-            for index, held in held_rows(cut, p, m, microbatches, per):
-                assert 0 < held <= per
-                rows[index] += held
-    assert rows == [per] * (dp * microbatches)
+    assert rows_over_pieces(cut, dp, microbatches, per) == [per] * (dp * microbatches)
     it = ledger_of(SimpleNamespace(cut=cut, microbatches=microbatches, topology=SimpleNamespace(dp=dp)), dp,
                    microbatches, per)
     for p in range(dp):
@@ -77,8 +64,8 @@ def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tupl
 
 def test_held_rows_of_a_piece_across_a_microbatch_boundary() -> None:
     cut = Cut.of({1: (0.0, 0.3, 0.9, 1.7, 2.1, 3.0)})  # rows 0-2, 2-6, 6-12, 12-15, 15-21 of 7 per micro-batch
-    assert held_rows(cut, 1, 2, 3, 7) == [(3, 1), (4, 5)]  # rows 6 of micro-batch 0, 7-11 of micro-batch 1
-    assert held_rows(cut, 0, 2, 3, 7) == [(2, 7)]  # a pipeline not re-cut: its micro-batch whole
+    assert held_rows(cut, 1, 2, 2, 3, 7) == [(3, 1), (4, 5)]  # rows 6 of micro-batch 0, 7-11 of micro-batch 1
+    assert held_rows(cut, 0, 2, 2, 3, 7) == [(2, 7)]  # a pipeline not re-cut: its micro-batch whole
 
 
 def test_a_re_cut_plans_streams_count_every_microbatch_once_per_stage() -> None:
@@ -180,13 +167,13 @@ def test_a_batch_too_small_for_a_piece_of_a_cached_plan_is_refused_before_any_pl
     pieces = trainer(cache, tmp_path, "rollback").plans.pieces
     assert pieces.cuts == list(cache.cuts.values()) and not cache.plans  # the index's cuts (pieces of 1/2)
     chunks = DP * M
-    pieces.check((torch.zeros(2 * chunks, 1), None), chunks)  # 2 rows per micro-batch: 1 per piece
+    pieces.check((torch.zeros(2 * chunks, 1), None), DP, M)  # 2 rows per micro-batch: 1 per piece
     assert pieces.per == 2
     with pytest.raises(RuntimeSetupError, match=r"^a re-cut plan this job may switch to has a piece that is a piece "
                                                 r"of 0.5 micro-batches, no whole sample of the 1 per micro-batch \(a "
                                                 r"batch of 9 rows\): use a larger batch"):
-        pieces.check((torch.zeros(chunks, 1), None), chunks)
-    pieces.check((torch.zeros(chunks + 1, 1), None), chunks)  # does not divide: the iteration refuses it
+        pieces.check((torch.zeros(chunks, 1), None), DP, M)
+    pieces.check((torch.zeros(chunks + 1, 1), None), DP, M)  # does not divide: the iteration refuses it
     assert pieces.checked == {2 * chunks}
 
 
@@ -238,7 +225,7 @@ def test_a_plan_functions_re_cut_plan_is_checked_against_the_batches_as_it_is_se
     # middle of the recovery's iteration), and joins the cuts later batch sizes are checked against.
     whole, recut = compile(PP, DP, M), compile(PP, DP, M, failed=["1:1"], recut=True, solver="greedy")
     rt = trainer(lambda t: recut if t.failed else whole, tmp_path, "rollback")
-    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP * M)  # one row per micro-batch: half-pieces hold none
+    rt.plans.pieces.check((torch.zeros(DP * M, 1), None), DP, M)  # one row per micro-batch: half-pieces hold none
     with pytest.raises(RuntimeSetupError, match=r"the plan for failed workers 1:1 has a piece that is a piece of 0.5 "
                                                 r"micro-batches, no whole sample of the 1 per micro-batch"):
         rt.plan_for(recut.topology)

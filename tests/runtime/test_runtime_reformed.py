@@ -203,19 +203,21 @@ def test_layers_of_a_failed_worker_come_from_a_live_holder_in_another_pipeline()
     assert plan_moves(((2, 2, 2), (3, 0, 3)), (2, 2, 2), live[:3]) == ()
 
 
-# ---- resilient jobs refuse them -----------------------------------------------------------------------
+# ---- resilient jobs: rollback runs them, the policies that keep stages in place refuse them ----------------
 
 
-def test_a_resilient_job_refuses_re_formed_plans_in_one_line(tmp_path: Path) -> None:
-    """From a cache it reads at construction, and from a function as it serves one (before any collective)."""
+def test_a_resilient_job_takes_re_formed_plans_with_rollback_and_refuses_them_with_lossy_in_one_line() -> None:
+    """From a function as it serves one (before any collective), and from a cache it reads at construction.
+    (`tests/fault/test_fault_reformed.py` runs one: a cache's index says so before any plan is read.)"""
     from schedcomp.runtime.resilient import ResilientTrainer
 
     whole, reformed = fault_free_plan(), reformed_plan()
 
-    def resilient(plans):
-        return ResilientTrainer(plans, model(6), F.mse_loss, adam, lambda i: None, session=object())
+    def resilient(plans, policy: str = "rollback"):
+        return ResilientTrainer(plans, model(6), F.mse_loss, adam, lambda i: None, session=object(), policy=policy)
 
-    served = resilient(lambda t: reformed if t.failed else whole)
+    assert resilient(lambda t: reformed if t.failed else whole).plan_for(reformed.topology) is reformed
+    served = resilient(lambda t: reformed if t.failed else whole, "lossy")
     assert served.plan_for(whole.topology) is whole
     with pytest.raises(RuntimeSetupError, match="re-formed pipelines") as exc:
         served.plan_for(reformed.topology)
@@ -228,5 +230,6 @@ def test_a_resilient_job_refuses_re_formed_plans_in_one_line(tmp_path: Path) -> 
         def lookup(self, topology):
             return self.plans[tuple(sorted(topology.failed))]
 
+    resilient(Held())
     with pytest.raises(RuntimeSetupError, match="re-formed pipelines"):
-        resilient(Held())
+        resilient(Held(), "lossy")

@@ -162,9 +162,10 @@ def lossy_reference(pp: int, chunks: int, iterations: int, held: dict[int, dict[
 
 
 def held_layers(trainer, iterations: int) -> dict[str, float]:
-    """The layers a `PipelineTrainer` holds, by model index, each its largest difference from `moves_reference`
-    (computed here: a whole state per layer would make the result line too long to write at once)."""
-    first = sum(trainer.partition[: trainer.worker.stage])
+    """The layers a `PipelineTrainer` holds (its own pipeline's span: a re-formed pipeline's worker holds more), by
+    model index, each its largest difference from `moves_reference` (computed here: a whole state per layer
+    would make the result line too long to write at once)."""
+    first = trainer.held_layers.start
     chunks = trainer.dp * trainer.plan.microbatches
     want = moves_reference(len(trainer.model), chunks, iterations)
     return {str(first + k): max(_largest_difference(v.tolist(), want[first + k][name])
@@ -323,7 +324,8 @@ def scenario_resilient(iterations: str, cache_dir: str, victims: str, hold: str 
           "device": str(trainer.trainer.device) if trainer.trainer is not None else None,
           "lr": trainer.trainer.stage.optimizer.param_groups[0]["lr"] if schedule else None,
           "updates": {str(i): u for i, u in report.updates.items()},
-          "layers": held_layers(trainer.trainer, report.iterations) if layers else None})
+          "layers": held_layers(trainer.trainer, report.iterations) if layers else None,
+          "partitions": trainer.trainer.plan.partitions if trainer.trainer is not None else None})
     trainer.close()
 
 
