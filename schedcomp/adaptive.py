@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from schedcomp.costs import CostModel
+from schedcomp.cut import Cut
 from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import Order
@@ -136,26 +137,33 @@ def adaptive_solution(
 def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous: bool) -> Solution:
     """The best schedule over whole micro-batches, the cuts of `recut.PIECES`, then the same cuts with the
     other pipelines halved (`recut.halve_the_rest`), tried in that order (fewer pieces first): a cut is kept
-    only where it schedules faster."""
-    from schedcomp.recut import PIECES, halve_the_rest, recut
+    only where it schedules faster, a halved one only where it gains `recut.HALVES_MIN_GAIN` and the problem
+    is small enough for the whole portfolio (`recut.HALVES_MAX_OPS`)."""
+    from schedcomp.recut import HALVES_MAX_OPS, HALVES_MIN_GAIN, PIECES, halve_the_rest, recut
 
-    cuts = [recut(problem, piece) for piece in PIECES]
-    cuts += [(halve_the_rest(cut, problem.topology.dp, problem.microbatches), routing) for cut, routing in cuts]
-    problems: list[Problem] = []
-    for cut, routing in cuts:
-        if all(cut != p.cut for p in problems):
-            cut_problem = replace(problem, cut=cut)
-            problems.append(replace(cut_problem, routing=tuple(sorted(
-                (cut_problem.slot_id(*key), wid) for key, wid in routing.items()))))
+    def pinned(cut: Cut, routing: dict[tuple[int, int, int], int]) -> Problem:
+        cut_problem = replace(problem, cut=cut)
+        return replace(cut_problem, routing=tuple(sorted(
+            (cut_problem.slot_id(*key), wid) for key, wid in routing.items())))
+
+    plain = [recut(problem, piece) for piece in PIECES]
+    halved = [(halve_the_rest(cut, problem.topology.dp, problem.microbatches), routing) for cut, routing in plain]
+    problems: list[tuple[Problem, float]] = []  # (problem, the relative gain it must bring)
+    for (cut, routing), gain in [(c, 0.0) for c in plain] + [(c, HALVES_MIN_GAIN) for c in halved]:
+        if all(cut != p.cut for p, _ in problems):
+            cut_problem = pinned(cut, routing)
+            if gain and cut_problem.n_slots * len(cut_problem.kinds) > HALVES_MAX_OPS:
+                continue
+            problems.append((cut_problem, gain))
     # The fractional work bound and the warm-up bound of the workers that run whole micro-batches of their
     # own only, below whole micro-batches' bound: what some cut may reach (halved pipelines warm up sooner).
-    target = min(lower_bound(p) for p in problems)
+    target = min(lower_bound(p) for p, _ in problems)
     best = solve(problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
-    for cut_problem in problems:
+    for cut_problem, gain in problems:
         if best.period <= target * (1 + _TOL):
             break  # at the bound: no cut does better
         sol = solve(cut_problem, solver=solver, time_limit=time_limit, synchronous=synchronous)
-        if sol.period < best.period - _TOL:
+        if sol.period < best.period * (1 - gain) - _TOL:
             best = sol
     return best
 

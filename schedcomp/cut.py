@@ -21,8 +21,9 @@ past its pipeline's count is absent (no op runs it).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from schedcomp.errors import PlanFormatError
 from schedcomp.topology import by_pipeline
@@ -41,6 +42,8 @@ class Cut:
     of all pipelines totalling dp x M: re-formed pipelines, `schedcomp.partitions`) rather than M. False
     without bounds: every share is then M either way, and the JSON (which writes no empty cut) reads it so."""
 
+    _by_pipeline: dict[int, tuple[float, ...]] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if not self.bounds and self.shares:  # one form for "no pipeline cut", so round trips are exact
             object.__setattr__(self, "shares", False)
@@ -55,6 +58,8 @@ class Cut:
             problem = _bounds_problem(b, self.shares)
             if problem:
                 raise PlanFormatError(f"the cut of pipeline {p} {problem}")
+        # (read per op by `size`, `rows` and `count`: built once, not per call, as every pipeline may be cut)
+        object.__setattr__(self, "_by_pipeline", dict(self.bounds))
 
     @property
     def summary(self) -> str:
@@ -72,8 +77,8 @@ class Cut:
         return bool(self.bounds)
 
     @property
-    def pipelines(self) -> dict[int, tuple[float, ...]]:
-        return dict(self.bounds)
+    def pipelines(self) -> Mapping[int, tuple[float, ...]]:
+        return MappingProxyType(self._by_pipeline)
 
     def count(self, pipeline: int, microbatches: int) -> int:
         """How many micro-batches (pieces) `pipeline` runs: `microbatches` when it is not re-cut."""

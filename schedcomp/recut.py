@@ -21,8 +21,9 @@ forward of an iteration and its first backward, only forwards can run, and the l
 forward work it may hold. `halve_the_rest` also cuts the pipelines the re-cut leaves whole into half
 micro-batches (`HALVES`), which halves that wait and what each forward holds: at pp = 4, dp = 8, M = 8
 with 3:1 failed, under ZB-H1's per-stage peaks, 31.67 -> 27.43, the work bound. It is another
-candidate, kept only where it schedules faster (more, smaller ops otherwise cost nothing to skip); the
-cost model prices a piece at its share of a micro-batch's time, as it does every re-cut piece.
+candidate, kept only where it is at least 1% faster (`HALVES_MIN_GAIN`: more, smaller ops, priced by the
+cost model at their share of a micro-batch's time, as every re-cut piece is, which small kernels do not
+reach on a device) and tried only on problems of up to `HALVES_MAX_OPS` ops.
 
 The result is the cut and the routing of every re-routed piece ((pipeline, piece, stage) -> worker id), which the greedy
 scheduler ("static" routing: a piece is sized for its peer) and CP-SAT keep. One stage per worker only.
@@ -95,6 +96,13 @@ def recut(problem: Problem, piece: float = PIECES[0]) -> tuple[Cut, dict[tuple[i
 
 HALVES = 0.5
 """The size of the pieces `halve_the_rest` cuts the pipelines a re-cut leaves whole into."""
+HALVES_MIN_GAIN = 0.01
+"""A cut with the rest halved doubles those pipelines' ops, each with its launch and its p2p latency, and
+runs smaller kernels that the cost model prices at their share of a micro-batch's time: it is kept only
+where it is at least this much (relatively) faster than the best plan without it."""
+HALVES_MAX_OPS = 60_000
+"""Halved cuts are tried only up to this many ops (the size past which the list scheduler tries one
+variant, `adaptive.portfolio`): beyond it they double compile time for a gain the one variant rarely finds."""
 
 
 def halve_the_rest(cut: Cut, dp: int, microbatches: int) -> Cut:

@@ -101,9 +101,10 @@ def memory_bound(problem: Problem) -> float:
 
     With re-cut micro-batches (`schedcomp.cut`: pieces of any size) it is derived only for the workers that
     run their own M whole micro-batches and nothing else: those of a pipeline not cut (every micro-batch of
-    theirs is whole at every stage; `recut` cuts the pipelines with a failed worker only) at a place with no
-    failed worker (so they take no pieces). The argument above then holds as is: it follows the worker's own
-    micro-batches only, and anything else sharing the stages below or above can only make them later."""
+    theirs is whole at every stage) at a place with no failed worker (so they take no pieces). The argument
+    above then holds as is: it follows the worker's own micro-batches only, and anything else sharing the
+    stages below or above can only make them later. A cut that halves the other pipelines too
+    (`recut.halve_the_rest`) leaves no such worker, so its bound is the work bound."""
     if problem.costs.memory_limit is None or problem.topology.chunks > 1:
         # With virtual stages the worker's own later chunks lie on the round trip: not derived.
         return 0.0

@@ -183,9 +183,9 @@ def test_cpsat_schedules_re_cut_pieces_better_than_greedy_and_proves_the_bound()
     plan = lower(exact.order(), costs)
     check(plan)  # the pieces' memory, scaled by their size, within the per-stage limit
     assert simulate(plan).period == pytest.approx(exact.period)
-    # compile takes CP-SAT with recut (it refused it before); a short limit, as this checks the plan only. The
-    # other pipelines halved (`recut.halve_the_rest`), the greedy schedule is at the work bound: nothing is left
-    # for CP-SAT to improve.
+    # compile accepts CP-SAT with recut (it refused it before); a short limit, as this checks the plan only.
+    # With the other pipelines halved (`recut.halve_the_rest`) the greedy schedule is already at the work bound,
+    # so CP-SAT has nothing to improve: that it runs on a cut problem is shown by `exact` above.
     compiled = compile(3, 4, 3, failed=["3:1"], recut=True, solver="cpsat", time_limit=0.2)
     assert 3 in compiled.cut.pipelines and simulate(compiled).period == pytest.approx(compiled.lower_bound)
     assert compiled.lower_bound == pytest.approx(12.0)
