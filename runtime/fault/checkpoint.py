@@ -42,7 +42,7 @@ from schedcomp.runtime.fault.checkpoint_check import (
     check_against_stage,
     read_manifest,
 )
-from schedcomp.runtime.fault.checkpoint_layers import covers, layered_save, restore_layers
+from schedcomp.runtime.fault.checkpoint_layers import covers, holds_layers, layered_save, layers_dir, restore_layers
 from schedcomp.runtime.fault.checkpoint_storage import check_digests, check_metadata_matches, stored_digests
 from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, load_stage_state, stage_state, unflatten
@@ -94,6 +94,10 @@ class AsyncCheckpointer:
         """
         self.wait()  # one save at a time: the next one would overtake a slow disk otherwise
         path = checkpoint_dir(self.directory, iteration, self.stage)
+        if (path / MANIFEST).is_file() and cut is not None and not holds_layers(path, iteration, self.stage, cut):
+            # Re-run under another cut (a re-formed plan): the stage's checkpoint lacks some of this writer's
+            # layers, and no other writer of the new cut may hold them. Beside it, named by the span.
+            path = layers_dir(path, cut, self.stage)
         if (path / MANIFEST).is_file():
             # Iteration re-run after a rollback (or after a restart): the complete checkpoint there holds
             # the same state (see `restart`), and rewriting it in place could tear it.

@@ -38,7 +38,25 @@ from schedcomp.runtime.fault.state_load import load_all_or_nothing
 from schedcomp.runtime.fault.transfer import TensorSpec, flatten, unflatten
 from schedcomp.runtime.moves import group_settings, layer_states, load_layer_optimizer, load_layer_state, tied_states
 
-_STAGE_RE = re.compile(r"stage(\d+)")
+_STAGE_RE = re.compile(r"stage(\d+)(?:\.layers(\d+)-(\d+))?")
+"""A stage's checkpoint directory, or one written beside it by a re-run under another cut (`layers_dir`)."""
+
+
+def layers_dir(path: Path, cut: Partition, stage: int) -> Path:
+    """Where (virtual) stage `stage` of `cut` writes when its own directory (`path`) holds a checkpoint of the
+    same iteration under another cut that lacks some of its layers: beside it, named by its span of layers."""
+    held = spans(cut)[stage]
+    return path.with_name(f"{path.name}.layers{held.start}-{held.stop - 1}")
+
+
+def holds_layers(path: Path, iteration: int, stage: int, cut: Partition) -> bool:
+    """Whether the complete per-layer checkpoint in `path` holds every layer stage `stage` of `cut` holds (a
+    checkpoint of the whole stage, written without a cut, holds none by index: False)."""
+    try:
+        manifest = read_layer_manifest(path, iteration, stage)
+    except RecoveryError:
+        return False  # not a per-layer one (or damaged): the writer's own layers go beside it
+    return all(index in manifest.layers for index in spans(cut)[stage])
 
 
 def layered_save(module: nn.Module, optimizer: Any, cut: Partition, iteration: int, stage: int
@@ -73,10 +91,12 @@ def holders(iteration_dir: Path, iteration: int, model_layers: int) -> dict[int,
         names = [p.name for p in iteration_dir.iterdir()] if iteration_dir.is_dir() else []
     except OSError as e:
         raise RecoveryError(f"cannot list checkpoint directory {iteration_dir}: {e.strerror or e}") from None
-    stages = sorted(int(m.group(1)) for name in names if (m := _STAGE_RE.fullmatch(name)))
+    # A stage's own directory, then those written beside it, lowest span first (one order on every worker).
+    stages = sorted((int(m.group(1)), int(m.group(2) or -1), name) for name in names
+                    if (m := _STAGE_RE.fullmatch(name)))
     found: dict[int, LayerManifest] = {}
-    for stage in stages:
-        directory = iteration_dir / f"stage{stage}"
+    for stage, _, name in stages:
+        directory = iteration_dir / name
         if not (directory / MANIFEST).is_file():
             continue  # being written, or its writer died first
         manifest = read_layer_manifest(directory, iteration, stage)

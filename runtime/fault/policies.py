@@ -146,6 +146,13 @@ def cut_of(plan: Plan, model: Any) -> Cuts | None:
     served); a re-formed plan's layers are cut from the model, so a stage builder is refused here, in one line."""
     if plan.partitions is not None:
         refuse_reformed(None, True, model)
+        # Each place's checkpoint writer is its lowest live pipeline; with every pipeline that lost workers
+        # re-formed, those writers hold every layer between them. Re-routing beside a re-formed pipeline breaks that.
+        rerouted = sorted({w.pipeline for w in plan.topology.failed if plan.partitions[w.pipeline][w.stage]})
+        if rerouted:
+            raise RuntimeSetupError(f"this plan re-forms some pipelines but re-routes around the failures of pipeline "
+                                    f"{rerouted[0]}: resilient jobs run plans that re-form every pipeline that lost "
+                                    "workers (as compile(reform=...) makes them), or none")
         return plan.partitions
     if plan.partition is not None or not isinstance(model, nn.Sequential):
         return plan.partition

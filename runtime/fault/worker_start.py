@@ -103,9 +103,9 @@ def join_as_replacement(rt: Any) -> int:
         rt.report.resumed_at = start
         session.commit(start - 1)
         return start
-    if donor is None:
-        raise RecoveryError(f"no live replica of stage {session.me.stage} holding its layers to copy from: "
-                            "restart the job from a checkpoint")
+    if donor is None:  # (a re-formed pipeline beside it holds other spans): the job restarts from its checkpoints
+        rt.last_resort.give_up(RecoveryError(f"no live replica of stage {session.me.stage} holding its layers to "
+                                             "copy from: restart the job from a checkpoint"))
     receiving = time.time()
     got = recv_held_state(rt.held, session.groups.world, src=session.groups.rank_of(donor), wait=rt.wait)
     assert session.announced_at is not None and session.admitted_at is not None

@@ -222,3 +222,35 @@ def test_a_re_formed_plans_writers_each_save_their_own_pipelines_span_and_togeth
     for s, (module, optimizer) in enumerate(restored):
         restore(root, ITERATION, s, module, optimizer, WRITTEN)
     assert same(per_layer(fresh, restored)[:LAYERS], per_layer(net, held)[:LAYERS])
+
+
+def test_a_re_run_under_a_re_formed_cut_writes_the_layers_its_stage_checkpoint_lacks_beside_it(written,
+                                                                                             tmp_path: Path) -> None:
+    # pp 4, iteration 1 due a checkpoint. Under the even cut place 2's writer completes stage2 (layers 4, 5);
+    # then 0:0 dies before it steps. The re-run under pipeline 0 re-formed, (0, 3, 3, 2), has place 2's writer
+    # hold layers 3-5: stage2 lacks layer 3 and no other writer holds it, so it writes beside stage2 (its own
+    # complete checkpoint is never rewritten in place), and the iteration holds every layer again.
+    _, net, held = written
+    root = tmp_path / "rerun"
+
+    def save(place: int, cut: tuple[int, ...]) -> None:
+        trained, live = model(0), [p for p, n in enumerate(cut) if n]
+        stage = stages(trained, tuple(cut[p] for p in live))
+        train(trained, stage, range(ITERATION + 1))
+        AsyncCheckpointer(root, place, every=1).save(ITERATION, *stage[live.index(place)], cut).result(timeout=60)
+
+    save(2, WRITTEN)
+    reformed = (0, 3, 3, 2)
+    save(1, reformed)  # layers 0-2
+    save(2, reformed)  # layers 3-5: beside stage2
+    save(3, WRITTEN)   # place 3's writer (another pipeline, not re-formed): layers 6, 7
+    assert (checkpoint_dir(root, ITERATION, 2).parent / "stage2.layers3-5" / MANIFEST).is_file()
+    assert latest_complete(root, 4, LAYERS) == ITERATION
+    save(2, reformed)  # a second re-run finds both complete: nothing rewritten
+    assert sorted(p.name for p in checkpoint_dir(root, ITERATION, 2).parent.iterdir()) == \
+        ["stage1", "stage2", "stage2.layers3-5", "stage3"]
+    fresh = model(1)
+    restored = stages(fresh, WRITTEN)
+    for s, (module, optimizer) in enumerate(restored):
+        restore(root, ITERATION, s, module, optimizer, WRITTEN)
+    assert same(per_layer(fresh, restored)[:LAYERS], per_layer(net, held)[:LAYERS])

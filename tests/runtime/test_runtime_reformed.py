@@ -8,6 +8,7 @@ holds, and every loss, equal one process training the whole model on the whole b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.runtime.launch import spawn
 from schedcomp.runtime.layout import Layout, Reduction
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
 H, ROWS, ITERATIONS = 4, 10, 3  # ROWS per regular micro-batch: every piece (0.8 or 0.9 of one) holds whole samples
 TOL = 1e-10
@@ -233,3 +234,17 @@ def test_a_resilient_job_takes_re_formed_plans_with_rollback_and_refuses_them_wi
     resilient(Held())
     with pytest.raises(RuntimeSetupError, match="re-formed pipelines"):
         resilient(Held(), "lossy")
+
+
+def test_a_resilient_job_refuses_a_plan_that_re_routes_beside_a_re_formed_pipeline_in_one_line() -> None:
+    """A plan function or an edited cache may serve one (`check` allows it, `compile` does not make it): its
+    places' checkpoint writers (each the lowest live pipeline) would leave layers unwritten."""
+    from schedcomp.runtime.fault.policies import cut_of
+
+    reformed = reformed_plan()
+    assert cut_of(reformed, model(6)) == reformed.partitions
+    # worker 0:0 failed too, but pipeline 0 keeps its layers at place 0 (its failure re-routed): a hybrid
+    hybrid = dataclasses.replace(reformed, topology=Topology.of(3, 2, ["0:0", "1:1"]))
+    with pytest.raises(RuntimeSetupError, match="re-routes around the failures of pipeline 0") as exc:
+        cut_of(hybrid, model(6))
+    assert "\n" not in str(exc.value)
