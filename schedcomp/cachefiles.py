@@ -68,7 +68,7 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
             raise PlanFormatError(f"scenario {n}: its file must be {key_name(key) + '.json'!r}, not {file!r}")
         files[key], digests[key] = root / file, digest
         cut = entry_cut(item, n, dp, microbatches, recut)
-        if not {p for p, _ in cut.bounds} <= {d for d, _ in failed}:
+        if not cut.shares and not {p for p, _ in cut.bounds} <= {d for d, _ in failed}:
             raise PlanFormatError(f"scenario {n}: its 'cut' re-cuts a pipeline that lost no worker there (a plan "
                                   "re-cuts only the failed workers' pipelines): re-run schedcomp precompile")
         if cut:
@@ -77,14 +77,18 @@ def scenario_entries(data: dict[str, Any], root: Path, pp: int, dp: int, microba
 
 
 def entry_cut(item: dict[str, Any], n: int, dp: int, microbatches: int, recut: bool) -> Cut:
-    """Index scenario `n`'s cut of micro-batches (`"cut"`, written for a plan that re-cuts; none: whole ones),
-    which must fit the job, and may be there only in an index that says its plans re-cut."""
+    """Index scenario `n`'s cut of micro-batches (`"cut"`, written for a plan that re-cuts; none: whole ones;
+    `"shares"`: a re-formed plan's), which must fit the job, and may be there only in an index that says its
+    plans re-cut."""
     if "cut" not in item:
         return NO_CUT
     if not recut:
         raise PlanFormatError(f"scenario {n} has a 'cut' but the index does not say \"recut\": true")
+    shares = item.get("shares", False)  # (a re-formed plan: every pipeline's share of the batch re-balanced)
+    if not isinstance(shares, bool):
+        raise PlanFormatError(f"scenario {n}: 'shares' must be true or false, got {shares!r}")
     try:
-        cut = Cut.from_json(item["cut"])
+        cut = Cut.from_json(item["cut"], shares)
     except PlanFormatError as exc:
         raise PlanFormatError(f"scenario {n}: {exc}") from None
     problem = cut.problem(dp, microbatches) or ("its 'cut' is empty" if not cut else None)
