@@ -15,8 +15,9 @@ Prints four tables, every figure measured in this run on the simulator:
 4. compile time: greedy at pp=16, dp=64, M=32 with 8 failures (target 2 s), and precompiling every
    scenario with up to 2 failures at pp=8, dp=16 (target 60 s);
 5. re-cut micro-batches against whole ones (`python bench/bench_adaptive.py --only 5`, under a minute);
-6. re-partitioning layers as well as re-routing (K = 4 layers per stage, the default memory limit) against
-   every baseline, with a verdict per case (`python bench/bench_adaptive.py --only 6`, `--quick` for pp=8 dp=4).
+6. re-partitioning layers as well as re-routing, or re-forming the pipelines that lost workers where that is
+   faster (K = 4 layers per stage, the default memory limit) against every baseline, with a verdict per case
+   (`python bench/bench_adaptive.py --only 6`, `--quick` for pp=8 dp=4).
 """
 
 from __future__ import annotations
@@ -281,11 +282,12 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
     print(f"\n## 6. Re-partition + re-route (`compare(..., layers={layers}{', recut=True' if recut else ''})`): "
           "throughput relative to "
           f"fault-free, default memory limit, M=16, time limit {time_limit:g} s (local search 1/4 of it)")
-    print("   adaptive moves layer boundaries off stages that lost workers (one partition for every pipeline);")
+    print("   adaptive moves layer boundaries off stages that lost workers (one partition for every pipeline) or,")
+    print("   where faster, re-forms the pipelines that lost workers (reform='auto': partition 're-formed D');")
     print("   oobleck re-forms broken pipelines cutting whole layers; mem = every strategy within the per-place limit")
     print(f"  {'case':<30}{'adapt':>7}{'drop':>7}{'oobleck':>8}{'bamboo':>8}{'mem':>6}  {'partition':<16}  verdict")
     cases = [(8, 4)] if quick else [(pp, dp) for pp in (4, 8, 16) for dp in (2, 4, 8)]
-    misses, total, worst, over, applied = [], 0, (math.inf, ""), 0, 0
+    misses, total, worst, over, applied, reformed = [], 0, (math.inf, ""), 0, 0, []
     for pp, dp in cases:
         m = 16
         for costs_name, costs in (("uniform", CostModel.uniform(pp)), ("non-uniform", nonuniform(pp))):
@@ -317,6 +319,9 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
                 cells += "".join(f"{rel[s]:8.3f}" if rel[s] > 0 else f"{'stop':>8}" for s in ("oobleck", "bamboo"))
                 cut = out["adaptive"].partition or ()
                 shape = ("" if max(cut, default=0) < 10 else ",").join(map(str, cut))
+                if out["adaptive"].reformed:  # (compile(reform="auto") re-formed these pipelines)
+                    reformed.append(case)
+                    shape = f"re-formed {','.join(map(str, out['adaptive'].reformed))}"
                 print(f"  {case:<30}{cells}{mem:>6}  {shape:<16}  {verdict}", flush=True)
     print("  partition: adaptive's layers per stage, a digit each; mem: adaptive, drop, oobleck, bamboo within the "
           "per-place limit (y) or over it (n);\n  adaptive is compared with them even when they break it")
@@ -325,6 +330,8 @@ def table_repartition(quick: bool, time_limit: float, layers: int = LAYERS_PER_S
                                                                  "rival over the memory limit" if misses else ""))
     print(f"  with the memory limit applied to every strategy (a rival over it cannot run): adaptive >= every "
           f"runnable baseline within 1% on {applied}/{total} cases")
+    print(f"  re-forming the pipelines that lost workers won {len(reformed)}/{total} cases"
+          + (f": {'; '.join(reformed)}" if reformed else ""))
     return not misses
 
 

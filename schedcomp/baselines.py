@@ -16,12 +16,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from schedcomp.adaptive import adaptive_order
 from schedcomp.check import check
-from schedcomp.compiler import job_layers, unit_costs
+from schedcomp.compiler import ADAPTIVE, job_layers, layered_failure_plan, unit_costs
 from schedcomp.costs import CostModel
-from schedcomp.errors import CostModelError, RecoveryError, SchedcompTypeError, ScheduleError
+from schedcomp.errors import CostModelError, MemoryLimitError, RecoveryError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Op, Order
 from schedcomp.layers import LayerCosts, static_of
 from schedcomp.lower import lower
@@ -30,14 +31,18 @@ from schedcomp.reformed import STOPPED as _STOPPED
 from schedcomp.reformed import Layered, Memo, bamboo, oobleck
 from schedcomp.reformed import Run as _Run
 from schedcomp.reformed import simulated as _simulated
+from schedcomp.simulator import simulate
 from schedcomp.solvers.plain import rerouted_1f1b_order as rerouted_1f1b_order  # re-exported
 from schedcomp.topology import LOOP, Topology, Worker
 
 __all__ = ["STRATEGIES", "Memo", "Outcome", "bamboo", "compare", "fault_free", "oobleck", "rerouted_1f1b_order"]
 
 STRATEGIES = (
-    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
+    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "adaptive-reformed", "drop-pipeline",
+    "oobleck", "bamboo",
 )
+LAYERED_ONLY = ("adaptive-reformed",)
+"""Strategies that need per-layer costs: left out of `compare`'s default without them."""
 ITERATIONS = 4
 
 
@@ -54,8 +59,10 @@ class Outcome:
     within_memory_limit: bool | None = None
     """Whether every worker stays within its stage's limit (None: no limit, or the strategy stopped)."""
     partition: tuple[int, ...] | None = None
-    """With layer costs, the layers per stage every pipeline ran (None: oobleck's and bamboo's differ per
-    pipeline, or no layer costs)."""
+    """With layer costs, the layers per stage every pipeline ran, but the `reformed` ones (None: oobleck's and
+    bamboo's differ per pipeline, or no layer costs)."""
+    reformed: tuple[int, ...] = ()
+    """The pipelines re-formed over their live workers (adaptive with layer costs, where that was faster)."""
 
     def to_dict(self) -> dict[str, object]:
         finite = math.isfinite(self.period)
@@ -68,6 +75,7 @@ class Outcome:
             "within_memory_limit": self.within_memory_limit,
             "note": self.note,
             "partition": list(self.partition) if self.partition is not None else None,
+            "reformed": list(self.reformed),
         }
 
 
@@ -78,7 +86,7 @@ def compare(
     failed: Iterable[Worker | tuple[int, int]] = (),
     costs: CostModel | None = None,
     *,
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] | None = None,
     solver: str = "greedy",
     time_limit: float = 10.0,
     memory_limit: MemoryLimit = FAULT_FREE,
@@ -104,9 +112,14 @@ def compare(
     even) as `compile`'s: adaptive then re-partitions as well as re-routes (`schedcomp.repartition`),
     oobleck's re-formed pipelines cut whole layers, and every strategy's memory counts the static memory
     of the layers each device holds (`schedcomp.reformed`). `recut`: adaptive may also re-cut the failed
-    workers' micro-batches, as `compile(recut=True)` (the ablations keep whole micro-batches)."""
+    workers' micro-batches, as `compile(recut=True)` (the ablations keep whole micro-batches). With layer costs
+    and failures adaptive is `compile(reform="auto")`'s choice: re-routing or, where faster within the memory
+    limit, the pipelines that lost workers re-formed; "adaptive-reformed" is the re-formed plan alone.
+    `strategies` defaults to all (those needing layer costs only with them)."""
     if not isinstance(recut, bool):
         raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
+    if strategies is None:
+        strategies = [s for s in STRATEGIES if s not in LAYERED_ONLY or layers is not None or partition is not None]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ScheduleError(f"unknown strategy {unknown[0]!r}: choose from {', '.join(STRATEGIES)}")
@@ -131,7 +144,7 @@ def compare(
         rel = reference.period / run.period if math.isfinite(run.period) and run.period > 0 else 0.0
         kept = layered.partition if layered is not None and name not in _ONE_STAGE else None
         out.append(Outcome(name, run.period, rel, run.peak_memory, run.note, *_against_limit(run, costs),
-                           partition=run.partition or kept))
+                           partition=run.partition or kept, reformed=run.reformed))
     return out
 
 
@@ -175,25 +188,53 @@ def adaptive(topology: Topology, microbatches: int, costs: CostModel, *, layers:
              **kw: object) -> _Run:
     """Ours (ReCycle's idea): each failed worker's micro-batches re-routed to its stage's live peers,
     split backward with W deferred into bubbles, staggered per-stage optimizer step; with `layers`, layer
-    boundaries moved off stages that lost workers as well (`schedcomp.repartition`)."""
+    boundaries moved off stages that lost workers as well (`schedcomp.repartition`), or the pipelines that
+    lost workers re-formed where that is faster (`compile(reform="auto")`)."""
     if layers is None or not topology.failed:
         return _adaptive_run(topology, microbatches, costs, **kw)  # type: ignore[arg-type]
-    from schedcomp.repartition import repartition
+    return _layered(topology, microbatches, costs, layers, "auto", **kw)
 
+
+def adaptive_reformed(topology: Topology, microbatches: int, costs: CostModel, *, layers: Layered | None = None,
+                      **kw: object) -> _Run:
+    """Ablation: the re-formed candidate of `adaptive` alone (`compile(reform=...)` naming every pipeline
+    that lost workers), with layer costs; stopped where it cannot be compiled (without failures: `adaptive`)."""
+    if layers is None:
+        return _Run(_STOPPED, 0.0, "re-forming pipelines needs per-layer costs (layers=K)")
+    if not topology.failed:
+        return adaptive(topology, microbatches, costs, layers=layers, **kw)
+    from schedcomp.reform import lost_pipelines
+
+    return _layered(topology, microbatches, costs, layers, lost_pipelines(topology), **kw)
+
+
+def _layered(topology: Topology, microbatches: int, costs: CostModel, layers: Layered,
+             reform: Literal["auto"] | tuple[int, ...], **kw: object) -> _Run:
+    """`compile`'s plan with layer costs (`reform`: "auto", or the pipelines to re-form), simulated, each
+    place's peak in the job's accounting (activations + the static memory of the layers its worker holds -
+    what the place held under the job's partition)."""
+    options = {"solver": str(kw.get("solver", "greedy")), "time_limit": float(kw.get("time_limit", 10.0))}  # type: ignore[arg-type]
     try:
-        best = repartition(topology, microbatches, layers.costs, layers.partition, costs,
-                           solver=str(kw.get("solver", "greedy")), time_limit=float(kw.get("time_limit", 10.0)),
-                           recut=bool(kw.get("recut", False)))
-    except RecoveryError as exc:
+        if reform == "auto":
+            plan = layered_failure_plan(topology, microbatches, costs, layers.costs, layers.partition,
+                                        recut=bool(kw.get("recut", False)), **options)  # type: ignore[arg-type]
+        else:
+            from schedcomp.reform import compile_reformed
+
+            plan = compile_reformed(topology, microbatches, costs, layers.costs, layers.partition, reform, ADAPTIVE)
+    except (RecoveryError, ScheduleError, MemoryLimitError) as exc:
         return _Run(_STOPPED, 0.0, str(exc))
-    plan = lower(dataclasses.replace(best.order, partition=best.partition), best.costs, solver=best.solver,
-                 lower_bound=best.bound)
-    check(plan)
-    run = _simulated(plan)
-    assert run.stage_peaks is not None
-    moved = static_of(layers.costs, best.partition)  # activations held, in the job's accounting
-    peaks = tuple(p + a - b for p, a, b in zip(run.stage_peaks, moved, layers.static, strict=True))
-    return dataclasses.replace(run, stage_peaks=peaks, partition=best.partition)
+    sim = simulate(plan, iterations=ITERATIONS)
+    peaks = [0.0] * topology.pp
+    for w, held in sim.memory.items():
+        partition = plan.partitions[w.pipeline] if plan.partitions is not None else plan.partition
+        assert partition is not None
+        moved = static_of(layers.costs, partition)[w.stage] - layers.static[w.stage]
+        peaks[w.stage] = max(peaks[w.stage], held + moved)
+    reformed = tuple(plan.meta["reform"]["pipelines"]) if "reform" in plan.meta else ()
+    note = f"pipeline(s) {', '.join(map(str, reformed))} re-formed" if reformed else ""
+    return _Run(sim.period, sim.peak_memory, note, stage_peaks=tuple(peaks), partition=plan.partition,
+                reformed=reformed)
 
 
 def adaptive_no_split(topology: Topology, microbatches: int, costs: CostModel, **kw: object) -> _Run:
@@ -268,6 +309,7 @@ def one_stage_view(topology: Topology, costs: CostModel) -> tuple[Topology, Cost
 _RUNNERS: dict[str, Callable[..., _Run]] = {
     "adaptive": adaptive,
     "adaptive-no-split": adaptive_no_split,
+    "adaptive-reformed": adaptive_reformed,
     "adaptive-no-stagger": adaptive_no_stagger,
     "drop-pipeline": drop_pipeline,
     "oobleck": oobleck,

@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
+from schedcomp.choice import NEVER, reform_mode
 from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import (
@@ -311,6 +312,7 @@ def precompile(
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
     recut: bool = False,
+    reform: Literal["auto", "never"] = NEVER,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
@@ -321,7 +323,8 @@ def precompile(
     virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
     `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition. `recut` is
     `compile`'s too: a failure plan may cut the failed workers' micro-batches into pieces (`schedcomp.recut`),
-    and the index says so."""
+    and the index says so. `reform` is `compile`'s "auto" or "never" (the default: resilient jobs do not run
+    re-formed plans yet), with layer costs."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
@@ -331,6 +334,8 @@ def precompile(
     if recut and chunks > 1:  # refused before any compile (`recut.recut` would refuse the first failure plan)
         raise SchedcompError(f"re-cut micro-batches run one stage per worker, not chunks={chunks}: drop recut or the "
                              "virtual stages")
+    if isinstance(reform_mode(reform), tuple):  # (each scenario loses other pipelines)
+        raise SchedcompTypeError(f"precompile's reform must be 'auto' or 'never', got {reform!r}")
     if costs is not None and not isinstance(costs, CostModel):
         raise SchedcompTypeError(f"costs must be a CostModel, got {type(costs).__name__}")
     from schedcomp.compiler import unit_costs
@@ -354,7 +359,7 @@ def precompile(
     began = time.perf_counter()
     args = [(pp, dp, microbatches, c.failed, canonical_costs(costs, c.perm), solver, time_limit, memory_limit, c.key,
              str(root / (key_name(c.key) + ".json")) if root is not None else None, chunks, placement,
-             _scenario_layers(layer_costs, c.perm), job_partition, recut) for c in todo]
+             _scenario_layers(layer_costs, c.perm), job_partition, recut, reform) for c in todo]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -392,10 +397,11 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
     from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
-        partition, recut = args
+        partition, recut, reform = args
     layered = {"layers": layers, "partition": partition, "costs": None} if layers is not None else {"costs": costs}
     plan = compile(pp, dp, microbatches, failed=failed, schedule="adaptive", solver=solver, time_limit=time_limit,
-                   memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, **layered)
+                   memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, reform=reform,
+                   **layered)
     if path is None:
         return key, plan, None, plan.cut
     digest = cachefiles.write_plan(Path(path), plan)

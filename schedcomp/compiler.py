@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 from schedcomp import limits
 from schedcomp.check import check, peak_memory
+from schedcomp.choice import AUTO, NEVER, Reform, fastest, reform_mode
 from schedcomp.costs import CostModel
 from schedcomp.errors import CostModelError, MemoryLimitError, SchedcompTypeError, ScheduleError
 from schedcomp.gcpause import paused_gc
@@ -44,7 +46,7 @@ def compile(
     recut: bool = False,
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
-    reform: Iterable[int] | None = None,
+    reform: Reform = AUTO,
 ) -> Plan:
     """Compile and validate a plan for `pp` stages x `dp` pipelines running `microbatches` each.
 
@@ -73,10 +75,13 @@ def compile(
     job's. `partition` is the job's (layers per stage; default: even). With layer costs `costs` is derived.
     With both `layers` and `recut`, each partition the search schedules in full may also re-cut.
 
-    `reform` (pipelines that lost workers, with `layers`): re-form them instead of re-routing, Oobleck-style:
-    each one's live workers hold all the layers, the others keep the job's partition, and the global batch
-    is re-balanced over the pipelines by throughput (`schedcomp.reform`). Every pipeline that lost workers
-    must be named. The plan carries `partitions` and per-pipeline costs (`schedcomp.partitions`).
+    `reform` (with `layers` and failures): "auto" (default) compiles both re-routing (as above) and
+    re-forming every pipeline that lost workers, Oobleck-style (each one's live workers hold all the layers,
+    the others keep the job's partition, the global batch re-balanced over the pipelines by throughput:
+    `schedcomp.reform`), and keeps the faster plan within the memory limit (ties: re-routing;
+    `schedcomp.choice`, `meta["choice"]`); "never" only re-routes; pipelines named (every one that lost
+    workers, without `recut`) are re-formed. A re-formed plan carries `partitions` and per-pipeline costs
+    (`schedcomp.partitions`).
     """
     if not isinstance(recut, bool):
         raise SchedcompTypeError(f"recut must be True or False, got {recut!r}")
@@ -106,7 +111,8 @@ def compile(
         layers, job_partition, costs = job_layers(topology, costs, layers, partition, given_costs=given_costs)
     costs = resolve_limit(memory_limit, topology, microbatches, costs)
 
-    if reform is not None:
+    mode = reform_mode(reform)
+    if isinstance(mode, tuple):
         if not isinstance(layers, LayerCosts) or job_partition is None:
             raise ScheduleError("reform needs per-layer costs to re-partition the re-formed pipelines: pass layers=K "
                                 "(layers per stage) or a LayerCosts")
@@ -114,10 +120,11 @@ def compile(
             raise ScheduleError("reform re-balances the batch itself: drop recut")
         from schedcomp.reform import compile_reformed
 
-        return compile_reformed(topology, microbatches, costs, layers, job_partition, reform, schedule)
+        return compile_reformed(topology, microbatches, costs, layers, job_partition, mode, schedule)
 
     if isinstance(layers, LayerCosts) and job_partition is not None and topology.failed:
-        return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit, recut)
+        return layered_failure_plan(topology, microbatches, costs, layers, job_partition, solver=solver,
+                                    time_limit=time_limit, recut=recut, reform=mode, schedule=schedule)
     if topology.failed or schedule == ADAPTIVE:
         return _adaptive(topology, microbatches, costs, solver, time_limit, recut, job_partition)
 
@@ -128,6 +135,28 @@ def compile(
     check(plan)
     log.debug("compiled %s pp=%d dp=%d M=%d", family.name, pp, dp, microbatches)
     return plan
+
+
+def layered_failure_plan(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
+                         job_partition: Partition, *, solver: str = "auto", time_limit: float = 10.0,
+                         recut: bool = False, reform: Literal["auto", "never"] = AUTO,
+                         schedule: str = ADAPTIVE) -> Plan:
+    """The plan for a job with per-layer costs and failures (`costs`: its stage model, limit resolved):
+    re-routed and re-partitioned (re-cut with `recut`), or with `reform="auto"` the faster of that and
+    every pipeline that lost workers re-formed (`schedcomp.choice.fastest`; the re-formed candidate
+    re-balances the batch itself, so `recut` is re-routing's alone)."""
+    def rerouted() -> Plan:
+        return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit, recut)
+
+    if reform == NEVER:
+        return rerouted()
+    from schedcomp.reform import compile_reformed, lost_pipelines
+
+    def reformed() -> Plan:
+        return compile_reformed(topology, microbatches, costs, layers, job_partition, lost_pipelines(topology),
+                                schedule)
+
+    return fastest((("re-route", rerouted), ("re-form", reformed)))
 
 
 def unit_costs(topology: Topology) -> CostModel:

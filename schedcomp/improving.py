@@ -227,7 +227,8 @@ def _compile_request(folder: Path) -> None:
     plan = compile(r["pp"], r["dp"], r["microbatches"], failed=failed, schedule="adaptive",
                    costs=None if layers is not None else CostModel.from_dict(r["costs"]), solver=r["solver"],
                    time_limit=r["time_limit"], memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
-                   placement=r["placement"], layers=layers, partition=r.get("partition"), recut=r.get("recut", False))
+                   placement=r["placement"], layers=layers, partition=r.get("partition"), recut=r.get("recut", False),
+                   reform="never")  # (resilient jobs do not run re-formed plans yet)
     result: dict[str, Any] = {"period": simulate(plan).period, "repaired_period": None}
     if r["cache"] is not None:
         cache = PlanCache.load(r["cache"])

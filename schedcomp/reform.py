@@ -43,6 +43,11 @@ FINER = (1, 2, 4)
 holds more activation; smaller ones fit a memory limit that whole micro-batches break)."""
 
 
+def lost_pipelines(topology: Topology) -> tuple[int, ...]:
+    """The pipelines that lost workers: what `reform="auto"` re-forms (every one must be)."""
+    return tuple(sorted({w.pipeline for w in topology.failed}))
+
+
 def reform_pipelines(value: object, topology: Topology) -> tuple[int, ...]:
     """`reform=` checked: pipelines of the job, each with a failed and a live worker, covering every pipeline
     that has a failure; ScheduleError in one line otherwise."""
@@ -51,7 +56,7 @@ def reform_pipelines(value: object, topology: Topology) -> tuple[int, ...]:
     pipes = list(value)
     if not pipes or not all(isinstance(d, int) and not isinstance(d, bool) for d in pipes):
         raise SchedcompTypeError(f"reform must name pipelines by number, e.g. reform=(3,), got {value!r}")
-    hit = {w.pipeline for w in topology.failed}
+    hit = set(lost_pipelines(topology))
     for d in pipes:
         if not 0 <= d < topology.dp or d not in hit:
             raise ScheduleError(f"reform names pipeline {d}, which lost no worker: re-form the pipelines that lost "

@@ -55,7 +55,9 @@ class Run:
     """Per stage (place) of the job, the most activation memory held there, in the job's accounting (see the
     module docstring); held to that stage's limit."""
     partition: tuple[int, ...] | None = None
-    """Layers per stage, where the run chose one (adaptive with layer costs)."""
+    """Layers per stage, where the run chose one (adaptive with layer costs; its re-formed pipelines' aside)."""
+    reformed: tuple[int, ...] = ()
+    """The pipelines the run re-formed over their live workers (adaptive with layer costs)."""
 
 
 STOPPED = float("inf")

@@ -137,12 +137,15 @@ def partition_text(text: str) -> tuple[int, ...]:
     return counts
 
 
-def pipelines_text(text: str) -> tuple[int, ...]:
-    """--reform 3 or 1,3: pipeline numbers (checked against the job by `compile`)."""
+def reform_text(text: str) -> str | tuple[int, ...]:
+    """--reform auto, never, or 3 or 1,3: pipeline numbers (checked against the job by `compile`)."""
+    if text in ("auto", "never"):
+        return text
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected pipeline numbers such as 3 or 1,3, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected auto, never or pipeline numbers such as 3 or 1,3, got {text!r}"
+                                         ) from None
 
 
 def add_layer_arguments(parser: Any) -> None:
@@ -266,7 +269,8 @@ def save_and_report(args: argparse.Namespace, plan: Plan, done: str, seconds_key
                **({"cut": plan.cut.to_json()} if plan.cut else {}),
                **({"partition": list(plan.partition)} if plan.partition is not None else {}),
                **({"repartition": plan.meta["repartition"]} if "repartition" in plan.meta else {}),
-               **({"reform": plan.meta["reform"]} if "reform" in plan.meta else {})}
+               **({"reform": plan.meta["reform"]} if "reform" in plan.meta else {}),
+               **({"choice": plan.meta["choice"]} if "choice" in plan.meta else {})}
     if args.json:
         print_json(summary)
     else:

@@ -9,7 +9,8 @@ from typing import Any
 from schedcomp.cli.common import add_chunk_arguments, add_layer_arguments, layer_options, load_costs, print_json
 
 STRATEGIES = (
-    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "drop-pipeline", "oobleck", "bamboo",
+    "fault-free", "adaptive", "adaptive-no-split", "adaptive-no-stagger", "adaptive-reformed", "drop-pipeline",
+    "oobleck", "bamboo",
 )
 """`schedcomp.baselines.STRATEGIES`, repeated so building the parser imports no solver (a test checks)."""
 
@@ -28,14 +29,15 @@ def register(subparsers: Any) -> None:
     add_chunk_arguments(p)
     add_layer_arguments(p)
     p.add_argument("--strategy", action="append", choices=STRATEGIES, metavar="NAME",
-                   help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)})")
+                   help=f"only these strategies (repeat; default all: {', '.join(STRATEGIES)}; adaptive-reformed only "
+                   "with --layers or --layer-costs)")
     add_solver_arguments(p, default="greedy")
     p.add_argument("--recut", action="store_true",
                    help="adaptive may also split the failed workers' micro-batches into pieces sized for the peers "
                    "that take them (as compile --recut)")
     p.add_argument("--json", action="store_true",
                    help="print a list of {strategy, period, relative_throughput, peak_memory, memory_limit, "
-                   "within_memory_limit} (and the adaptive partition with --layers)")
+                   "within_memory_limit} (and with --layers the adaptive partition and the pipelines it re-formed)")
     p.set_defaults(run=run)
 
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     chunks = args.chunks or (2 if args.placement == "v" else 1)
     costs = load_costs(args.costs, args.pp if chunks == 1 else None)  # (with chunks `compare` checks it)
-    strategies = tuple(args.strategy) if args.strategy else STRATEGIES
+    strategies = tuple(args.strategy) if args.strategy else None
     outcomes = compare(args.pp, args.dp, args.microbatches, args.failed, costs, strategies=strategies,
                        solver=args.solver, time_limit=args.time_limit, memory_limit=args.memory_limit or FAULT_FREE,
                        chunks=chunks, placement=args.placement or "loop", recut=args.recut, **layer_options(args))
@@ -61,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
         period = f"{o.period:10.4g}" if math.isfinite(o.period) else f"{'stopped':>10}"
         memory = f"{o.peak_memory:12.4g}" if math.isfinite(o.period) else f"{'-':>12}"
         notes = [o.note] if o.note else []
-        if o.strategy == "adaptive" and o.partition is not None:
-            notes.append(f"layers per stage {','.join(map(str, o.partition))}")
+        if o.strategy in ("adaptive", "adaptive-reformed") and o.partition is not None:
+            kept = " in the others" if o.reformed else ""
+            notes.append(f"layers per stage {','.join(map(str, o.partition))}{kept}")
         if o.within_memory_limit is False:
             notes.append("over the memory limit")
         note = f"  ({'; '.join(notes)})" if notes else ""

@@ -14,9 +14,9 @@ from schedcomp.cli.common import (
     layer_options,
     load_costs,
     memory_limit,
-    pipelines_text,
     positive_float,
     positive_int,
+    reform_text,
     save_and_report,
 )
 
@@ -62,9 +62,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recut", action="store_true",
                    help="with failures, split the failed workers' micro-batches into pieces sized for the peers "
                    "that take them (samples are interchangeable within a global batch)")
-    p.add_argument("--reform", type=pipelines_text, metavar="D,D,...",
-                   help="with --layers or --layer-costs: re-form these pipelines (every one that lost workers) over "
-                   "their live workers instead of re-routing, the batch re-balanced by throughput")
+    p.add_argument("--reform", type=reform_text, default="auto", metavar="auto|never|D,D,...",
+                   help="with --layers or --layer-costs and failures: auto (default) also compiles the pipelines that "
+                   "lost workers re-formed over their live workers, the batch re-balanced by throughput, and keeps the "
+                   "faster plan; never only re-routes; D,D,... re-forms these pipelines (every one that lost workers)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--text", action="store_true", help="write the compact text form instead of JSON")
     p.add_argument("--json", action="store_true",
@@ -86,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         plan = compile(args.pp, dp=args.dp, microbatches=args.microbatches, failed=args.failed,
                        schedule=args.schedule, costs=costs, memory_limit=args.memory_limit or FAULT_FREE,
                        solver=args.solver, time_limit=args.time_limit, chunks=args.chunks, placement=args.placement,
-                       recut=args.recut, **layer_options(args),
-                       **({"reform": args.reform} if args.reform is not None else {}))
+                       recut=args.recut, reform=args.reform, **layer_options(args))
         seconds = time.perf_counter() - began
         save_and_report(args, plan, "compiled", "compile_seconds", seconds)
         del plan  # (freed while paused: resumed first, the collector would walk it once more)

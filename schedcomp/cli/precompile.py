@@ -36,6 +36,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recut", action="store_true",
                    help="failure plans may split the failed workers' micro-batches into pieces sized for the peers "
                    "that take them (as compile --recut); the index records it")
+    p.add_argument("--reform", choices=("auto", "never"), default="never",
+                   help="with --layers or --layer-costs: auto lets a failure plan re-form the pipelines that lost "
+                   "workers where that is faster (as compile --reform auto); never (default: resilient jobs do "
+                   "not run re-formed plans yet) only re-routes")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
     p.add_argument("--jobs", "-j", type=positive_int, default=min(4, os.cpu_count() or 1),
                    help="compile in this many processes (default: CPUs, at most 4)")
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                            solver=args.solver, time_limit=args.time_limit,
                            memory_limit=args.memory_limit or FAULT_FREE, directory=args.output, progress=bar,
                            jobs=args.jobs, chunks=chunks, placement=placement, recut=args.recut,
-                           **layer_options(args))
+                           reform=args.reform, **layer_options(args))
     print(f"{len(cache)} plans for pp={args.pp} dp={args.dp} M={args.microbatches} with up to {args.max_failures} "
           f"failures in {time.perf_counter() - began:.1f} s -> {args.output}")
     report = cache.memory_report()
