@@ -39,7 +39,7 @@ def main() -> None:
         for limit in (None, "fault-free"):
             t = time.process_time()
             rerouted = simulate(compile(pp=pp, dp=dp, microbatches=m, failed=failed, layers=K,
-                                        memory_limit=limit)).period
+                                        memory_limit=limit, reform="never")).period
             try:
                 plan = compile(pp=pp, dp=dp, microbatches=m, failed=failed, layers=K, reform=reform,
                                memory_limit=limit)

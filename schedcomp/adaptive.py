@@ -168,12 +168,18 @@ def recut_solution(problem: Problem, solver: str, time_limit: float, synchronous
     return best
 
 
-def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, synchronous: bool = False) -> Solution:
-    """Schedule `problem` (see the module docstring); raises on unrecoverable topologies or memory."""
+def check_solver_options(solver: object, time_limit: object) -> None:
+    """`solver` and `time_limit` as `solve` takes them; ScheduleError in one line otherwise (checked before any
+    candidate compiles: `choice.fastest` drops a candidate that cannot build the job, not a mistyped option)."""
     if solver not in SOLVERS:
         raise ScheduleError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0 and math.isfinite(time_limit)):
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+
+
+def solve(problem: Problem, *, solver: str = "auto", time_limit: float = 10.0, synchronous: bool = False) -> Solution:
+    """Schedule `problem` (see the module docstring); raises on unrecoverable topologies or memory."""
+    check_solver_options(solver, time_limit)
     if solver == "cpsat" and problem.topology.chunks > 1:
         raise ScheduleError(f"the CP-SAT model runs one stage per worker, not chunks={problem.topology.chunks}: "
                             "use solver 'greedy' or 'auto' with virtual stages")

@@ -323,8 +323,9 @@ def precompile(
     virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
     `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition. `recut` is
     `compile`'s too: a failure plan may cut the failed workers' micro-batches into pieces (`schedcomp.recut`),
-    and the index says so. `reform` is `compile`'s "auto" or "never" (the default: resilient jobs do not run
-    re-formed plans yet), with layer costs."""
+    and the index says so. `reform` is `compile`'s "auto" or "never" (the default), with layer costs: with
+    "auto" a failure plan may re-form pipelines (the index records their partitions; rollback and restart
+    jobs run them, lossy and logging recovery refuse the cache)."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating

@@ -25,6 +25,8 @@ Reform = Iterable[int] | Literal["auto", "never"]
 
 def reform_mode(value: object) -> Literal["auto", "never"] | tuple[int, ...]:
     """`reform=` read: "auto", "never", or the pipelines named (checked against the job by `reform_pipelines`)."""
+    if value is None:  # (the default before "auto": no pipeline re-formed)
+        return NEVER
     if isinstance(value, str):
         if value not in (AUTO, NEVER):
             raise ScheduleError(f"reform must be 'auto', 'never' or pipelines to re-form, got {value!r}")

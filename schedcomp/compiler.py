@@ -148,6 +148,9 @@ def layered_failure_plan(topology: Topology, microbatches: int, costs: CostModel
     def rerouted() -> Plan:
         return _repartitioned(topology, microbatches, costs, layers, job_partition, solver, time_limit, recut)
 
+    from schedcomp.adaptive import check_solver_options
+
+    check_solver_options(solver, time_limit)  # (a mistake here is not a candidate that cannot build the job)
     if reform == NEVER:
         return rerouted()
     from schedcomp.reform import compile_reformed, lost_pipelines

@@ -228,7 +228,7 @@ def _compile_request(folder: Path) -> None:
                    costs=None if layers is not None else CostModel.from_dict(r["costs"]), solver=r["solver"],
                    time_limit=r["time_limit"], memory_limit=_as_limit(r["memory_limit"]), chunks=r["chunks"],
                    placement=r["placement"], layers=layers, partition=r.get("partition"), recut=r.get("recut", False),
-                   reform="never")  # (resilient jobs do not run re-formed plans yet)
+                   reform="never")  # (a re-formed switch is only ever a cache's precompiled plan)
     result: dict[str, Any] = {"period": simulate(plan).period, "repaired_period": None}
     if r["cache"] is not None:
         cache = PlanCache.load(r["cache"])

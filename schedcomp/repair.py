@@ -93,7 +93,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
         raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
                             "consumers, and that deadlocks: compile the plan for the new failure set instead")
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
-                    None, dict(plan.meta), partition=plan.partition)
+                    None, _kept_meta(plan.meta), partition=plan.partition)
     remember(repaired, timed)
     if validate:
         try:
@@ -237,3 +237,9 @@ def _source(op: Op, slot: int, pp: int) -> int | None:
     if op.kind is OpKind.W:
         return None
     return slot + 1 if op.stage < pp - 1 else None
+
+
+def _kept_meta(meta: dict) -> dict:
+    """What a repaired plan keeps of its source's `meta`: not the compiler's choice between candidates, which
+    names the source's periods (`choice`)."""
+    return {k: v for k, v in meta.items() if k != "choice"}

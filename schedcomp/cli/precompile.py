@@ -38,8 +38,8 @@ def register(subparsers: Any) -> None:
                    "that take them (as compile --recut); the index records it")
     p.add_argument("--reform", choices=("auto", "never"), default="never",
                    help="with --layers or --layer-costs: auto lets a failure plan re-form the pipelines that lost "
-                   "workers where that is faster (as compile --reform auto); never (default: resilient jobs do "
-                   "not run re-formed plans yet) only re-routes")
+                   "workers where that is faster (as compile --reform auto; rollback and restart jobs run them, "
+                   "lossy and logging recovery refuse them); never (default) only re-routes")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
     p.add_argument("--jobs", "-j", type=positive_int, default=min(4, os.cpu_count() or 1),
                    help="compile in this many processes (default: CPUs, at most 4)")

@@ -18,6 +18,7 @@ from schedcomp.errors import MemoryLimitError, RecoveryError, SchedcompTypeError
 from schedcomp.ir import Plan
 from schedcomp.layers import LayerCosts
 from schedcomp.simulator import simulate
+from schedcomp.topology import Worker
 
 JOB = {"pp": 3, "dp": 2, "microbatches": 4, "layers": 2, "solver": "greedy", "time_limit": 1.0}
 """A small job (6 layers) whose tests run in seconds."""
@@ -204,3 +205,26 @@ def test_the_precompile_cli_defaults_to_never(capsys: pytest.CaptureFixture[str]
     assert args.reform == "never"
     status, out, err = _cli(capsys, "precompile", "--pp", "2", "-m", "4", "-k", "1", "-o", "x", "--reform", "1")
     assert status == 2 and out == "" and "--reform" in err
+
+
+def test_a_mistyped_solver_option_is_refused_not_dropped_as_a_candidate() -> None:
+    # Re-routing refuses a bad solver or time limit with a ScheduleError, which `fastest` would have taken for
+    # "this candidate cannot build the job" and kept the re-formed plan: checked before any candidate compiles.
+    for options, says in (({"solver": "bogus"}, "unknown solver"), ({"time_limit": 0}, "time_limit"),
+                          ({"time_limit": float("nan")}, "time_limit")):
+        with pytest.raises(ScheduleError, match=says):
+            compile(**{**JOB, **options}, failed=["1:1"])  # type: ignore[arg-type]
+
+
+def test_reform_none_means_never_as_before_auto() -> None:
+    assert compile(**JOB, failed=["1:1"], reform=None).to_json() == \
+        compile(**JOB, failed=["1:1"], reform="never").to_json()  # type: ignore[arg-type]
+
+
+def test_a_repair_does_not_carry_its_sources_choice() -> None:
+    from schedcomp.repair import repair
+
+    plan = compile(**{**JOB, "pp": 4, "dp": 2, "microbatches": 8, "layers": 4, "failed": ["1:1"],
+                      "memory_limit": None})
+    assert plan.meta["choice"]["kept"] == "re-route"
+    assert "choice" not in repair(plan, Worker(0, 2), memory_limit=None).meta
