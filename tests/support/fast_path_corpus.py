@@ -39,7 +39,7 @@ PLANS: list[tuple[str, dict[str, object]]] = [
     ("zb-v-3x2-fail", {"pp": 3, "dp": 2, "microbatches": 4, "schedule": "zb-v", "failed": [(0, 2)],
                        "solver": "greedy"}),
     ("adaptive-4x2-layers", {"pp": 4, "dp": 2, "microbatches": 4, "failed": [(0, 3)], "layers": 3,
-                             "solver": "greedy"}),
+                             "solver": "greedy", "reform": "never"}),  # (re-routed: auto would re-form here)
 ]
 MUTANTS = 24  # broken copies of each plan
 ORDER_MUTANTS = 10  # broken copies of each plan's compute order, lowered
