@@ -308,10 +308,11 @@ def run_levels(
     order = np.concatenate(levels) if levels else np.zeros(0, np.int64)
     pos = np.arange(n + n_lanes + 1, dtype=idx)
     pos[order] = np.arange(n, dtype=idx)
-    prev_at, pred_at, lat_at, dur_at = pos[prev[order]], pos[pred[order]].T, lat[order].T, dur[order]
+    prev_at, dur_at = pos[prev[order]], dur[order]
+    pred_at, lat_at = np.ascontiguousarray(pos[pred[order]].T), np.ascontiguousarray(lat[order].T)
     del order, prev, pred, lat
     cuts = np.cumsum([0] + [len(level) for level in levels]).tolist()
-    steps = [(slice(lo, hi), prev_at[lo:hi], tuple(zip(pred_at[:, lo:hi], lat_at[:, lo:hi], strict=True)))
+    steps = [(slice(lo, hi), prev_at[lo:hi], _producers(pred_at[:, lo:hi], lat_at[:, lo:hi], none))
              for lo, hi in itertools.pairwise(cuts)]
     last_node = pos[lane_start + lens - 1]
     groups = int(group.max()) + 1 if n_lanes else 0
@@ -325,7 +326,7 @@ def run_levels(
         for level, before, producers in steps:
             t = end[before]
             for p, lat_p in producers:
-                t = np.maximum(t, end[p] + lat_p)
+                np.maximum(t, end[p] if lat_p is None else end[p] + lat_p, out=t)
             if shown:
                 start[level] = t
             end[level] = t + dur_at[level]
@@ -339,6 +340,13 @@ def run_levels(
         ends.append(max(float(step_end.max()), ends[-1]) if ends else float(step_end.max()))
         end[release_at] = ends[-1] if synchronous else step_end
     return LevelRun(tuple(ends), first, start[pos[:n]])
+
+
+def _producers(pred: np.ndarray, lat: np.ndarray, none: int) -> tuple[tuple[np.ndarray, np.ndarray | None], ...]:
+    """A level's producer columns (node positions, latencies) that matter: a column naming no producer (`none`,
+    whose end is -inf) changes no max, and a latency of zero is left out (every end is +0.0 or more, or -inf,
+    so adding 0.0 changes none): the same times for fewer passes over the level."""
+    return tuple((p, lat_p if lat_p.any() else None) for p, lat_p in zip(pred, lat, strict=True) if (p != none).any())
 
 
 def _levels(n: int, cols: np.ndarray) -> list[np.ndarray] | None:

@@ -77,7 +77,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from schedcomp.compiler import compile
     from schedcomp.gcpause import paused_gc
+    from schedcomp.heap import keep_freed_memory
     from schedcomp.memory import FAULT_FREE
+
+    keep_freed_memory()  # (a process of its own: freed blocks reused, not faulted in afresh each phase)
 
     costs = load_costs(args.costs, None)  # `compile` checks its stages (pp, or pp x chunks)
     # The collector stays paused to the end (see `schedcomp.gcpause`): resumed between the library's paused

@@ -23,7 +23,7 @@ from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.simfast import solver_timing
 from schedcomp.solvers.greedy import list_schedule_steps
 from schedcomp.solvers.problem import Problem
-from schedcomp.solvers.timing import Timing, time_sequences, worker_peaks
+from schedcomp.solvers.timing import Timing, dependencies_of, op_dependencies, time_sequences, worker_peaks
 from schedcomp.topology import Topology
 
 
@@ -50,6 +50,15 @@ def test_steps_time_as_kahns_levels(job: tuple[Problem, dict[int, list[int]], np
     kahn = time_sequences(problem, seqs, iterations, synchronous)
     assert kahn.ok
     assert _same(time_sequences(problem, seqs, iterations, synchronous, steps), kahn)
+
+
+@given(problems(max_pp=4, max_microbatches=5), st.data())
+def test_an_ops_own_dependencies_are_its_rows_of_the_table(problem: Problem, data: st.DataObject) -> None:
+    """`time_sequences` works out only its ops' dependencies: the same rows as the table of every op id."""
+    pred, lat = op_dependencies(problem)
+    ops = np.array(data.draw(st.lists(st.integers(0, len(pred) - 1), max_size=40)), dtype=np.int64)
+    own_pred, own_lat = dependencies_of(ops, problem.stages, len(problem.kinds), problem.costs.p2p)
+    assert np.array_equal(own_pred, pred[ops]) and np.array_equal(own_lat, lat[ops])
 
 
 @pytest.mark.parametrize(("pp", "dp", "failed"), [(4, 3, [(0, 1), (2, 3)]), (6, 2, [(1, 0)]), (3, 1, [])])
