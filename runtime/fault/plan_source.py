@@ -23,6 +23,7 @@ from schedcomp.runtime.data import PieceRows, empty_piece
 from schedcomp.runtime.fault.policies import (
     cut_of,
     cuts_of,
+    keeps_stages,
     may_cut_elsewhere,
     may_recut,
     may_reform,
@@ -33,8 +34,6 @@ from schedcomp.runtime.fault.policies import (
     refuse_reformed,
 )
 from schedcomp.runtime.fault.recovery import RecoveryPolicy
-from schedcomp.runtime.fault.swift import SwiftPolicy
-from schedcomp.runtime.lossy import LossyPolicy
 from schedcomp.runtime.moves import Cuts
 from schedcomp.runtime.training import TrainingOptions
 from schedcomp.topology import LOOP, Topology
@@ -61,11 +60,10 @@ class PlanSource:
         refuse_recut(policy, may_recut(plans))
         self.pieces = PieceRows(recuts_of(plans))  # each batch size against the re-cut plans a failure may bring
         # plans that cut the model elsewhere move layers at a switch (`runtime.moves`): lossy and logging refuse
-        self.cuts: set[Cuts | None] = (set(cuts_of(plans, model)) if isinstance(policy, (LossyPolicy, SwiftPolicy))
-                                       else set())
+        self.cuts: set[Cuts | None] = set(cuts_of(plans, model)) if keeps_stages(policy) else set()
         refuse_moves(policy, self.cuts)
         self.moves_layers = may_cut_elsewhere(plans, model)  # then every stage is checked movable at start
-        if self.moves_layers and isinstance(policy, (LossyPolicy, SwiftPolicy)):
+        if self.moves_layers and keeps_stages(policy):
             raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but this plan "
                                     "source may switch to plans that move them (a cache with layer costs, compiled "
                                     "further in the background): use policy='rollback' (the default)")

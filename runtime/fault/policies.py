@@ -76,7 +76,7 @@ def refuse_moves(policy: RecoveryPolicy, partitions: Iterable[Cuts | None]) -> N
     """Refuse, in one line, a policy that works one fixed stage per worker when the plans cut the model in
     more than one way (lossy: its residual streams; logging: its boundary logs and replay)."""
     cuts = set(partitions)
-    if len(cuts) <= 1 or not isinstance(policy, (LossyPolicy, SwiftPolicy)):
+    if len(cuts) <= 1 or not keeps_stages(policy):
         return
     shown = ", ".join(str(list(c)) if c is not None else "the runtime's" for c in sorted(cuts, key=str))
     raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers in place, but the plans cut the "
@@ -108,10 +108,16 @@ def may_reform(plans: Any) -> bool:
         isinstance(held, Mapping) and any(isinstance(p, Plan) and p.partitions is not None for p in held.values()))
 
 
+def keeps_stages(policy: RecoveryPolicy) -> bool:
+    """Whether `policy` works one fixed stage per worker on whole micro-batches: lossy (its residual streams, lost
+    chunks and rescaling) and logging (its boundary logs and replay) do, so they run no plan that moves layers,
+    re-cuts micro-batches or re-forms pipelines."""
+    return isinstance(policy, (LossyPolicy, SwiftPolicy))
+
+
 def runs_pieces(policy: RecoveryPolicy) -> bool:
-    """Whether `policy` can run plans that re-cut micro-batches: lossy (its residual streams, lost chunks and
-    rescaling) and logging (its boundary logs and replay) work with whole ones."""
-    return not isinstance(policy, (LossyPolicy, SwiftPolicy))
+    """Whether `policy` can run plans that re-cut micro-batches (`keeps_stages`' policies work with whole ones)."""
+    return not keeps_stages(policy)
 
 
 def refuse_recut(policy: RecoveryPolicy, recut: bool) -> None:
