@@ -10,11 +10,9 @@ candidate's plan has passed `check`, memory limit included, so a plan over the l
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
-from schedcomp.check import check
 from schedcomp.errors import MemoryLimitError, RecoveryError, SchedcompTypeError, ScheduleError, TopologyError
 from schedcomp.ir import Plan
 
@@ -72,6 +70,4 @@ def fastest(candidates: Sequence[Candidate]) -> Plan:
         assert first_error is not None, "fastest needs at least one candidate"
         raise first_error
     _, name, plan = best
-    kept = dataclasses.replace(plan, meta={**plan.meta, "choice": {"kept": name, "periods": periods}})
-    check(kept)  # (a new object: `check` marks the plan it proved, so `simulate` does not prove it again)
-    return kept
+    return plan.with_meta({**plan.meta, "choice": {"kept": name, "periods": periods}})

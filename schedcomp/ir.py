@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from schedcomp.cut import NO_CUT, Cut
@@ -286,6 +286,16 @@ class Plan:
     def costs_of(self, pipeline: int) -> CostModel:
         """The stage cost model of `pipeline`'s ops and workers: its own where it was re-formed, else `costs`."""
         return self.pipeline_costs.get(pipeline, self.costs)
+
+    def with_meta(self, meta: Mapping[str, Any]) -> Plan:
+        """This plan with another `meta` (provenance: `check` does not read it and no timing depends on it), so
+        what was proved or timed of this very object (kept on it by `check` and `simfast.remember`) holds for
+        the new one too and is not done again."""
+        new = replace(self, meta=meta)
+        for name, value in self.__dict__.items():
+            if name not in new.__dict__:
+                object.__setattr__(new, name, value)
+        return new
 
     @property
     def workers(self) -> tuple[Worker, ...]:

@@ -11,6 +11,7 @@ import pytest
 from schedcomp import compile
 from schedcomp.baselines import compare
 from schedcomp.cache import PlanCache, precompile
+from schedcomp.check import is_checked
 from schedcomp.choice import fastest
 from schedcomp.cli import main
 from schedcomp.costs import CostModel
@@ -39,6 +40,7 @@ def test_auto_re_forms_a_pipeline_whose_failure_is_concentrated_under_the_defaul
     assert _period(auto) == _period(forced) < _period(rerouted) * 0.9
     assert auto.partitions == forced.partitions and auto.cut == forced.cut and auto.streams == forced.streams
     assert Plan.from_json(auto.to_json()).meta["choice"] == choice
+    assert is_checked(auto)  # (the kept plan carries the proof of the candidate it was: not checked twice)
 
 
 @pytest.mark.slow  # re-routing with re-cut pieces: ~13 s
