@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py schedcomp/solvers/_listloop.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")

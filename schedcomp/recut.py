@@ -68,7 +68,8 @@ def recut(problem: Problem, piece: float = PIECES[0]) -> tuple[Cut, dict[tuple[i
             continue
         wids = [problem.worker_id(w) for w in group]
         speed = {wid: problem.costs.speed.get(problem.worker_of(wid), 1.0) for wid in wids}
-        work = problem.costs.forward[s] + problem.costs.backward_input[s] + problem.costs.backward_weight[s]
+        # (A stage of no compute time shares its micro-batches out as though they took one unit each.)
+        work = problem.costs.forward[s] + problem.costs.backward_input[s] + problem.costs.backward_weight[s] or 1.0
         fixed = problem.allreduce_times[s]
         # Loads in time: own micro-batches, all-reduce and step, each divided by the speed factor.
         load = {wid: (m * work + problem.costs.optimizer[s]) / speed[wid] + fixed for wid in wids}

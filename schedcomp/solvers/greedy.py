@@ -37,14 +37,22 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
-from schedcomp.solvers.greedy_tables import boundary_room, interned, per_worker, queues, slot_tables
+from schedcomp.solvers.greedy_native import engine, run_native
+from schedcomp.solvers.greedy_tables import (
+    SlotTables,
+    boundary_room,
+    interned,
+    per_worker,
+    queues,
+    slot_tables,
+)
 from schedcomp.solvers.problem import Problem
 
 ROUTINGS = ("pool", "quota", "static")
@@ -79,10 +87,12 @@ def list_schedule(
     params: GreedyParams,
     assignment: Mapping[int, int] | None = None,
     quota: Mapping[int, int] | None = None,
+    loop: str | None = None,
 ) -> dict[int, list[int]]:
     """Schedule every op of `problem`; `assignment` (orphan slot -> worker id) is needed for "static"
-    routing and `quota` (worker id -> most re-routed slots it takes) for "quota"."""
-    return list_schedule_steps(problem, params, assignment, quota)[0]
+    routing and `quota` (worker id -> most re-routed slots it takes) for "quota". `loop` picks the event loop
+    that runs ("native" or "python": `greedy_native.engine`); both give the same schedule."""
+    return list_schedule_steps(problem, params, assignment, quota, loop)[0]
 
 
 def list_schedule_steps(
@@ -90,6 +100,7 @@ def list_schedule_steps(
     params: GreedyParams,
     assignment: Mapping[int, int] | None = None,
     quota: Mapping[int, int] | None = None,
+    loop: str | None = None,
 ) -> tuple[dict[int, list[int]], np.ndarray]:
     """`list_schedule`, and per op id the step of the scheduler's clock that ran it (ops of one step start at
     one time): a layering the timing core may take instead of working one out (`time_sequences`'s `steps`)."""
@@ -202,6 +213,18 @@ def list_schedule_steps(
     reserve = [unit[place[st]] - d_f[st] for st in range(stages)]  # admitted at a first chunk: the later ones
     d_b = [row[1] for row in delta]
     d_w = [row[2] for row in delta] if split else []
+    starts = [(m * problem.dp + d) * stages for d in range(problem.dp) for m in range(problem.count(d))]
+    n_ops = problem.n_present * nk
+
+    if engine(loop) == "native":  # the same loop as below, compiled (`_listloop.c`)
+        logged, steps, ran = run_native(
+            n_workers=n_workers, pp=pp, stages=stages, nk=nk, n_slots=slots.n_slots, split=int(split),
+            eager=int(eager), idle=int(idle), use_pool=int(use_pool), capped=int(capped), fill=int(fill),
+            ahead=int(ahead), cut=int(cut), p2p=float(p2p), eps=_EPS, limits=limits, window_open=window_open,
+            admit=admit, dur=dur, cap=cap, left_f=left_f, live=live, first=first, reserve=reserve, d_f=d_f,
+            d_b=d_b, d_w=d_w, place=place, unit=unit, room=room, held=held, peers=peers, runner=runner, home=home,
+            size=size, starts=starts, n_ops=n_ops)
+        return _split_log(logged, steps, ran, nk, slots, live, n_ops)
 
     def push(at: float, wid: int) -> None:
         ids = due.get(at)
@@ -240,9 +263,8 @@ def list_schedule_steps(
             wake[r] = at
             push(at, r)
 
-    for d in range(problem.dp):
-        for m in range(problem.count(d)):
-            deliver_f((m * problem.dp + d) * stages, 0.0)
+    for slot in starts:
+        deliver_f(slot, 0.0)
     for wid in live:
         if wake[wid] == inf:
             wake[wid] = 0.0
@@ -412,9 +434,16 @@ def list_schedule_steps(
                 late.clear()
                 batch.sort(reverse=True)
         del due[t]
-    if len(log) != problem.n_present * nk:
+    return _split_log(np.frombuffer(log, dtype=np.int64), np.frombuffer(batches, dtype=np.int64), runner, nk, slots,
+                      live, n_ops)
+
+
+def _split_log(log: np.ndarray, batches: np.ndarray, runner: Sequence[int] | np.ndarray, nk: int, slots: SlotTables,
+               live: list[int], n_ops: int) -> tuple[dict[int, list[int]], np.ndarray]:
+    """Either loop's log split per worker (`per_worker`), once every op of the problem is in it."""
+    if len(log) != n_ops:
         raise ScheduleError(
-            f"list scheduler stalled after {len(log)} of {problem.n_present * nk} ops (a bug): "
+            f"list scheduler stalled after {len(log)} of {n_ops} ops (a bug): "
             "report it with the topology and cost model"
         )
-    return per_worker(log, nk, slots, live, batches, problem.n_slots * nk)
+    return per_worker(log, nk, runner, slots, live, batches, slots.n_slots * nk)

@@ -83,6 +83,17 @@ def test_recut_pieces_cover_the_share_and_match_the_water_level() -> None:
         assert all(x == pytest.approx(8 / 7) for x in share.values())
 
 
+def test_a_stage_of_no_compute_time_shares_its_micro_batches_by_count() -> None:
+    """Zero F, B and W at the failed stage (there is no time to balance): the pieces still cover M, shared
+    evenly over the peers, rather than dividing by zero."""
+    costs = replace(CostModel.uniform(2), forward=(1.0, 0.0), backward_input=(1.0, 0.0), backward_weight=(1.0, 0.0))
+    cut, routing = recut(Problem(Topology.of(2, 3, ["1:1"]), 4, costs))
+    sizes = cut.sizes(1, 4)
+    assert sum(sizes) == pytest.approx(4.0)
+    assert {wid: sum(sizes[m] for (_, m, _), w in routing.items() if w == wid) for wid in (1, 5)} == {
+        1: pytest.approx(2.0), 5: pytest.approx(2.0)}
+
+
 def test_speed_factors_shift_the_pieces_to_faster_peers() -> None:
     """Peer 0:1 at speed 1.5 (own work 8), 2:1 at 1 (own work 12), 4 micro-batches (work 12) to share: the
     level 14.4 gives the fast peer 3.2 micro-batches and the slow one 0.8."""
