@@ -30,6 +30,7 @@ from schedcomp.partitions import (
     held_stages,
     reach,
     segments,
+    segments_by_holder,
     span_of,
 )
 from schedcomp.topology import Worker
@@ -202,10 +203,7 @@ def segments_passed(plan: Any, arrived: set[Worker]) -> set[Worker]:
     """The workers that get through their ALLREDUCE when `arrived` are at theirs: each runs its segments'
     collectives in layer order, and a collective runs once every holder has reached it."""
     segs = segments(plan.partitions, plan.topology.failed)
-    mine: dict[Worker, list[int]] = {}  # per worker, its segments' numbers in layer order
-    for k, seg in enumerate(segs):
-        for h in seg.holders:
-            mine.setdefault(h, []).append(k)
+    mine = segments_by_holder(segs)  # per worker, its segments' numbers in layer order
     done = dict.fromkeys(mine, 0)  # collectives done per worker
     for k, seg in enumerate(segs):  # the one global order
         if all(h in arrived and mine[h][done[h]] == k for h in seg.holders):

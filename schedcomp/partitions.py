@@ -131,13 +131,14 @@ def segments(partitions: Partitions, failed: Collection[Worker] = ()) -> tuple[S
     return tuple(out)
 
 
-def worker_segments(partitions: Partitions, failed: Collection[Worker] = ()) -> dict[Worker, tuple[Segment, ...]]:
-    """Per live holder, the segments it reduces, in layer order (the order of its ALLREDUCE's collectives)."""
-    out: dict[Worker, list[Segment]] = {}
-    for seg in segments(partitions, failed):
+def segments_by_holder(segs: Sequence[Segment]) -> dict[Worker, list[int]]:
+    """Per holder of `segs` (`segments`), the numbers of the segments it reduces, in layer order (the order of
+    its ALLREDUCE's collectives): read by `check`'s deadlock walk and `simulate`'s collectives alike."""
+    out: dict[Worker, list[int]] = {}
+    for k, seg in enumerate(segs):
         for w in seg.holders:
-            out.setdefault(w, []).append(seg)
-    return {w: tuple(segs) for w, segs in out.items()}
+            out.setdefault(w, []).append(k)
+    return out
 
 
 def span_of(partition: Partition, stage: int) -> range:
