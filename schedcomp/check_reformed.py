@@ -28,6 +28,7 @@ from schedcomp.partitions import (
     as_partitions,
     held_ends,
     held_stages,
+    neighbours,
     reach,
     segments,
     segments_by_holder,
@@ -195,8 +196,8 @@ def link_counts(checker: Any) -> int:
 def has_neighbour(checker: Any, slot: int, forward: bool) -> bool:
     """Whether the slot's stage has a next (`forward`) or previous held stage in its pipeline."""
     d, _, s = checker.key_of(slot)
-    nxt, prv = checker.reach[d]
-    return nxt[s] < checker.ns if forward else prv[s] >= 0
+    nxt, prv = neighbours(checker.reach, d, s)
+    return nxt < checker.ns if forward else prv >= 0
 
 
 def segments_passed(plan: Any, arrived: set[Worker]) -> set[Worker]:

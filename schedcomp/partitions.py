@@ -146,6 +146,11 @@ def span_of(partition: Partition, stage: int) -> range:
     return spans(partition)[stage]
 
 
+def held_by(partitions: Partitions, worker: Worker) -> range:
+    """The layers `worker` holds under per-pipeline `partitions`: its own pipeline's span at its place."""
+    return span_of(partitions[worker.pipeline], worker.stage)
+
+
 Reach = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 """Per pipeline, (`next_stage`, `previous_stage`) of its partition: where each stage's neighbours are."""
 
@@ -153,3 +158,11 @@ Reach = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 def reach(partitions: Partitions) -> Reach:
     """Each pipeline's neighbour tables (one computation per plan, read per transfer)."""
     return tuple((next_stage(p), previous_stage(p)) for p in partitions)
+
+
+def neighbours(reached: Reach, pipeline: int, stage: int) -> tuple[int, int]:
+    """The next and previous stage `pipeline` holds around `stage`, over any gap (the stage count past its last,
+    -1 before its first): where its ops at `stage` send and receive. The one lookup for lower, the plan index
+    and check."""
+    nxt, prv = reached[pipeline]
+    return nxt[stage], prv[stage]
