@@ -117,12 +117,18 @@ class PieceRows:
         self.per = rows // chunks
         if rows not in self.checked:
             for cut in self.cuts:
-                problem = empty_piece(cut, self.per, dp, microbatches)
+                problem = self.piece_problem(cut, dp, microbatches)
                 if problem:  # (shares: only re-formed plans have them)
                     kind, without = ("re-formed", "reform") if cut.shares else ("re-cut", "--recut")
                     raise RuntimeSetupError(f"a {kind} plan this job may switch to has a piece that {problem} (a "
                                             f"batch of {rows} rows): use a larger batch, or plans without {without}")
             self.checked.add(rows)
+
+    def piece_problem(self, cut: Cut, dp: int, microbatches: int) -> str | None:
+        """What piece of `cut` holds no whole sample at the job's batch size (the last one checked), or None
+        (also before any batch: nothing to check against yet). The one test, at the first iteration and when a
+        plan comes later (a plan function's, a better plan)."""
+        return empty_piece(cut, self.per, dp, microbatches) if self.per is not None else None
 
 
 def empty_piece(cut: Cut, per: int, dp: int, microbatches: int) -> str | None:
