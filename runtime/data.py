@@ -150,7 +150,12 @@ def held_rows(cut: Cut, pipeline: int, microbatch: int, dp: int, microbatches: i
     pieces of all pipelines cover the global batch once (`Cut.global_rows`; with shares a piece may overlap
     another pipeline's regular micro-batches), so each regular micro-batch's rows over them sum to exactly
     `per`."""
-    start, stop = cut.global_rows(pipeline, microbatch, dp, microbatches, per)
+    return overlaps(*cut.global_rows(pipeline, microbatch, dp, microbatches, per), per)
+
+
+def overlaps(start: int, stop: int, per: int) -> list[tuple[int, int]]:
+    """What rows [start, stop) of the global batch hold of each regular micro-batch of `per` rows: (its chunk
+    index, rows), for every one they overlap."""
     return [(c, min(stop, (c + 1) * per) - max(start, c * per)) for c in range(start // per, (stop + per - 1) // per)]
 
 
