@@ -48,16 +48,21 @@ def chunk_index(pipeline: int, microbatch: int, microbatches: int) -> int:
     return pipeline * microbatches + microbatch
 
 
+def rows_per_chunk(rows: int, chunks: int) -> int:
+    """Rows per regular micro-batch of a batch of `rows` cut into `chunks` (dp x microbatches); one line refuses a
+    batch that does not cut evenly."""
+    if rows == 0 or rows % chunks:
+        raise RuntimeSetupError(
+            f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
+            f"use a batch size that is a multiple of {chunks}"
+        )
+    return rows // chunks
+
+
 def micro_batch(value: Tensors, index: int, count: int) -> Tensors:
     """Chunk `index` of `count` equal chunks of `value` (a tensor or a tuple of them) along dim 0."""
     if isinstance(value, Tensor):
-        size = value.shape[0] if value.dim() else 0
-        if size == 0 or size % count:
-            raise RuntimeSetupError(
-                f"a batch of {size} rows cannot be cut into {count} equal micro-batches (dp x microbatches): "
-                f"use a batch size that is a multiple of {count}"
-            )
-        rows = size // count
+        rows = rows_per_chunk(value.shape[0] if value.dim() else 0, count)
         return value[index * rows : (index + 1) * rows]
     return tuple(micro_batch(v, index, count) for v in as_tuple(value))
 
@@ -73,12 +78,7 @@ def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chun
     regular micro-batches) that micro-batch `microbatch` of `pipeline` covers, under `cut` (re-cut pieces, or
     whole micro-batches; with shares, pipelines of re-formed plans run other shares than `microbatches`):
     `Cut.global_rows`, of which every share `microbatches` is the special case."""
-    if rows == 0 or rows % chunks:
-        raise RuntimeSetupError(
-            f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
-            f"use a batch size that is a multiple of {chunks}"
-        )
-    per = rows // chunks
+    per = rows_per_chunk(rows, chunks)
     start, stop = cut.global_rows(pipeline, microbatch, chunks // microbatches, microbatches, per)
     if stop <= start:
         what = _no_sample(cut, pipeline, microbatch, per)
