@@ -382,6 +382,10 @@ class PipelineTrainer:
             if started is not None:
                 started(it)
         # the residual runs on the current plan: its live workers are the ones its all-reduces sum over
+        if it.plan.cut != self.plan.cut:  # (its rows per micro-batch, worked out once, are the old plan's)
+            raise RuntimeSetupError("an interrupted iteration resumes on a plan that cuts its micro-batches "
+                                    "elsewhere: resume needs the plans of one cut (lossy recovery refuses re-cut "
+                                    "plans)")
         it.comm, it.plan, it.layout, it.step = self.comm, self.plan, self._layout, step
         run_residual(it, residual.resend, residual.repost, residual.rest, residual.lost)
         self.iteration = number + 1

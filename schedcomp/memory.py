@@ -212,7 +212,7 @@ def limit_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict
     limit_of = {w: plan.costs_of(w.pipeline).limit_at(w.stage) for w in peaks}
     facts["within_memory_limit"] = all(p <= limit_of[w] * (1 + 1e-9) for w, p in peaks.items())
     if limited:
-        facts["memory_headroom"] = min(limit_of[w] - p for w, p in peaks.items())
+        facts["memory_headroom"] = min((limit_of[w] - p for w, p in peaks.items()), default=math.inf)
     elif plan.topology.failed:
         facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free "
                                 f"{reference_family(plan.topology)} plan "

@@ -17,14 +17,15 @@ order of their times, and every op starts after the ops it reads from. So
    the result is timed, which finds any wait cycle: only the ops the edit can move, from the kept timeline
    (`OpTimes.edited`, `conetime`: 0.1-0.2 s at pp = 32, dp = 256, where timing the whole plan took
    0.5-0.7 s). Where it finds one, the fallback (`repair_place.pipelines_last`): the slots' pipelines run
-   after every other op on the lanes that run them beside others', the failed worker's slots after all of
-   their peers' ops, each lane's in the order of the timeline. No other pipeline then waits for theirs, so
-   that cannot deadlock, and it keeps to the memory limit wherever a peer has room for them after its own:
-   a slower stop-gap, but a valid plan at once. Memory is thus the only reason to refuse (compile for the
-   new failure set);
-3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
-   (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
-   off the streams' own transfers); every other stream is the very tuple it was.
+   after every other pipeline's ops on the lanes that run them beside others', in the order of the
+   timeline, the failed worker's slots on the least loaded peers, merged by time with those peers' own ops
+   of these pipelines. No other pipeline then waits for theirs, so that cannot deadlock, and it keeps to
+   the memory limit wherever a peer has room for them: a slower stop-gap, but a valid plan at once. Memory
+   is thus the only reason to refuse (compile for the new failure set);
+3. the streams whose compute order changed (the peers that took slots; with the fallback, every lane of
+   the moved pipelines) and the failed worker's neighbours are lowered again (`lower`'s per-worker step,
+   over their new compute orders, with who runs each neighbouring slot read off the streams' own
+   transfers); every other stream is the very tuple it was.
 
 The work is that of the few streams touched, not of the job, once the timeline is known: a plan's
 timeline at pp = 32, dp = 256 takes about 2.5 s (`optimes`), so it is kept with the plan (the runtime can
@@ -88,6 +89,14 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
         raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
                             "step): compile the plan for the new failure set instead")
     costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
+    if not is_fault_free(memory_limit) and costs.memory_limit is not None:
+        # (A re-route keeps every other worker as it is: a limit below what they hold now cannot be met.)
+        peaks = stage_peak_memory(peak_memory(plan), topo.pp)
+        over = next((s for s in range(topo.pp) if peaks[s] > costs.limit_at(s) * (1 + 1e-9)), None)
+        if over is not None:
+            raise RecoveryError(f"the plan in use already holds {peaks[over]:g} at stage {over}, above the memory "
+                                f"limit {costs.limit_at(over):g} asked for: give at least the plan's own peaks, or "
+                                "compile the plan for the new failure set instead")
     slots = slots_of(plan.streams[worker], times)
     taken, moved, late = place(worker, slots, plan.streams, peers, costs, times, topo.pp)
     # Its timeline, kept with it so a further repair needs no timing: where forwards waited, timing the cone
@@ -161,8 +170,8 @@ _RECVS = {InstrKind.RECV_ACT: -1, InstrKind.RECV_GRAD: 1}
 
 
 def _relower(plan: Plan, worker: Worker, after: Topology, orders: dict[Worker, list[Op]]) -> EditedStreams:
-    """Every live worker's stream: lowered again for the peers that took slots and the failed worker's
-    neighbours, the same tuple for everyone else."""
+    """Every live worker's stream: lowered again for the workers whose compute order changed (`orders`) and
+    the failed worker's neighbours, the same tuple for everyone else."""
     pp, mbs = after.stages, plan.microbatches
     old = plan.streams
     neighbours = {ins.peer for ins in old[worker] if ins.peer is not None}

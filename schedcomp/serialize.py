@@ -456,7 +456,6 @@ def plan_to_torch_csv(plan: Plan) -> str:
     return order_to_torch_csv(order)
 
 
-@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def csv_not_an_action(rank: int, col: int, cell: str) -> PlanFormatError:
     """The refusal of a CSV cell that is not a compute action (both CSV readers)."""
     return PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 or 0B1 "
@@ -474,6 +473,7 @@ def csv_microbatches(largest: int, microbatches: int | None) -> int:
     return microbatches
 
 
+@paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
 def order_from_torch_csv(
     text: str, pp: int | None = None, microbatches: int | None = None, dp: int = 1, family: str = "torch-csv"
 ) -> Order:
