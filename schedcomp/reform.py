@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable
 
 from schedcomp.check import check
+from schedcomp.choice import Timed
 from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import MemoryLimitError, SchedcompTypeError, ScheduleError, ValidationError
@@ -35,6 +36,7 @@ from schedcomp.partition import Partition
 from schedcomp.partitions import Partitions, held_stages
 from schedcomp.repartition import live_partition
 from schedcomp.schedules import ONE_STAGE_FAMILIES, get_family
+from schedcomp.schedules.family import StageOrders
 from schedcomp.topology import Topology, Worker
 
 DEFAULT_FAMILY = "zb-h1"
@@ -86,6 +88,13 @@ def reformed_partition(layers: LayerCosts, costs: CostModel, topology: Topology,
 def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
                      job_partition: Partition, reform: object, schedule: str) -> Plan:
     """The plan of the module docstring (`costs`: the job's stage model, its memory limit resolved)."""
+    return timed_reformed(topology, microbatches, costs, layers, job_partition, reform, schedule).plan
+
+
+def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
+                   job_partition: Partition, reform: object, schedule: str) -> Timed:
+    """`compile_reformed`'s plan with the period its variants were compared by (`reform="auto"` compares it
+    with re-routing's)."""
     pipes = reform_pipelines(reform, topology)
     family = schedule if schedule in ONE_STAGE_FAMILIES and schedule != "1f1b" else DEFAULT_FAMILY
     partitions: Partitions = tuple(reformed_partition(layers, costs, topology, d) if d in pipes else job_partition
@@ -127,7 +136,8 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
     if not timed:
         raise MemoryLimitError(f"no re-formed plan fits the memory limit, even with {FINER[-1]}x finer pieces "
                                f"({refused}): raise memory_limit or re-route instead")
-    return min(timed, key=lambda t: (round(t[0], 9), t[1]))[2]
+    period, _, plan = min(timed, key=lambda t: (round(t[0], 9), t[1]))
+    return Timed(plan, period)
 
 
 def _shares(partitions: Partitions, own: dict[int, CostModel], costs: CostModel, topology: Topology,
@@ -166,6 +176,7 @@ def _order(topology: Topology, microbatches: int, partitions: Partitions, job_pa
     fam = get_family(family)
     ops: dict[Worker, tuple[Op, ...]] = {}
     bounds: dict[int, tuple[float, ...]] = {}
+    built: dict[tuple[int, int], StageOrders] = {}  # (stages, pieces) -> the family's orders: most pipelines share one
     for d, (partition, share) in enumerate(zip(partitions, shares, strict=True)):
         held = held_stages(partition)
         cut = _piece_count(share, microbatches, finer.get(d, 1), fam.min_microbatches(len(held)))
@@ -175,7 +186,10 @@ def _order(topology: Topology, microbatches: int, partitions: Partitions, job_pa
         if pieces < fam.min_microbatches(len(held)):
             raise ScheduleError(f"{family} over {len(held)} stages needs at least {fam.min_microbatches(len(held))} "
                                 f"micro-batches, pipeline {d} runs {pieces}: use more micro-batches")
-        for i, stage_ops in enumerate(fam.orders(len(held), pieces, 1)):
+        shape = (len(held), pieces)
+        if shape not in built:
+            built[shape] = fam.orders(len(held), pieces, 1)
+        for i, stage_ops in enumerate(built[shape]):
             s = held[i]
             ops[Worker(d, s)] = tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
     cut = Cut.of(bounds, shares=True) if bounds else NO_CUT
