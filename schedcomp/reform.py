@@ -32,6 +32,7 @@ from schedcomp.errors import MemoryLimitError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Op, Order, Plan
 from schedcomp.layers import LayerCosts, moved_limit, stage_costs
 from schedcomp.lower import lower
+from schedcomp.memory import limit_top, stage_deltas
 from schedcomp.partition import Partition
 from schedcomp.partitions import Partitions, held_stages
 from schedcomp.repartition import live_partition
@@ -122,6 +123,8 @@ def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, laye
             continue
         order = _order(topology, microbatches, partitions, job_partition, shares, family,
                        dict.fromkeys(pipes, finer))
+        if rank < len(candidates) - 1 and _over_limit(order, costs, own):  # (the last one is lowered and
+            continue  # checked whatever it holds: when every variant is refused, `check` says why)
         plan = lower(order, costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce,
                      meta={"reform": {"pipelines": list(pipes), "shares": name, "finer": finer,
                                       "partitions": [list(p) for p in partitions]}})
@@ -138,6 +141,24 @@ def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, laye
                                f"({refused}): raise memory_limit or re-route instead")
     period, _, plan = min(timed, key=lambda t: (round(t[0], 9), t[1]))
     return Timed(plan, period)
+
+
+def _over_limit(order: Order, costs: CostModel, own: dict[int, CostModel]) -> bool:
+    """Whether a worker of `order` holds more activation than its limit (`own`: a re-formed pipeline's costs):
+    `check`'s memory rule, summed as it sums the lowered plan (each worker's compute ops' deltas, times a
+    piece's size, in order: lowering keeps them), so a variant it would refuse is not lowered."""
+    cut = order.cut or None
+    for w, ops in order.ops.items():
+        c = own.get(w.pipeline, costs)
+        top = limit_top(c.limit_at(w.stage))
+        if top == math.inf:
+            continue
+        deltas, held = stage_deltas(c, w.stage), 0.0
+        for op in ops:
+            held += deltas[op.kind] * cut.size(op.pipeline, op.microbatch) if cut else deltas[op.kind]
+            if held > top:
+                return True
+    return False
 
 
 def _shares(partitions: Partitions, own: dict[int, CostModel], costs: CostModel, topology: Topology,
