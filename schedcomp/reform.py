@@ -114,6 +114,7 @@ def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, laye
     def piece(d: int, shares: list[float], finer: int) -> float:
         return _piece_size(shares[d], microbatches, finer, least(len(held_stages(partitions[d]))))
 
+    built_ops: PipelineOps = {}
     for rank, (name, shares, finer) in enumerate(candidates):
         try:  # each re-formed stage's limit (the static-memory rule), with room for one of its pieces
             own = {d: times[d].with_memory_limit(moved_limit(layers, partitions[d], costs, job_partition,
@@ -122,7 +123,7 @@ def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, laye
             refused = str(exc)
             continue
         order = _order(topology, microbatches, partitions, job_partition, shares, family,
-                       dict.fromkeys(pipes, finer))
+                       dict.fromkeys(pipes, finer), built_ops)
         if rank < len(candidates) - 1 and _over_limit(order, costs, own):  # (the last one is lowered and
             continue  # checked whatever it holds: when every variant is refused, `check` says why)
         plan = lower(order, costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce,
@@ -190,14 +191,21 @@ def _piece_size(share: float, microbatches: int, finer: int, least: int) -> floa
     return 1.0 if count is None else share / count
 
 
+PipelineOps = dict[tuple[int, int], dict[Worker, tuple[Op, ...]]]
+"""(pipeline, pieces) -> its workers' ops: what `_order` built for one variant, the same for the next variant
+that cuts that pipeline alike (a pipeline's held stages are the same in every variant)."""
+
+
 def _order(topology: Topology, microbatches: int, partitions: Partitions, job_partition: Partition,
-           shares: list[float], family: str, finer: dict[int, int]) -> Order:
+           shares: list[float], family: str, finer: dict[int, int], built_ops: PipelineOps | None = None) -> Order:
     """Each pipeline runs `family` over its held stages on its pieces of its share (`finer[d]` times as many
-    as it needs for pieces of at most a micro-batch)."""
+    as it needs for pieces of at most a micro-batch). `built_ops`: the pipelines' ops built for earlier
+    variants, which this one adds to."""
     fam = get_family(family)
     ops: dict[Worker, tuple[Op, ...]] = {}
     bounds: dict[int, tuple[float, ...]] = {}
     built: dict[tuple[int, int], StageOrders] = {}  # (stages, pieces) -> the family's orders: most pipelines share one
+    built_ops = {} if built_ops is None else built_ops
     for d, (partition, share) in enumerate(zip(partitions, shares, strict=True)):
         held = held_stages(partition)
         cut = _piece_count(share, microbatches, finer.get(d, 1), fam.min_microbatches(len(held)))
@@ -207,12 +215,13 @@ def _order(topology: Topology, microbatches: int, partitions: Partitions, job_pa
         if pieces < fam.min_microbatches(len(held)):
             raise ScheduleError(f"{family} over {len(held)} stages needs at least {fam.min_microbatches(len(held))} "
                                 f"micro-batches, pipeline {d} runs {pieces}: use more micro-batches")
-        shape = (len(held), pieces)
-        if shape not in built:
-            built[shape] = fam.orders(len(held), pieces, 1)
-        for i, stage_ops in enumerate(built[shape]):
-            s = held[i]
-            ops[Worker(d, s)] = tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
+        if (d, pieces) not in built_ops:
+            shape = (len(held), pieces)
+            if shape not in built:
+                built[shape] = fam.orders(len(held), pieces, 1)
+            built_ops[d, pieces] = {Worker(d, s): tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
+                                    for s, stage_ops in zip(held, built[shape], strict=True)}
+        ops.update(built_ops[d, pieces])
     cut = Cut.of(bounds, shares=True) if bounds else NO_CUT
     return Order(topology, microbatches, ops, f"reformed-{family}", cut=cut, partition=job_partition,
                  partitions=partitions)
