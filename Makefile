@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml setup.py schedcomp/solvers/_listloop.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
+	# (A stale compiled list loop would stay where a rebuild fails: the optional extension hides the failure.)
+	rm -f schedcomp/solvers/_listloop*.so
 	$(PY) -m pip install -q -e ".[test]"
 	# Bytecode for the package itself (an editable install leaves none, and with PYTHONDONTWRITEBYTECODE set none
 	# is ever written: every CLI run then compiles ~60 modules again, a quarter of a second at startup).

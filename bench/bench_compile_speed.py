@@ -6,6 +6,7 @@ Reproduce (from the repository root):
     python bench/bench_compile_speed.py              # best of 3 runs per case
     python bench/bench_compile_speed.py --repeat 1   # one run per case
     python bench/bench_compile_speed.py --scale      # issue 14: 8,192 GPUs end to end, and plan repair
+    python bench/bench_compile_speed.py --scale --repeat 1   # one compile with each list loop (C, Python)
     python bench/bench_compile_speed.py --choice     # issue 14's choice: reform="auto" against "never"
 
 Times are CPU seconds of this process (`time.process_time`: everything here is single-threaded, so
@@ -15,19 +16,21 @@ machine is; `--wall` for wall time), the best of `--repeat` runs. `total` is one
 Targets: issue 3, greedy compile of pp = 16, dp = 64, M = 32 with 8 failures under 2 s; issue 2,
 compile + validate up to pp = 32, M = 128 under 1 s (dp = 1 and dp = 4).
 
-`--scale` (issue 14, a few minutes): each case in a fresh process, timed from outside (wall, CPU, peak
-RSS of that process from `os.wait4`): `schedcomp compile --pp 32 --dp 256 -m 64` with 16 spread failures
-through the CLI (import, compile, check, write the plan, simulate the summary; targets < 10 s wall and
-< 1 GB); the same phases timed in one process (CPU s, and resident memory after each: where the time and
-the peak go); and `repair` of that plan for one more failed worker, several workers, each timed inside the
-process (target < 1 s; wall and CPU s), with the memory the repair allocates (tracemalloc, a second run)
-and the time of `check` on the result. Repair needs the plan's timeline (`schedcomp.optimes.op_times`), timed once
-beforehand as the runtime would while the plan is in use; each repair edits the compiled plan.
+`--scale` (issue 14, a few minutes): each case in a fresh process, timed from outside (wall, CPU, peak RSS of that
+process from `os.wait4`): `schedcomp compile --pp 32 --dp 256 -m 64` with 16 spread failures through the CLI
+(import, compile, check, write the plan, simulate the summary; targets < 10 s wall and < 1 GB), `--repeat` times
+with the list scheduler's compiled loop and once with its Python loop (the plan's md5 shows they are the same
+bytes); the same phases timed in one process (CPU s, and resident memory after each: where the time and the peak
+go); and `repair` of that plan for one more failed worker, several workers, each timed inside the process (target <
+1 s; wall and CPU s), with the memory the repair allocates (tracemalloc, a second run) and the time of `check` on
+the result. Repair needs the plan's timeline (`schedcomp.optimes.op_times`), timed once beforehand as the runtime
+would while the plan is in use; each repair edits the compiled plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -121,10 +124,10 @@ def choice_rows(repeat: int, clock: Callable[[], float]) -> None:
               f"{best['auto'] / best['never']:.1f} | {plan.meta['choice']['kept']} |", flush=True)
 
 
-def measured(argv: list[str]) -> tuple[float, float, float, str]:
-    """(wall s, CPU s, peak RSS MB, stdout) of `argv` run as a fresh process."""
+def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
+    """(wall s, CPU s, peak RSS MB, stdout) of `argv` run as a fresh process (`env`: added to the environment)."""
     began = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - began
@@ -230,18 +233,25 @@ def _phases() -> None:
     print(json.dumps(row), flush=True)
 
 
-def scale() -> None:
+def scale(repeat: int) -> None:
     """The issue-14 table (see the module docstring)."""
     fails = [f"--fail={d}:{s}" for d, s in SCALE["failed"]]  # type: ignore[attr-defined]
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "schedcomp.cli", "compile", "--pp", "32", "--dp", "256", "-m", "64", *fails,
-                "-o", os.path.join(tmp, "plan.json"), "--json"]
-        wall, cpu, rss, out = measured(argv)
-    facts = json.loads(out)
-    print("| case | wall s | CPU s | peak RSS MB | target |")
-    print("|---|---|---|---|---|")
-    print(f"| CLI compile pp32 dp256 M64, 16 failures (period {facts['period']:g}) | {wall:.1f} | {cpu:.1f} | "
-          f"{rss:.0f} | < 10 s, < 1 GB: {'yes' if wall < 10 and rss < 1024 else 'NO'} |")
+    print("| case | wall s | CPU s | peak RSS MB | plan md5 | target |")
+    print("|---|---|---|---|---|---|")
+    # The compiled list loop `repeat` times, and once the Python one (`SCHEDCOMP_LIST_LOOP`), side by side: the
+    # same plan bytes, the difference the loop makes.
+    for loop in ["native"] * repeat + ["python"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "plan.json")
+            argv = [sys.executable, "-m", "schedcomp.cli", "compile", "--pp", "32", "--dp", "256", "-m", "64", *fails,
+                    "-o", path, "--json"]
+            wall, cpu, rss, out = measured(argv, {"SCHEDCOMP_LIST_LOOP": loop})
+            with open(path, "rb") as f:
+                digest = hashlib.md5(f.read()).hexdigest()
+        facts = json.loads(out)
+        print(f"| CLI compile pp32 dp256 M64, 16 failures (period {facts['period']:g}), {loop} list loop | "
+              f"{wall:.1f} | {cpu:.1f} | {rss:.0f} | {digest[:8]} | "
+              f"< 10 s, < 1 GB: {'yes' if wall < 10 and rss < 1024 else 'NO'} |")
     _, _, _, out = measured([sys.executable, __file__, "--phases-child"])
     row = json.loads(out)
     print("\n| phase (one process) | CPU s | RSS MB after | peak RSS MB |\n|---|---|---|---|")
@@ -287,7 +297,7 @@ def main() -> None:
         phases_child()
         return
     if args.scale:
-        scale()
+        scale(args.repeat)
         return
     clock = time.perf_counter if args.wall else time.process_time
     if args.choice:

@@ -48,16 +48,21 @@ def chunk_index(pipeline: int, microbatch: int, microbatches: int) -> int:
     return pipeline * microbatches + microbatch
 
 
+def rows_per_chunk(rows: int, chunks: int) -> int:
+    """Rows per regular micro-batch of a batch of `rows` cut into `chunks` (dp x microbatches); one line refuses a
+    batch that does not cut evenly."""
+    if rows == 0 or rows % chunks:
+        raise RuntimeSetupError(
+            f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
+            f"use a batch size that is a multiple of {chunks}"
+        )
+    return rows // chunks
+
+
 def micro_batch(value: Tensors, index: int, count: int) -> Tensors:
     """Chunk `index` of `count` equal chunks of `value` (a tensor or a tuple of them) along dim 0."""
     if isinstance(value, Tensor):
-        size = value.shape[0] if value.dim() else 0
-        if size == 0 or size % count:
-            raise RuntimeSetupError(
-                f"a batch of {size} rows cannot be cut into {count} equal micro-batches (dp x microbatches): "
-                f"use a batch size that is a multiple of {count}"
-            )
-        rows = size // count
+        rows = rows_per_chunk(value.shape[0] if value.dim() else 0, count)
         return value[index * rows : (index + 1) * rows]
     return tuple(micro_batch(v, index, count) for v in as_tuple(value))
 
@@ -73,12 +78,7 @@ def piece_rows(cut: Cut, pipeline: int, microbatch: int, microbatches: int, chun
     regular micro-batches) that micro-batch `microbatch` of `pipeline` covers, under `cut` (re-cut pieces, or
     whole micro-batches; with shares, pipelines of re-formed plans run other shares than `microbatches`):
     `Cut.global_rows`, of which every share `microbatches` is the special case."""
-    if rows == 0 or rows % chunks:
-        raise RuntimeSetupError(
-            f"a batch of {rows} rows cannot be cut into {chunks} equal micro-batches (dp x microbatches): "
-            f"use a batch size that is a multiple of {chunks}"
-        )
-    per = rows // chunks
+    per = rows_per_chunk(rows, chunks)
     start, stop = cut.global_rows(pipeline, microbatch, chunks // microbatches, microbatches, per)
     if stop <= start:
         what = _no_sample(cut, pipeline, microbatch, per)
@@ -117,12 +117,18 @@ class PieceRows:
         self.per = rows // chunks
         if rows not in self.checked:
             for cut in self.cuts:
-                problem = empty_piece(cut, self.per, dp, microbatches)
+                problem = self.piece_problem(cut, dp, microbatches)
                 if problem:  # (shares: only re-formed plans have them)
                     kind, without = ("re-formed", "reform") if cut.shares else ("re-cut", "--recut")
                     raise RuntimeSetupError(f"a {kind} plan this job may switch to has a piece that {problem} (a "
                                             f"batch of {rows} rows): use a larger batch, or plans without {without}")
             self.checked.add(rows)
+
+    def piece_problem(self, cut: Cut, dp: int, microbatches: int) -> str | None:
+        """What piece of `cut` holds no whole sample at the job's batch size (the last one checked), or None
+        (also before any batch: nothing to check against yet). The one test, at the first iteration and when a
+        plan comes later (a plan function's, a better plan)."""
+        return empty_piece(cut, self.per, dp, microbatches) if self.per is not None else None
 
 
 def empty_piece(cut: Cut, per: int, dp: int, microbatches: int) -> str | None:
@@ -144,7 +150,12 @@ def held_rows(cut: Cut, pipeline: int, microbatch: int, dp: int, microbatches: i
     pieces of all pipelines cover the global batch once (`Cut.global_rows`; with shares a piece may overlap
     another pipeline's regular micro-batches), so each regular micro-batch's rows over them sum to exactly
     `per`."""
-    start, stop = cut.global_rows(pipeline, microbatch, dp, microbatches, per)
+    return overlaps(*cut.global_rows(pipeline, microbatch, dp, microbatches, per), per)
+
+
+def overlaps(start: int, stop: int, per: int) -> list[tuple[int, int]]:
+    """What rows [start, stop) of the global batch hold of each regular micro-batch of `per` rows: (its chunk
+    index, rows), for every one they overlap."""
     return [(c, min(stop, (c + 1) * per) - max(start, c * per)) for c in range(start // per, (stop + per - 1) // per)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import Instruction, Op, Plan
 from schedcomp.planindex import plan_index
 from schedcomp.runtime.comm import Comm
-from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, held_rows, piece_rows
+from schedcomp.runtime.data import Tensors, batch_rows, chunk_index, held_rows, overlaps, piece_rows
 from schedcomp.runtime.layout import Layout
 from schedcomp.runtime.memory import MemoryMeter
 from schedcomp.runtime.stage import Stage, TensorMeta
@@ -63,6 +64,8 @@ class Iteration:
     arrivals: dict[int, float] = field(default_factory=dict)  # RECV index -> when its consumer saw it complete
     memory: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute index -> (held after, peak)
     index: int = 0  # of the instruction being run
+    # each micro-batch's rows of the global batch, computed once for LOAD, its loss, its receives and the ledger
+    rows_by_key: dict[Key, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -101,9 +104,13 @@ class Iteration:
 
     def rows_of(self, op: Op) -> tuple[int, int]:
         """The rows of the global batch `op`'s micro-batch covers (a piece of it, in a re-cut plan)."""
-        plan = self.plan
-        return piece_rows(plan.cut, op.pipeline, op.microbatch, plan.microbatches, self.chunks,
-                          batch_rows(self.inputs))
+        key = key_of(op)
+        rows = self.rows_by_key.get(key)
+        if rows is None:
+            plan = self.plan
+            rows = self.rows_by_key[key] = piece_rows(plan.cut, op.pipeline, op.microbatch, plan.microbatches,
+                                                      self.chunks, batch_rows(self.inputs))
+        return rows
 
     def scale_of(self, op: Op) -> float:
         """The weight of `op`'s micro-batch's (mean) loss: its share of the global batch's samples."""
@@ -189,7 +196,7 @@ class Iteration:
         """The sum of this worker's scaled micro-batch losses (last stage; None elsewhere)."""
         return torch.stack(list(self.losses.values())).sum() if self.losses else None
 
-    @property
+    @cached_property
     def ledger_unit(self) -> int:
         """What one whole micro-batch counts in the ledger: 1, or its rows when the plan re-cuts some (see `count`)."""
         return batch_rows(self.inputs) // self.chunks if self.plan.cut else 1
@@ -199,17 +206,20 @@ class Iteration:
 
         The ledger has one entry per regular micro-batch (`chunk_index`) and counts samples: a whole
         micro-batch adds 1; under a re-cut plan every op adds, to each regular micro-batch it overlaps, the
-        rows of it that it holds (`data.held_rows`; a whole micro-batch: all of them). Counts are integers,
-        so their sums are exact (in the all-reduce's float32 too, below 2**24), and `counted` divides by the
-        unit once: exactly 1.0 for a micro-batch whose every sample counted once.
+        rows of it that it holds (`data.held_rows`; a whole micro-batch: all of them; the rows `rows_of` took, where
+        this worker took them already). Counts are integers, so their sums are exact (in the all-reduce's float32
+        too, below 2**24), and `counted` divides by the unit once: exactly 1.0 for a micro-batch whose every sample
+        counted once.
         """
         if self.ledger is None:
             return
         if not self.plan.cut:
             self.ledger[chunk_index(key[0], key[1], self.plan.microbatches)] += 1
             return
-        for index, rows in held_rows(self.plan.cut, key[0], key[1], self.plan.topology.dp, self.plan.microbatches,
-                                     self.ledger_unit):
+        per, taken = self.ledger_unit, self.rows_by_key.get(key)  # LOAD's rows, or its receives', where taken here
+        held = (overlaps(*taken, per) if taken is not None
+                else held_rows(self.plan.cut, key[0], key[1], self.plan.topology.dp, self.plan.microbatches, per))
+        for index, rows in held:
             self.ledger[index] += rows
 
     def counted(self) -> Tensor:

@@ -40,7 +40,7 @@ from torch import nn
 from schedcomp.errors import RecoveryError, RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition, spans, stage_of_layer
-from schedcomp.partitions import Partitions
+from schedcomp.partitions import Partitions, held_by
 from schedcomp.runtime.comm import Comm
 from schedcomp.runtime.fault.transfer import flatten, recv_tree, send_tree
 from schedcomp.runtime.stage import Stage, even_split
@@ -125,7 +125,7 @@ def holds_like(cuts: Partitions | None, worker: Worker) -> Callable[[Worker], bo
     use; where pipelines hold different ones, re-formed, a replacement's donor must; every replica otherwise)."""
     if cuts is None or len(set(cuts)) == 1:
         return lambda other: True
-    return lambda other: spans(cuts[other.pipeline])[other.stage] == spans(cuts[worker.pipeline])[worker.stage]
+    return lambda other: held_by(cuts, other) == held_by(cuts, worker)
 
 
 # ---- a stage's state, per layer ------------------------------------------------------------------------

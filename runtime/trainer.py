@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import InstrKind, Instruction, Plan
-from schedcomp.partition import Partition, spans
-from schedcomp.partitions import Partitions
+from schedcomp.partition import Partition
+from schedcomp.partitions import Partitions, held_by
 from schedcomp.runtime.comm import Comm, GroupFactory, RankMap, Waiter, channels, init_distributed
 from schedcomp.runtime.data import Tensors, as_tuple, micro_batch, to_device
 from schedcomp.runtime.executor import Iteration, Timing, run_residual, run_stream
@@ -205,7 +205,7 @@ class PipelineTrainer:
     def held_layers(self) -> range:
         """The model layers this worker's (only) stage holds (an `nn.Sequential` model without virtual stages)."""
         assert self.cuts is not None
-        return spans(self.cuts[self.worker.pipeline])[self.worker.stage]
+        return held_by(self.cuts, self.worker)
 
     @property
     def own_cut(self) -> Partition | None:

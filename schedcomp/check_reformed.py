@@ -28,8 +28,10 @@ from schedcomp.partitions import (
     as_partitions,
     held_ends,
     held_stages,
+    neighbours,
     reach,
     segments,
+    segments_by_holder,
     span_of,
 )
 from schedcomp.topology import Worker
@@ -194,18 +196,15 @@ def link_counts(checker: Any) -> int:
 def has_neighbour(checker: Any, slot: int, forward: bool) -> bool:
     """Whether the slot's stage has a next (`forward`) or previous held stage in its pipeline."""
     d, _, s = checker.key_of(slot)
-    nxt, prv = checker.reach[d]
-    return nxt[s] < checker.ns if forward else prv[s] >= 0
+    nxt, prv = neighbours(checker.reach, d, s)
+    return nxt < checker.ns if forward else prv >= 0
 
 
 def segments_passed(plan: Any, arrived: set[Worker]) -> set[Worker]:
     """The workers that get through their ALLREDUCE when `arrived` are at theirs: each runs its segments'
     collectives in layer order, and a collective runs once every holder has reached it."""
     segs = segments(plan.partitions, plan.topology.failed)
-    mine: dict[Worker, list[int]] = {}  # per worker, its segments' numbers in layer order
-    for k, seg in enumerate(segs):
-        for h in seg.holders:
-            mine.setdefault(h, []).append(k)
+    mine = segments_by_holder(segs)  # per worker, its segments' numbers in layer order
     done = dict.fromkeys(mine, 0)  # collectives done per worker
     for k, seg in enumerate(segs):  # the one global order
         if all(h in arrived and mine[h][done[h]] == k for h in seg.holders):

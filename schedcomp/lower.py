@@ -34,7 +34,7 @@ from schedcomp.errors import ScheduleError
 from schedcomp.gcpause import paused_gc
 from schedcomp.ir import INSTRUCTION_SETTERS, InstrKind, Instruction, Op, OpKind, Order, Plan
 from schedcomp.lower_columns import lower_streams
-from schedcomp.partitions import Reach, held_ends, reach
+from schedcomp.partitions import Reach, held_ends, neighbours, reach
 from schedcomp.topology import Worker
 
 Tensor = int
@@ -154,8 +154,7 @@ def _around(reached: Reach, pipeline: int, stage: int) -> tuple[int, int]:
     """The next and previous held stage of `pipeline` around `stage` (past the ends: out of range)."""
     if not 0 <= pipeline < len(reached):
         return stage + 1, stage - 1  # (an op of no pipeline: the range checks name it)
-    nxt, prv = reached[pipeline]
-    return nxt[stage], prv[stage]
+    return neighbours(reached, pipeline, stage)
 
 
 def _slot_key(slot: int, mbs: int, pp: int) -> tuple[int, int, int]:

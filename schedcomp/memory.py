@@ -214,19 +214,18 @@ def limit_facts(plan: Plan, peaks: Mapping[Worker, float] | None = None) -> dict
         "memory_unit": costs.memory_unit,
         "memory_limit": list(costs.memory_limit) if isinstance(costs.memory_limit, tuple) else costs.memory_limit,
         "stage_peak_memory": stage_peaks,
-        "within_memory_limit": all(p <= costs.limit_at(s) * (1 + 1e-9) for s, p in enumerate(stage_peaks)),
     }
+    # Each worker against its own pipeline's limit (a re-formed pipeline has its own, `Plan.costs_of`; every
+    # other pipeline's is `costs`): the same verdict and headroom as each place's peak against its limit, as
+    # every place of a plan without re-formed pipelines has a live worker, and a re-formed one's gaps hold nothing.
+    limit_of = {w: plan.costs_of(w.pipeline).limit_at(w.stage) for w in peaks}
+    facts["within_memory_limit"] = all(p <= limit_of[w] * (1 + 1e-9) for w, p in peaks.items())
     if limited:
-        facts["memory_headroom"] = min(costs.limit_at(s) - p for s, p in enumerate(stage_peaks))
+        facts["memory_headroom"] = min(limit_of[w] - p for w, p in peaks.items())
     elif plan.topology.failed:
         facts["memory_note"] = (f"memory limit lifted: workers may hold more than the fault-free "
                                 f"{reference_family(plan.topology)} plan "
                                 "holds on their stage")
-    if plan.partitions is not None:  # re-formed pipelines: each worker against its own pipeline's limit
-        limit_of = {w: plan.costs_of(w.pipeline).limit_at(w.stage) for w in peaks}
-        facts["within_memory_limit"] = all(p <= limit_of[w] * (1 + 1e-9) for w, p in peaks.items())
-        if limited:
-            facts["memory_headroom"] = min(limit_of[w] - p for w, p in peaks.items())
     return facts
 
 

@@ -131,18 +131,24 @@ def segments(partitions: Partitions, failed: Collection[Worker] = ()) -> tuple[S
     return tuple(out)
 
 
-def worker_segments(partitions: Partitions, failed: Collection[Worker] = ()) -> dict[Worker, tuple[Segment, ...]]:
-    """Per live holder, the segments it reduces, in layer order (the order of its ALLREDUCE's collectives)."""
-    out: dict[Worker, list[Segment]] = {}
-    for seg in segments(partitions, failed):
+def segments_by_holder(segs: Sequence[Segment]) -> dict[Worker, list[int]]:
+    """Per holder of `segs` (`segments`), the numbers of the segments it reduces, in layer order (the order of
+    its ALLREDUCE's collectives): read by `check`'s deadlock walk and `simulate`'s collectives alike."""
+    out: dict[Worker, list[int]] = {}
+    for k, seg in enumerate(segs):
         for w in seg.holders:
-            out.setdefault(w, []).append(seg)
-    return {w: tuple(segs) for w, segs in out.items()}
+            out.setdefault(w, []).append(k)
+    return out
 
 
 def span_of(partition: Partition, stage: int) -> range:
     """The layers `stage` holds under `partition` (empty where it holds none)."""
     return spans(partition)[stage]
+
+
+def held_by(partitions: Partitions, worker: Worker) -> range:
+    """The layers `worker` holds under per-pipeline `partitions`: its own pipeline's span at its place."""
+    return span_of(partitions[worker.pipeline], worker.stage)
 
 
 Reach = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
@@ -152,3 +158,11 @@ Reach = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 def reach(partitions: Partitions) -> Reach:
     """Each pipeline's neighbour tables (one computation per plan, read per transfer)."""
     return tuple((next_stage(p), previous_stage(p)) for p in partitions)
+
+
+def neighbours(reached: Reach, pipeline: int, stage: int) -> tuple[int, int]:
+    """The next and previous stage `pipeline` holds around `stage`, over any gap (the stage count past its last,
+    -1 before its first): where its ops at `stage` send and receive. The one lookup for lower, the plan index
+    and check."""
+    nxt, prv = reached[pipeline]
+    return nxt[stage], prv[stage]

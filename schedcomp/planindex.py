@@ -27,7 +27,7 @@ from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.ir import Instruction, Plan
 from schedcomp.memory import memory_levels, stream_deltas
-from schedcomp.partitions import Reach
+from schedcomp.partitions import Reach, neighbours
 from schedcomp.semantics import RECV, SEND, semantics_of
 from schedcomp.topology import Worker
 
@@ -46,8 +46,7 @@ def transfer_key(ins: Instruction, reach: Reach | None = None) -> TransferKey:
         raise ValueError(f"{ins} is not a transfer")
     stage = op.stage if sem.direction == SEND else op.stage + sem.peer_stage  # a receive names its consumer
     if reach is not None and sem.direction == RECV:  # its producer is the held neighbour, over any gap
-        nxt, prv = reach[op.pipeline]
-        stage = nxt[op.stage] if sem.peer_stage > 0 else prv[op.stage]
+        stage = neighbours(reach, op.pipeline, op.stage)[0 if sem.peer_stage > 0 else 1]
     return (op.pipeline, op.microbatch, stage, sem.channel)
 
 

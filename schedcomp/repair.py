@@ -14,10 +14,14 @@ order of their times, and every op starts after the ops it reads from. So
    next stage) and the backward comes as early as its producers allow; never against the timeline. Where
    every peer (of the `repair_place.TRIALS` least loaded) is full all that while (adaptive plans fill the fault-free
    limit), the F waits for memory past its consumer's time: the times are then no longer a timeline, so
-   the result is timed, which finds any wait cycle, and one is a `RecoveryError`: only the ops the edit
-   can move, from the kept timeline (`OpTimes.edited`, `conetime`: 0.1-0.2 s at pp = 32, dp = 256, where
-   timing the whole plan took 0.5-0.7 s). Memory is thus the only reason to refuse (compile for the new
-   failure set);
+   the result is timed, which finds any wait cycle: only the ops the edit can move, from the kept timeline
+   (`OpTimes.edited`, `conetime`: 0.1-0.2 s at pp = 32, dp = 256, where timing the whole plan took
+   0.5-0.7 s). Where it finds one, the fallback (`repair_place.pipelines_last`): the slots' pipelines run
+   after every other op on the lanes that run them beside others', the failed worker's slots after all of
+   their peers' ops, each lane's in the order of the timeline. No other pipeline then waits for theirs, so
+   that cannot deadlock, and it keeps to the memory limit wherever a peer has room for them after its own:
+   a slower stop-gap, but a valid plan at once. Memory is thus the only reason to refuse (compile for the
+   new failure set);
 3. the streams of the peers that took slots and of the failed worker's neighbours are lowered again
    (`lower`'s per-worker step, over their new compute orders, with who runs each neighbouring slot read
    off the streams' own transfers); every other stream is the very tuple it was.
@@ -43,7 +47,7 @@ from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
 from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_limit, stage_peak_memory
 from schedcomp.optimes import op_times, remember, retimed
-from schedcomp.repair_place import compute_ops, place, slots_of
+from schedcomp.repair_place import compute_ops, pipelines_last, place, slots_of
 from schedcomp.semantics import InstrKind
 from schedcomp.streamcolumns import EditedStreams
 from schedcomp.topology import Topology, Worker, as_workers
@@ -84,14 +88,17 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
         raise ScheduleError("repair edits plans as `lower` makes them (compute, transfers, then all-reduce and "
                             "step): compile the plan for the new failure set instead")
     costs = _repair_costs(plan, after, memory_limit)  # its memory limit binds the re-route
-    taken, moved, late = place(worker, slots_of(plan.streams[worker], times), plan.streams, peers, costs, times,
-                                topo.pp)
+    slots = slots_of(plan.streams[worker], times)
+    taken, moved, late = place(worker, slots, plan.streams, peers, costs, times, topo.pp)
     # Its timeline, kept with it so a further repair needs no timing: where forwards waited, timing the cone
     # of the edit is the deadlock check (before lowering anything).
     timed = retimed(times, after, costs, taken) if late else times.moved(after, taken, moved)
-    if timed is None:
-        raise RecoveryError(f"the local re-route around {worker} needs forwards to wait for memory past their "
-                            "consumers, and that deadlocks: compile the plan for the new failure set instead")
+    if timed is None:  # a forward waiting inside a peer's order closed a wait cycle: the pipeline goes last
+        taken = pipelines_last(worker, slots, plan.streams, peers, costs, times, after)
+        timed = retimed(times, after, costs, taken)
+    if timed is None:  # (not expected: see `pipelines_last`)
+        raise RecoveryError(f"the local re-route around {worker} deadlocks even with its pipelines last: compile "
+                            "the plan for the new failure set instead")
     repaired = Plan(after, costs, plan.microbatches, _relower(plan, worker, after, taken), plan.family, "repair",
                     None, _kept_meta(plan.meta), partition=plan.partition)
     remember(repaired, timed)

@@ -14,6 +14,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -22,9 +23,9 @@ from schedcomp.errors import RecoveryError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind
 from schedcomp.memory import stage_deltas
 from schedcomp.optimes import OpTimes
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
-__all__ = ["TRIALS", "compute_ops", "place", "slots_of"]
+__all__ = ["TRIALS", "compute_ops", "pipelines_last", "place", "slots_of"]
 
 TRIALS = 16
 """Least-loaded peers tried for a slot when none has memory to spare all along: bounds a repair's time
@@ -197,3 +198,47 @@ def place(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, Sequence[
         load[g] += len(slot.ops) / speed.get(g, 1.0)
         taken.add(g)
     return {g: peers[g].ops for g in sorted(taken)}, moved, late
+
+
+def pipelines_last(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, Sequence[Instruction]],
+                   candidates: Sequence[Worker], costs: CostModel, times: OpTimes,
+                   after: Topology) -> dict[Worker, list[Op]]:
+    """The fallback where `place` leaves a wait cycle: the failed worker's slots each on the least loaded peer,
+    and on every lane that runs ops of the slots' pipelines beside others' (their live workers, and the peers
+    of the stages where they lost workers) those pipelines' ops after the rest, in the order of their times.
+
+    No other pipeline's op then waits for one of these (an op reads only its own pipeline's), and these ones
+    run in the order of a valid timeline, so no wait cycle can form; a lane's memory over the rest is what it
+    held, over these the level of whole micro-batches in a timeline's order, checked against the limit
+    (`RecoveryError` where it does not fit). The slower plan for these pipelines is a stop-gap until the plan
+    compiled for the new failure set replaces it."""
+    pp = after.pp
+    pipelines = sorted({op.pipeline for slot in slots for op in slot.ops})
+    speed = costs.speed
+    load = {g: len(times.seqs[g.pipeline * pp + g.stage]) / speed.get(g, 1.0) for g in candidates}
+    extra: dict[Worker, list[Op]] = {}
+    for slot in slots:
+        g = min(candidates, key=lambda c: (load[c], c))
+        extra.setdefault(g, []).extend(slot.ops)
+        load[g] += len(slot.ops) / speed.get(g, 1.0)
+    per_pipeline = times.microbatches * times.stages * times.kinds  # (a pipeline's op ids are one range)
+    moving = np.zeros(after.dp, dtype=bool)
+    moving[pipelines] = True
+    lanes = {w for d in pipelines for w in (Worker(d, s) for s in range(pp)) if w not in after.failed}
+    for s in {w.stage for w in after.failed if w.pipeline in moving.nonzero()[0]}:
+        lanes.update(after.stage_group(s))
+    orders: dict[Worker, list[Op]] = {}
+    for w in sorted(lanes):
+        ours = moving[times.seqs[w.pipeline * pp + w.stage] // per_pipeline]
+        if w not in extra and (ours.all() or not ours.any()):
+            continue  # (its order stays)
+        ops = compute_ops(streams[w])
+        later = sorted([op for op in ops if moving[op.pipeline]] + extra.get(w, []), key=times.of)
+        orders[w] = [op for op in ops if not moving[op.pipeline]] + later
+        if w in extra:
+            deltas, limit = stage_deltas(costs, w.stage), costs.limit_at(w.stage)
+            if max(accumulate(deltas[op.kind] for op in orders[w])) > limit * (1 + 1e-9) + 1e-9:
+                raise RecoveryError(
+                    f"no live peer of {worker} at stage {worker.stage} has the memory to take its micro-batches "
+                    "after its own in a local re-route: compile the plan for the new failure set instead")
+    return orders

@@ -457,6 +457,23 @@ def plan_to_torch_csv(plan: Plan) -> str:
 
 
 @paused_gc()  # many small acyclic objects (ops, instructions, texts): see `schedcomp.gcpause`
+def csv_not_an_action(rank: int, col: int, cell: str) -> PlanFormatError:
+    """The refusal of a CSV cell that is not a compute action (both CSV readers)."""
+    return PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 or 0B1 "
+                           "(export the compute-only schedule, not the one with communication)")
+
+
+def csv_microbatches(largest: int, microbatches: int | None) -> int:
+    """The micro-batches of a CSV whose largest micro-batch is `largest`: `microbatches` when given (refused in one
+    line below largest + 1), else largest + 1 (both CSV readers)."""
+    if microbatches is None:
+        return largest + 1
+    if largest >= microbatches:
+        raise PlanFormatError(f"the CSV uses micro-batch {largest} but microbatches={microbatches}: "
+                              f"give at least {largest + 1}")
+    return microbatches
+
+
 def order_from_torch_csv(
     text: str, pp: int | None = None, microbatches: int | None = None, dp: int = 1, family: str = "torch-csv"
 ) -> Order:
@@ -498,8 +515,7 @@ def order_from_torch_csv(
                 continue
             m = _ACTION_RE.fullmatch(cell)
             if not m or m["kind"] not in _FROM_TORCH or not m["mb"]:
-                raise PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 "
-                                      "or 0B1 (export the compute-only schedule, not the one with communication)")
+                raise csv_not_an_action(rank, col, cell)
             stage = int(m["stage"])
             if stage != rank:  # several stages per rank (virtual stages): read by their own reader
                 from schedcomp.torch_csv_virtual import virtual_order_from_rows
@@ -512,11 +528,7 @@ def order_from_torch_csv(
                 parsed[m["kind"] + m["mb"]] = action
             actions.append(action)
         per_stage.append(actions)
-    if microbatches is None:
-        microbatches = largest + 1
-    elif largest >= microbatches:
-        raise PlanFormatError(f"the CSV uses micro-batch {largest} but microbatches={microbatches}: "
-                              f"give at least {largest + 1}")
+    microbatches = csv_microbatches(largest, microbatches)
     try:
         topology = Topology.of(pp, dp)
     except LimitError:

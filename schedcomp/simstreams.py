@@ -16,7 +16,7 @@ from typing import Any
 from schedcomp.check import index_of
 from schedcomp.errors import ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Plan
-from schedcomp.partitions import Reach, Segment, reach, segments
+from schedcomp.partitions import Reach, Segment, reach, segments, segments_by_holder
 from schedcomp.planindex import PlanIndex, transfer_key
 from schedcomp.semantics import (
     OPTIMIZER,
@@ -160,12 +160,9 @@ def _stage_groups(streams: list[Stream]) -> list[tuple[int, ...]]:
 def _segments_of(segs: tuple[Segment, ...],
                  layer_allreduce: tuple[float, ...]) -> dict[Worker, list[tuple[int, float]]]:
     """Per holder, its segments in layer order as (segment number, all-reduce time: its layers' sum)."""
-    out: dict[Worker, list[tuple[int, float]]] = {}
-    for k, seg in enumerate(segs):
-        time = math.fsum(layer_allreduce[i] for i in seg.layers) if len(seg.holders) > 1 else 0.0  # alone: free
-        for h in seg.holders:
-            out.setdefault(h, []).append((k, time))
-    return out
+    times = [math.fsum(layer_allreduce[i] for i in seg.layers) if len(seg.holders) > 1 else 0.0  # alone: free
+             for seg in segs]
+    return {h: [(k, times[k]) for k in mine] for h, mine in segments_by_holder(segs).items()}
 
 
 def _segment_meetings(streams: list[Stream], segs: tuple[Segment, ...], allreduces: list[list[int]],

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from schedcomp import limits
 from schedcomp.errors import LimitError, PlanFormatError, SchedcompError
 from schedcomp.ir import Op, OpKind, Order
-from schedcomp.serialize import _ACTION_RE, _FROM_TORCH
+from schedcomp.serialize import _ACTION_RE, _FROM_TORCH, csv_microbatches, csv_not_an_action
 from schedcomp.topology import LOOP, PLACEMENTS, Topology, Worker
 
 Action = tuple[OpKind, int, int]  # (kind, micro-batch, stage)
@@ -42,11 +42,7 @@ def virtual_order_from_rows(rows: Sequence[Sequence[str]], microbatches: int | N
         raise PlanFormatError(f"{stages} stages on {pp} ranks: every rank must hold the same number of stages")
     topology = _topology(pp, dp, stages // pp, owner)
     largest = max(mb for row_actions in actions for _, mb, _ in row_actions)
-    if microbatches is None:
-        microbatches = largest + 1
-    elif largest >= microbatches:
-        raise PlanFormatError(f"the CSV uses micro-batch {largest} but microbatches={microbatches}: "
-                              f"give at least {largest + 1}")
+    microbatches = csv_microbatches(largest, microbatches)
     limits.check_job(stages, dp, microbatches)  # before building dp x pp op tuples
     make = Op.trusted  # fields checked above: skip the frozen dataclass's per-field setattr
     ops = {Worker(d, rank): tuple([make(kind, d, mb, stage) for kind, mb, stage in actions[rank]])
@@ -62,8 +58,7 @@ def _parse_row(rank: int, row: Sequence[str]) -> list[Action]:
             continue  # an idle step
         m = _ACTION_RE.fullmatch(cell)
         if not m or m["kind"] not in _FROM_TORCH or not m["mb"]:
-            raise PlanFormatError(f"row {rank} column {col}: {cell!r} is not a compute action like 0F1, 0I1, 0W1 "
-                                  "or 0B1 (export the compute-only schedule, not the one with communication)")
+            raise csv_not_an_action(rank, col, cell)
         out.append((_FROM_TORCH[m["kind"]], int(m["mb"]), int(m["stage"])))
     return out
 

@@ -19,7 +19,7 @@ from typing import Any
 from schedcomp.errors import RuntimeSetupError
 from schedcomp.ir import Plan
 from schedcomp.partition import Partition
-from schedcomp.runtime.data import PieceRows, empty_piece
+from schedcomp.runtime.data import PieceRows
 from schedcomp.runtime.fault.policies import (
     cut_of,
     cuts_of,
@@ -79,8 +79,7 @@ class PlanSource:
         refuse_recut(self.policy, bool(plan.cut))
         if plan.cut and plan.cut not in self.pieces.cuts:  # a function's: checked now, on every worker alike
             self.pieces.add(plan.cut)
-            problem = (empty_piece(plan.cut, self.pieces.per, plan.topology.dp, plan.microbatches)
-                       if self.pieces.per is not None else None)
+            problem = self.pieces.piece_problem(plan.cut, plan.topology.dp, plan.microbatches)
             if problem:
                 raise RuntimeSetupError(f"the plan for failed workers {', '.join(map(str, sorted(topology.failed)))} "
                                         f"has a piece that {problem}: use a larger batch, or pass the PlanCache "

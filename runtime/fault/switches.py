@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 from schedcomp.ir import Plan
-from schedcomp.runtime.data import empty_piece
 from schedcomp.runtime.fault.chunks import held_of, held_snapshot, send_held_state
 from schedcomp.runtime.fault.membership import GenerationAborted
 from schedcomp.runtime.fault.policies import runs_pieces
@@ -136,9 +135,7 @@ def admit(rt: Any, completed: int) -> None:
 def improve(rt: Any, completed: int) -> None:
     """Switch to the plan source's better plan at the boundary every member agreed on (`fault.better`)."""
     plan = rt.better.due(rt.session.view, completed) if rt.better is not None else None
-    per = rt.plans.pieces.per  # rows per regular micro-batch of the job's batches (None: none checked yet)
-    problem = (empty_piece(plan.cut, per, plan.topology.dp, plan.microbatches) if plan is not None and per is not None
-               else None)
+    problem = rt.plans.pieces.piece_problem(plan.cut, plan.topology.dp, plan.microbatches) if plan is not None else None
     if plan is not None and plan.cut and not runs_pieces(rt.policy):  # every member decides alike: all keep theirs
         log.warning("not switching to the better plan: it re-cuts micro-batches, which the %s policy does not run",
                     rt.policy.name)

@@ -11,7 +11,7 @@
  *   of zero time merges the workers it makes due now into that order. Both are one heap of (time, worker id)
  *   pairs here: the same order, pair for pair.
  * - Contraction of a * b + c into one fused multiply-add would round differently from Python: the build turns
- *   it off (-ffp-contract=off, pyproject.toml).
+ *   it off (-ffp-contract=off, setup.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -105,8 +105,10 @@ static int get_column(PyObject *tables, const char *name, char fmt, Py_ssize_t l
     int rc = PyObject_GetBuffer(obj, view, flags);
     Py_DECREF(obj);
     if (rc < 0) return -1;
-    char got = view->format ? view->format[strlen(view->format) - 1] : 'B';
-    int ok = view->itemsize == 8 && (fmt == 'd' ? got == 'd' : (got == 'q' || got == 'l'));
+    /* Native byte order only: "d", "q" or "l", or with "@" or "=" before it. */
+    const char *f = view->format ? view->format : "B";
+    if (f[0] == '@' || f[0] == '=') f++;
+    int ok = view->itemsize == 8 && f[0] != 0 && f[1] == 0 && (fmt == 'd' ? f[0] == 'd' : (f[0] == 'q' || f[0] == 'l'));
     if (!ok || (length >= 0 && view->len != length * 8)) {
         PyErr_Format(PyExc_ValueError, "list loop table %s: expected %zd items of format %c, got %zd bytes of %s",
                      name, length, fmt, view->len, view->format ? view->format : "B");
@@ -319,10 +321,7 @@ static int run_loop(Loop *L) {
         if (heap_push(&L->events, end, w) < 0) return -1;
         L->free_at[w] = end;
         L->wake[w] = end;
-        if (L->n_log == L->log_cap) {
-            PyErr_SetString(PyExc_RuntimeError, "list loop: more ops than the problem has (a bug)");
-            return -2;
-        }
+        if (L->n_log == L->log_cap) return -2; /* (the error is set once the GIL is held again) */
         L->log[L->n_log++] = slot * nk + kind;
         if (kind == 0) {
             if (L->ahead) {
@@ -468,8 +467,18 @@ static PyObject *listloop_run(PyObject *self, PyObject *tables) {
         }
         if (!bad && (L.held_ptr[P] > views[C_HELD].len / 8 || L.peers_ptr[P] > views[C_PEERS].len / 8))
             bad = "held/peers";
-        for (Py_ssize_t i = 0; !bad && i < L.held_ptr[P]; i++)
-            if (L.held[i] < 0 || L.held[i] >= S) bad = "held";
+        /* Each stage is held at its place, once: a pool slot's later chunks follow it there. */
+        char *seen = bad ? NULL : calloc((size_t)S, 1);
+        if (!bad && seen == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t p = 0; !bad && p < P; p++)
+            for (int64_t i = L.held_ptr[p]; !bad && i < L.held_ptr[p + 1]; i++)
+                if (L.held[i] < 0 || L.held[i] >= S || L.place[L.held[i]] != p || seen[L.held[i]]++) bad = "held";
+        free(seen);
+        if (!bad && (L.held_ptr[0] != 0 || L.held_ptr[P] != S)) bad = "held";
+        if (!bad && P > S) bad = "pp";
         for (Py_ssize_t i = 0; !bad && i < L.peers_ptr[P]; i++)
             if (L.peers[i] < 0 || L.peers[i] >= W || L.dur_row[L.peers[i]] < 0) bad = "peers";
         for (Py_ssize_t i = 0; !bad && i < N; i++)
@@ -511,7 +520,10 @@ static PyObject *listloop_run(PyObject *self, PyObject *tables) {
         PyErr_NoMemory();
         goto done;
     }
-    if (rc < 0) goto done;
+    if (rc < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "list loop: more ops than the problem has (a bug)");
+        goto done;
+    }
     {
         PyObject *batches = PyBytes_FromStringAndSize((const char *)L.batches, L.n_batches * (Py_ssize_t)8);
         if (batches == NULL) goto done;

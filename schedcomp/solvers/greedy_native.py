@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedcomp.solvers.greedy_loop import _EPS, LoopInputs
+
 try:
     from schedcomp.solvers import _listloop
 except ImportError:  # not built: the Python loop runs
-    _listloop = None
+    _listloop = None  # type: ignore[assignment]
 
 ENGINES = ("native", "python")
 
@@ -42,6 +44,7 @@ def _floats(values: Sequence[float]) -> np.ndarray:
 
 
 def _csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists as one column and where each begins (and the last ends)."""
     ptr = np.zeros(len(lists) + 1, dtype=np.int64)
     ptr[1:] = np.cumsum([len(x) for x in lists])
     return ptr, _ints([v for x in lists for v in x])
@@ -49,28 +52,29 @@ def _csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class LoopTables:
-    """What the compiled loop reads, named as the Python loop's variables (`greedy.list_schedule_steps`)."""
+    """`LoopInputs` as the compiled loop reads them: flat int64 and float64 columns, lists of lists as one
+    column with where each begins (`held_ptr`, `peers_ptr`), the op-time rows workers share once each (`dur`,
+    `dur_row`: -1 for a dead worker); `runner` and `log` are written."""
 
     n_workers: int
     pp: int
     stages: int
     nk: int
     n_slots: int
-    split: int
-    eager: int
-    idle: int
-    use_pool: int
-    capped: int
-    fill: int
-    ahead: int
-    cut: int
+    split: bool
+    eager: bool
+    idle: bool
+    use_pool: bool
+    capped: bool
+    fill: bool
+    ahead: bool
+    cut: bool
     p2p: float
     eps: float
     limits: np.ndarray
     window_open: np.ndarray
     admit: np.ndarray
     dur_row: np.ndarray
-    """Per worker, its row of `dur` (-1 for a dead worker)."""
     cap: np.ndarray
     left_f: np.ndarray
     live: np.ndarray
@@ -87,47 +91,45 @@ class LoopTables:
     peers_ptr: np.ndarray
     peers: np.ndarray
     runner: np.ndarray
-    """Written: a pool-routed slot's runner is the worker that takes it."""
     home: np.ndarray
     size: np.ndarray
     starts: np.ndarray
-    """The slots delivered at time 0, in order."""
     dur: np.ndarray
-    """The distinct op-time rows (index stage * nk + kind), one after another."""
     log: np.ndarray
-    """Written: slot number * nk + kind position of every op, in scheduling order."""
+
+    @classmethod
+    def of(cls, t: LoopInputs) -> LoopTables:
+        rows: dict[int, int] = {}
+        distinct: list[list[float]] = []
+        dur_row = []
+        for row in t.dur:  # workers alike share one list (`Problem.op_times`): one row each here too
+            k = -1 if not row else rows.setdefault(id(row), len(distinct))
+            if k == len(distinct):
+                distinct.append(row)
+            dur_row.append(k)
+        held_ptr, held = _csr(t.held)
+        peers_ptr, peers = _csr(t.peers)
+        return cls(
+            n_workers=t.n_workers, pp=t.pp, stages=t.stages, nk=t.nk, n_slots=t.n_slots, split=t.split,
+            eager=t.eager, idle=t.idle, use_pool=t.use_pool, capped=t.capped, fill=t.fill, ahead=t.ahead, cut=t.cut,
+            p2p=float(t.p2p), eps=_EPS, limits=_floats(t.limits), window_open=_floats(t.window_open),
+            admit=_floats(t.admit), dur_row=_ints(dur_row), cap=_ints(t.cap), left_f=_ints(t.left_f),
+            live=_ints(t.live), first=_ints(t.first), reserve=_floats(t.reserve), d_f=_floats(t.d_f),
+            d_b=_floats(t.d_b), d_w=_floats(t.d_w), place=_ints(t.place), unit=_floats(t.unit),
+            room=_floats(t.room), held_ptr=held_ptr, held=held, peers_ptr=peers_ptr, peers=peers,
+            runner=_ints(t.runner), home=_ints(t.home), size=_floats(t.size if t.size is not None else []),
+            starts=_ints(t.starts), dur=_floats([x for row in distinct for x in row]),
+            log=np.empty(t.n_ops, dtype=np.int64))
 
 
-def run_native(*, dur: Sequence[Sequence[float]], held: Sequence[Sequence[int]], peers: Sequence[Sequence[int]],
-               runner: Sequence[int], home: Sequence[int], size: Sequence[float] | None, cap: Sequence[int],
-               left_f: Sequence[int], room: Sequence[float], d_w: Sequence[float], n_ops: int,
-               **scalars_and_columns: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run the compiled loop: the op log, the steps (where each time of the clock begins in the log) and the
-    runner of every slot after it (pool routing hands re-routed slots out as it goes)."""
-    rows: dict[int, int] = {}
-    distinct: list[Sequence[float]] = []
-    dur_row = []
-    for row in dur:  # workers alike share one list (`Problem.op_times`): one row each here too
-        if not row:
-            dur_row.append(-1)
-            continue
-        k = rows.get(id(row))
-        if k is None:
-            k = rows[id(row)] = len(distinct)
-            distinct.append(row)
-        dur_row.append(k)
-    held_ptr, held_flat = _csr(held)
-    peers_ptr, peers_flat = _csr(peers)
-    runner_col = _ints(runner)
-    columns = {k: (_floats(v) if k in ("limits", "window_open", "admit", "reserve", "d_f", "d_b", "unit")
-                   else _ints(v) if k in ("live", "first", "place", "starts") else v)
-               for k, v in scalars_and_columns.items()}
-    tables = LoopTables(
-        **columns,  # type: ignore[arg-type]
-        dur_row=_ints(dur_row), cap=_ints(cap), left_f=_ints(left_f), d_w=_floats(d_w), room=_floats(room),
-        held_ptr=held_ptr, held=held_flat, peers_ptr=peers_ptr, peers=peers_flat, runner=runner_col,
-        home=_ints(home), size=_floats(size if size is not None else []),
-        dur=_floats([t for row in distinct for t in row]), log=np.empty(n_ops, dtype=np.int64),
-    )
+def native_loop(inputs: LoopInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`greedy_loop.python_loop`, compiled: the op log, the steps and every slot's runner after the loop."""
+    return run_tables(LoopTables.of(inputs))
+
+
+def run_tables(tables: LoopTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled loop over `tables` (it checks every index it follows first: a ValueError, not a crash)."""
+    if _listloop is None:
+        raise ImportError("the compiled list loop (schedcomp.solvers._listloop) was not built")
     logged, steps = _listloop.run(tables)
-    return tables.log[:logged], np.frombuffer(steps, dtype=np.int64), runner_col
+    return tables.log[:logged], np.frombuffer(steps, dtype=np.int64), tables.runner

@@ -20,6 +20,7 @@ from schedcomp.recut import PIECES, halve_the_rest, recut
 from schedcomp.route import assign_orphans, balanced_quota
 from schedcomp.solvers import greedy_native
 from schedcomp.solvers.greedy import ROUTINGS, W_POLICIES, GreedyParams, list_schedule_steps
+from schedcomp.solvers.greedy_loop import LoopInputs, python_loop
 from schedcomp.solvers.greedy_tables import default_windows
 from schedcomp.solvers.problem import Problem
 from schedcomp.topology import Topology, Worker
@@ -130,20 +131,26 @@ def test_the_compiled_loop_is_the_default_where_it_was_built(monkeypatch: pytest
 
 @native
 def test_wrong_tables_are_an_error_not_a_crash() -> None:
-    """A table the loop would index out of range is refused before the loop runs."""
-    problem = Problem(Topology.of(2, 2), 2, CostModel.uniform(2))
-    params = GreedyParams((2, 1), "idle", "static")
-    seqs, _ = list_schedule_steps(problem, params, {}, loop="native")
-    assert sum(map(len, seqs.values())) == problem.n_present * 3
-    good = dict(n_workers=4, pp=2, stages=2, nk=3, n_slots=8, split=1, eager=0, idle=1, use_pool=0, capped=0,
-                fill=0, ahead=0, cut=0, p2p=0.0, eps=1e-9, limits=[np.inf] * 4, window_open=[1.0] * 4,
-                admit=[1.0] * 4, dur=[[1.0] * 6] * 4, cap=[], left_f=[0] * 4, live=[0, 1, 2, 3],
-                first=[1, 1], reserve=[0.0, 0.0], d_f=[1.0, 1.0], d_b=[0.0, 0.0], d_w=[-1.0, -1.0], place=[0, 1],
-                unit=[1.0, 1.0], room=[], held=[[0], [1]], peers=[[0, 2], [1, 3]], runner=[0, 1, 2, 3] * 2,
-                home=[], size=None, starts=[0, 4, 2, 6], n_ops=24)
-    log, steps, _ = greedy_native.run_native(**good)
-    assert len(log) == 24 and steps[0] == 0
-    with pytest.raises(ValueError, match="table runner out of range"):
-        greedy_native.run_native(**{**good, "runner": [0, 1, 9, 3] * 2})
-    with pytest.raises(ValueError, match="table limits: expected 4 items"):
-        greedy_native.run_native(**{**good, "limits": [np.inf] * 3})
+    """A table the loop would index out of range, or that holds a stage at a place that is not its own, is
+    refused before the loop runs; a log that would overflow is an error after it (not a crash either way)."""
+    good = LoopInputs(
+        n_workers=4, pp=2, stages=2, nk=3, n_slots=8, n_ops=24, split=True, eager=False, idle=True, use_pool=False,
+        capped=False, fill=False, ahead=False, cut=False, p2p=0.0, limits=[np.inf] * 4, window_open=[1.0] * 4,
+        admit=[1.0] * 4, dur=[[1.0] * 6] * 4, cap=[], left_f=[0] * 4, live=[0, 1, 2, 3], first=[True, True],
+        d_f=[1.0, 1.0], reserve=[0.0, 0.0], d_b=[0.0, 0.0], d_w=[-1.0, -1.0], place=(0, 1), unit=[1.0, 1.0],
+        room=[], held=[(0,), (1,)], peers=[[0, 2], [1, 3]], runner=[0, 1, 2, 3] * 2, home=[], size=None,
+        starts=[0, 4, 2, 6])
+    log, steps, _ = greedy_native.native_loop(good)
+    python_log, python_steps, _ = python_loop(good)
+    assert len(log) == 24 and log.tolist() == python_log.tolist() and steps.tolist() == python_steps.tolist()
+    for change, message in ((dict(runner=[0, 1, 9, 3] * 2), "table runner out of range"),
+                            (dict(limits=[np.inf] * 3), "table limits: expected 4 items"),
+                            (dict(held=[(1,), (0,)]), "table held out of range"),
+                            (dict(held=[(0,), (0,)], place=(0, 0)), "table held out of range")):
+        with pytest.raises(ValueError, match=message):
+            greedy_native.native_loop(replace(good, **change))
+    with pytest.raises(RuntimeError, match="more ops than the problem has"):  # (slot 0 delivered twice)
+        greedy_native.native_loop(replace(good, starts=[0, 0, 4, 2, 6]))
+    big_endian = replace(greedy_native.LoopTables.of(good), limits=np.full(4, np.inf, dtype=">f8"))
+    with pytest.raises(ValueError, match="table limits"):
+        greedy_native.run_tables(big_endian)

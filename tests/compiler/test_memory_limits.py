@@ -185,3 +185,19 @@ def test_precompiled_plans_report_their_peaks_against_the_limit(tmp_path):
     assert failed and all(r["memory_limit"] == _zb_h1_stage_peaks(3, 4) for r in failed)
     assert all(r["memory_headroom"] >= -1e-9 for r in failed)
     assert not math.isnan(min(r["memory_headroom"] for r in failed))
+
+
+@pytest.mark.parametrize("tighten", [1.0, 0.8])
+def test_limit_facts_hold_each_place_s_peak_against_its_limit(tighten):
+    # Without re-formed pipelines the per-worker verdict and headroom are each place's peak against its limit,
+    # exactly: within or over (a limit tightened below the plan's own peaks), one per-stage limit or another.
+    from schedcomp.memory import limit_facts, stage_peak_memory
+
+    plan = compile(4, 3, 8, failed=[(1, 2)])
+    limits = tuple(x * tighten for x in plan.costs.stage_limits)
+    plan = replace(plan, costs=replace(plan.costs, memory_limit=limits))
+    facts = limit_facts(plan)
+    stage_peaks = stage_peak_memory(peak_memory(plan), 4)
+    assert facts["within_memory_limit"] is all(p <= x * (1 + 1e-9) for p, x in zip(stage_peaks, limits, strict=True))
+    assert facts["within_memory_limit"] is (tighten == 1.0)
+    assert facts["memory_headroom"] == min(x - p for p, x in zip(stage_peaks, limits, strict=True))

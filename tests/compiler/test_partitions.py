@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedcomp.errors import PlanFormatError
-from schedcomp.partitions import as_partitions, held_stages, next_stage, previous_stage, segments, worker_segments
+from schedcomp.partitions import as_partitions, held_stages, next_stage, previous_stage, segments, segments_by_holder
 from schedcomp.topology import Worker
 
 
@@ -56,9 +56,11 @@ def test_every_layer_is_in_exactly_one_segment_held_by_one_live_worker_per_pipel
     for a, b in itertools.pairwise(segs):  # maximal: neighbours differ in some pipeline's holder
         assert any(st_[a.layers[-1]] != st_[b.layers[0]] for st_ in stage_of)
     # Each holder's segments come in layer order: the one global order of the collectives.
-    for w, mine in worker_segments(partitions, failed).items():
-        assert [s.layers.start for s in mine] == sorted(s.layers.start for s in mine)
-        assert all(w in s.holders for s in mine)
+    by_holder = segments_by_holder(segs)
+    for w, mine in by_holder.items():
+        assert mine == sorted(mine) and all(w in segs[k].holders for k in mine)
+    assert sorted((k, w) for w, mine in by_holder.items() for k in mine) == sorted(
+        (k, w) for k, seg in enumerate(segs) for w in seg.holders)  # every holding listed, once
 
 
 @settings(max_examples=200, deadline=None)

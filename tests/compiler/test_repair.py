@@ -16,6 +16,7 @@ from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, T
 from schedcomp.ir import COMPUTE_KINDS, Plan
 from schedcomp.memory import stage_peak_memory
 from schedcomp.repair import repair
+from schedcomp.repair_place import compute_ops
 from schedcomp.simulator import simulate
 from schedcomp.topology import Worker
 
@@ -117,12 +118,29 @@ def test_bad_input_is_one_clear_error() -> None:
         repair(untimed, (0, 0))  # no STEP tail: no timeline to place re-routed ops on
 
 
-def test_no_peer_with_memory_is_a_recovery_error() -> None:
-    # Every peer of stage 1 sits at the fault-free memory limit all along: the re-routed forwards could only
-    # wait for memory past their consumers, and timing the result finds that it deadlocks.
+def test_where_forwards_waiting_for_memory_would_deadlock_the_pipeline_goes_last() -> None:
+    """Every peer of stage 1 sits at the fault-free memory limit all along: the re-routed forwards could only
+    wait for memory past their consumers, which deadlocks. The fallback runs pipeline 2's ops after every other
+    op on the lanes that run them beside others', the failed worker's slots after all of their peers' ops, each
+    lane's in the order of the plan's timeline: a valid plan within the limit, slower until a compile replaces
+    it."""
     plan = compile(pp=4, dp=3, microbatches=8, failed=[(1, 2)])
-    with pytest.raises(RecoveryError, match=r"around 2:1 needs forwards to wait for memory.*deadlocks.*compile the"):
-        repair(plan, (2, 1))
+    fixed = repair(plan, (2, 1))  # (checked)
+    assert slots_of(fixed) == slots_of(plan)
+    for lane in (W("0:1"), W("1:1")):  # the peers that took 2:1's slots, pipeline 2's now after all their own
+        pipelines = [op.pipeline for op in compute_ops(fixed.streams[lane])]
+        assert 2 in pipelines and pipelines == sorted(pipelines, key=lambda d: d == 2)
+    limit = fixed.costs.limit_at(1)
+    assert max(peak_memory(fixed)[w] for w in (W("0:1"), W("1:1"))) <= limit * (1 + 1e-9)
+    assert simulate(fixed).period > simulate(plan).period
+
+
+def test_no_peer_with_memory_is_a_recovery_error() -> None:
+    # 1:1 ran pipeline 0's stage-1 slots beside its own (0:1 failed); the last peer of stage 1, 2:1, holds its
+    # own and its share of pipeline 0's: after them, 1:1's do not fit its limit either.
+    plan = compile(pp=4, dp=3, microbatches=6, failed=[(0, 1)])
+    with pytest.raises(RecoveryError, match=r"no live peer of 1:1 at stage 1 has the memory.*compile the plan"):
+        repair(plan, (1, 1))
 
 
 # Small jobs (pp 3-8, dp 2-4): fault-free families and adaptive plans with 0-2 failures, at each plan's default
@@ -241,8 +259,8 @@ def test_chained_repairs_at_the_memory_limit_stay_sound() -> None:
 
 def test_cli_repair_takes_a_memory_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(compile(pp=4, dp=2, microbatches=8, schedule="zb-h2").to_json())
-    assert main(["repair", str(plan_file), "--fail", "0:0"]) == 2  # its own peaks: no room
+    plan_file.write_text(compile(pp=4, dp=3, microbatches=6, failed=[(0, 1)]).to_json())
+    assert main(["repair", str(plan_file), "--fail", "1:1"]) == 2  # its own limit: no room
     assert "memory" in capsys.readouterr().err
-    assert main(["repair", str(plan_file), "--fail", "0:0", "--memory-limit", "none", "--json"]) == 0
+    assert main(["repair", str(plan_file), "--fail", "1:1", "--memory-limit", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["repair_seconds"] >= 0

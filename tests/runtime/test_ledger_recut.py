@@ -20,7 +20,7 @@ from schedcomp.cache import PlanCache
 from schedcomp.compiler import compile
 from schedcomp.cut import Cut
 from schedcomp.errors import PlanFormatError, RuntimeSetupError
-from schedcomp.ir import InstrKind
+from schedcomp.ir import InstrKind, Op, OpKind
 from schedcomp.runtime.data import held_rows
 from schedcomp.runtime.executor import HANDLERS
 from schedcomp.runtime.fault.recovery import RollbackPolicy
@@ -60,6 +60,13 @@ def test_every_regular_microbatch_counts_exactly_once_over_the_pieces(case: tupl
             it.count((p, m))
     assert it.ledger_unit == per
     assert it.counted().tolist() == [1.0] * (dp * microbatches)  # exactly: integers divided once
+    # Where the worker took a piece's rows already (LOAD, its receives), the ledger counts those: the same rows.
+    taken = ledger_of(it.plan, dp, microbatches, per)
+    for p in range(dp):
+        for m in range(cut.count(p, microbatches)):
+            assert taken.rows_of(Op(OpKind.F, p, m, 0)) == cut.global_rows(p, m, dp, microbatches, per)
+            taken.count((p, m))
+    assert len(taken.rows_by_key) == cut.total(dp, microbatches) and torch.equal(taken.ledger, it.ledger)
 
 
 def test_held_rows_of_a_piece_across_a_microbatch_boundary() -> None:

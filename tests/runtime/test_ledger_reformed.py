@@ -83,3 +83,15 @@ def test_a_piece_empty_only_where_load_takes_its_rows_in_the_global_batch_is_ref
                                                 r"of 0.6 micro-batches, .* \(a batch of 4 rows\): use a larger batch, "
                                                 r"or plans without reform$"):
         pieces.check((torch.zeros(4, 1), None), 2, 2)
+
+
+def test_a_plan_that_comes_later_is_checked_at_the_job_s_batch_size() -> None:
+    # PieceRows.piece_problem: what the plan source (a plan function's plan) and a switch to a better plan ask of
+    # a cut not checked at the first iteration; nothing before a batch was seen, then the last batch's size.
+    cut = Cut.of({0: (0.0, 0.6, 1.5), 1: (0.0, 0.6, 2.5)}, shares=True)
+    pieces = PieceRows([])
+    assert pieces.piece_problem(cut, 2, 2) is None  # no batch yet
+    pieces.check((torch.zeros(4, 1), None), 2, 2)  # 1 row per micro-batch: no cut to refuse it
+    assert pieces.piece_problem(cut, 2, 2) == empty_piece(cut, 1, 2, 2) is not None
+    pieces.check((torch.zeros(8, 1), None), 2, 2)
+    assert pieces.piece_problem(cut, 2, 2) is None
