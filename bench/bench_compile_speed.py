@@ -7,6 +7,7 @@ Reproduce (from the repository root):
     python bench/bench_compile_speed.py --repeat 1   # one run per case
     python bench/bench_compile_speed.py --scale      # issue 14: 8,192 GPUs end to end, and plan repair
     python bench/bench_compile_speed.py --scale --repeat 1   # one compile with each list loop (C, Python)
+    python bench/bench_compile_speed.py --choice     # issue 14's choice: reform="auto" against "never"
 
 Times are CPU seconds of this process (`time.process_time`: everything here is single-threaded, so
 that is what an idle machine's wall clock would show, and it does not depend on how busy the shared
@@ -90,6 +91,37 @@ SCALE = {"pp": 32, "dp": 256, "microbatches": 64, "failed": spread_failures(32, 
 REPAIRED = [(200, 17), (100, 31), (3, 0), (250, 5), (14, 11), (130, 24)]
 """Workers failed next in the repair case: stages without an earlier failure (17, 24), the last stage, the
 first stage (inputs), and stages that lost a worker already (5: 7:5; 11: 105:11, its pipeline 14 lost 14:10)."""
+
+
+CHOICE_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("pp16 dp32 M32 K2 4 fail", {"pp": 16, "dp": 32, "microbatches": 32, "failed": spread_failures(16, 32, 4),
+                                 "layers": 2}),
+    ("pp4 dp8 M8 K4 3:1", {"pp": 4, "dp": 8, "microbatches": 8, "failed": [(3, 1)], "layers": 4}),
+    ("pp8 dp4 M8 K4 0:3,1:3", {"pp": 8, "dp": 4, "microbatches": 8, "failed": [(0, 3), (1, 3)], "layers": 4}),
+]
+"""Layered jobs with failures for `--choice`: `reform="auto"` against "never" (issue 14's choice)."""
+
+
+def choice_rows(repeat: int, clock: Callable[[], float]) -> None:
+    """`--choice`: per case the compile with `reform="never"` (re-route), the re-formed candidate alone (the
+    failed pipelines forced) and `"auto"` (both, the faster kept), each the best of `repeat` runs, taken in
+    turn. auto's floor is never + re-formed: what is over it is the choice's own cost."""
+    from schedcomp.reform import lost_pipelines
+
+    print("| case | never s | re-formed s | auto s | auto - (never + re-formed) s | auto / never | kept |")
+    print("|---|---|---|---|---|---|---|")
+    for name, kw in CHOICE_CASES:
+        modes = {"never": "never", "re-formed": lost_pipelines(Topology.of(kw["pp"], kw["dp"], kw["failed"])),
+                 "auto": "auto"}
+        best = dict.fromkeys(modes, math.inf)
+        for _ in range(max(1, repeat)):
+            for mode, reform in modes.items():
+                t0 = clock()
+                plan = compile(**kw, schedule="adaptive", solver="greedy", reform=reform)
+                best[mode] = min(best[mode], clock() - t0)
+        over = best["auto"] - best["never"] - best["re-formed"]
+        print(f"| {name} | {best['never']:.2f} | {best['re-formed']:.2f} | {best['auto']:.2f} | {over:+.2f} | "
+              f"{best['auto'] / best['never']:.1f} | {plan.meta['choice']['kept']} |", flush=True)
 
 
 def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
@@ -254,6 +286,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
     parser.add_argument("--scale", action="store_true", help="the issue-14 cases instead (minutes)")
+    parser.add_argument("--choice", action="store_true", help="reform='auto' against 'never' on layered jobs")
     parser.add_argument("--repair-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--phases-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -267,6 +300,9 @@ def main() -> None:
         scale(args.repeat)
         return
     clock = time.perf_counter if args.wall else time.process_time
+    if args.choice:
+        choice_rows(args.repeat, clock)
+        return
     header = ("case", "adaptive_order s", "lower s", "check s", "total s", "target s", "ok")
     rows = []
     for name, kw, target in CASES:

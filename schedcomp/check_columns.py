@@ -22,7 +22,7 @@ import numpy as np
 
 from schedcomp.check_transfers import TRANSFER_ROWS, TransferColumns
 from schedcomp.ir import OpKind
-from schedcomp.memory import stage_deltas
+from schedcomp.memory import limit_top, stage_deltas
 from schedcomp.opcolumns import OP_CODES
 from schedcomp.runsums import running_sums
 from schedcomp.semantics import ROLE_ALLREDUCE, ROLE_STEP, semantics_of
@@ -31,7 +31,6 @@ from schedcomp.streamcolumns import LOAD, RECV, ROW_KINDS, SEND, StreamColumns
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-_EPS = 1e-9
 _F = OP_CODES.index(OpKind.F)
 
 
@@ -114,7 +113,7 @@ def _within_memory(plan: Any, place: NDArray[np.int64], stage: NDArray[np.int64]
     compute ops' deltas (times a re-cut micro-batch's size) in stream order, one float64 addition each. The
     arguments are the compute rows' (place, stage, kind, pipeline, micro-batch and worker number), in order."""
     costs, cut, ns = plan.costs, plan.cut, plan.topology.stages
-    tops = np.array([lim + _EPS * max(1.0, lim) for lim in costs.stage_limits])
+    tops = np.array([limit_top(lim) for lim in costs.stage_limits])
     top = tops[place]  # (per compute row, its worker's limit: by place, one number if chunked)
     limited = np.isfinite(top)
     if not limited.any():

@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 from schedcomp.ir import Instruction, OpKind
-from schedcomp.memory import stage_deltas
+from schedcomp.memory import limit_top, stage_deltas
 from schedcomp.opcolumns import OP_CODES
 from schedcomp.partitions import held_ends
 from schedcomp.semantics import (
@@ -29,7 +29,6 @@ from schedcomp.semantics import (
     semantics_of,
 )
 
-_EPS = 1e-9
 _KIND_ID = {kind: code for code, kind in enumerate(OP_CODES)}
 _NO_DELTAS: defaultdict[object, float] = defaultdict(float)  # no limit: memory is not tracked
 _INF = float("inf")
@@ -58,7 +57,7 @@ def walk(checker: Any) -> None:
     comp = checker.comp = array("q", [-1]) * (dp * mbs * ns * 4)
     loads, sends, recvs, kid = checker.loads, checker.sends, checker.recvs, _KIND_ID
     send_kinds, recv_kinds = checker.send_kinds, checker.recv_kinds
-    tops = [lim + _EPS * max(1.0, lim) for lim in plan.costs.stage_limits]  # one number if chunked
+    tops = [limit_top(lim) for lim in plan.costs.stage_limits]  # one number if chunked
     role_of = _Roles(roles())  # every kind's role, read off the semantics table once per run
     cut = plan.cut or None  # re-cut micro-batches hold their activation times their size (None: a
     # plain truth test per instruction, not Cut.__bool__)
@@ -69,7 +68,7 @@ def walk(checker: Any) -> None:
         rank = w.pipeline * pp + ws
         own = plan.pipeline_costs.get(w.pipeline)  # a re-formed pipeline's workers: its own costs and limits
         costs = plan.costs if own is None else own
-        top = tops[ws] if own is None else own.stage_limits[ws] + _EPS * max(1.0, own.stage_limits[ws])
+        top = tops[ws] if own is None else limit_top(own.stage_limits[ws])
         limited = top != _INF  # memory is tracked only under a limit
         deltas, held = (stage_deltas(costs, ws) if limited else _NO_DELTAS), 0.0
         # With virtual stages each chunk has its own activation size: its deltas, by its stage.

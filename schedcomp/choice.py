@@ -11,6 +11,7 @@ candidate's plan has passed `check`, memory limit included, so a plan over the l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from schedcomp.errors import MemoryLimitError, RecoveryError, SchedcompTypeError, ScheduleError, TopologyError
@@ -34,8 +35,25 @@ def reform_mode(value: object) -> Literal["auto", "never"] | tuple[int, ...]:
     return tuple(value)
 
 
-Candidate = tuple[str, Callable[[], Plan]]
-"""A name for `meta["choice"]` and a function compiling that candidate's checked plan."""
+@dataclass(frozen=True)
+class Timed:
+    """A candidate's checked plan and its simulated period (`simulate(plan).period`): a candidate that timed
+    its plan on the way (the re-formed one times each of its variants) hands the period over, so `fastest`
+    does not simulate the plan a second time."""
+
+    plan: Plan
+    period: float
+
+
+def timed(plan: Plan) -> Timed:
+    """`plan` with its simulated period, for a candidate that did not simulate it on the way."""
+    from schedcomp.simulator import simulate
+
+    return Timed(plan, simulate(plan).period)
+
+
+Candidate = tuple[str, Callable[[], Timed]]
+"""A name for `meta["choice"]` and a function compiling that candidate's checked plan, with its period."""
 
 CANNOT_COMPILE = (ScheduleError, MemoryLimitError, RecoveryError, TopologyError)
 """What a candidate raises when it cannot build this job (no piece fits the limit, a pipeline lost every
@@ -47,22 +65,21 @@ TIE = 1e-9
 
 
 def fastest(candidates: Sequence[Candidate]) -> Plan:
-    """The plan with the smallest simulated period among `candidates` that compile; ties go to the earlier
-    one. Its `meta["choice"]` names the kept candidate and each one's period (None: it dropped out). When
-    none compiles, the first candidate's error is raised."""
-    from schedcomp.simulator import simulate
-
+    """The plan with the smallest simulated period among `candidates` that compile (each hands over its
+    period: no plan is simulated here); ties go to the earlier one. Its `meta["choice"]` names the kept
+    candidate and each one's period (None: it dropped out). When none compiles, the first candidate's error
+    is raised."""
     periods: dict[str, float | None] = {}
     best: tuple[float, str, Plan] | None = None
     first_error: Exception | None = None
     for name, build in candidates:
         try:
-            plan = build()
+            candidate = build()
         except CANNOT_COMPILE as exc:
             first_error = first_error or exc
             periods[name] = None
             continue
-        period = simulate(plan).period
+        plan, period = candidate.plan, candidate.period
         periods[name] = period
         if best is None or period < best[0] * (1 - TIE):
             best = (period, name, plan)

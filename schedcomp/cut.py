@@ -82,7 +82,7 @@ class Cut:
 
     def count(self, pipeline: int, microbatches: int) -> int:
         """How many micro-batches (pieces) `pipeline` runs: `microbatches` when it is not re-cut."""
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)  # (not `pipelines`: a new proxy per call)
         return microbatches if b is None else len(b) - 1
 
     def width(self, microbatches: int) -> int:
@@ -95,20 +95,20 @@ class Cut:
 
     def sizes(self, pipeline: int, microbatches: int) -> tuple[float, ...]:
         """The size of each of `pipeline`'s micro-batches, in regular micro-batches (1.0 when not re-cut)."""
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)
         if b is None:
             return (1.0,) * microbatches
         return tuple(b[m + 1] - b[m] for m in range(len(b) - 1))
 
     def size(self, pipeline: int, microbatch: int) -> float:
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)
         return 1.0 if b is None else b[microbatch + 1] - b[microbatch]
 
     def rows(self, pipeline: int, microbatch: int, rows_per_microbatch: int) -> tuple[int, int]:
         """The rows [start, stop) of micro-batch `microbatch` within its pipeline's share, whose regular
         micro-batches hold `rows_per_microbatch` rows each. Adjacent pieces round the boundary they share
         the same way, so the rows are covered exactly once."""
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)
         if b is None:
             return microbatch * rows_per_microbatch, (microbatch + 1) * rows_per_microbatch
         return round(b[microbatch] * rows_per_microbatch), round(b[microbatch + 1] * rows_per_microbatch)
@@ -134,7 +134,7 @@ class Cut:
     def share(self, pipeline: int, microbatches: int) -> float:
         """How much of the global batch `pipeline` runs, in regular micro-batches: its last boundary, or
         `microbatches` when it is not cut."""
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)
         return float(microbatches) if b is None else b[-1]
 
     def global_rows(self, pipeline: int, microbatch: int, dp: int, microbatches: int,
@@ -155,7 +155,7 @@ class Cut:
         before = 0.0
         for p in range(pipeline):
             before += self.share(p, microbatches)
-        b = self.pipelines.get(pipeline)
+        b = self._by_pipeline.get(pipeline)
         lo, hi = (float(microbatch), float(microbatch + 1)) if b is None else (b[microbatch], b[microbatch + 1])
         last = pipeline == dp - 1 and microbatch == self.count(pipeline, microbatches) - 1
         return round((before + lo) * r), dp * microbatches * r if last else round((before + hi) * r)

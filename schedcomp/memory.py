@@ -97,6 +97,15 @@ def stage_deltas(costs: CostModel, stage: int) -> dict[Any, float]:
             for k, sem in SEMANTICS.items()}
 
 
+LIMIT_TOLERANCE = 1e-9
+
+
+def limit_top(limit: float) -> float:
+    """The most activation a worker under `limit` may hold (`check`'s test): the limit and a relative 1e-9,
+    for sums that differ in their last bits."""
+    return limit + LIMIT_TOLERANCE * max(1.0, limit)
+
+
 def stream_deltas(costs: CostModel, instructions: Iterable[Any], stage: int, cut: Cut = NO_CUT) -> list[float]:
     """What each instruction of a stream adds, at its op's stage: with virtual stages a worker's ops
     belong to several chunks, each with its own activation size. `stage` (the worker's) serves the

@@ -25,16 +25,19 @@ import math
 from collections.abc import Iterable
 
 from schedcomp.check import check
+from schedcomp.choice import Timed
 from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import MemoryLimitError, SchedcompTypeError, ScheduleError, ValidationError
 from schedcomp.ir import Op, Order, Plan
 from schedcomp.layers import LayerCosts, moved_limit, stage_costs
 from schedcomp.lower import lower
+from schedcomp.memory import limit_top, stage_deltas
 from schedcomp.partition import Partition
 from schedcomp.partitions import Partitions, held_stages
 from schedcomp.repartition import live_partition
 from schedcomp.schedules import ONE_STAGE_FAMILIES, get_family
+from schedcomp.schedules.family import StageOrders
 from schedcomp.topology import Topology, Worker
 
 DEFAULT_FAMILY = "zb-h1"
@@ -86,6 +89,13 @@ def reformed_partition(layers: LayerCosts, costs: CostModel, topology: Topology,
 def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
                      job_partition: Partition, reform: object, schedule: str) -> Plan:
     """The plan of the module docstring (`costs`: the job's stage model, its memory limit resolved)."""
+    return timed_reformed(topology, microbatches, costs, layers, job_partition, reform, schedule).plan
+
+
+def timed_reformed(topology: Topology, microbatches: int, costs: CostModel, layers: LayerCosts,
+                   job_partition: Partition, reform: object, schedule: str) -> Timed:
+    """`compile_reformed`'s plan with the period its variants were compared by (`reform="auto"` compares it
+    with re-routing's)."""
     pipes = reform_pipelines(reform, topology)
     family = schedule if schedule in ONE_STAGE_FAMILIES and schedule != "1f1b" else DEFAULT_FAMILY
     partitions: Partitions = tuple(reformed_partition(layers, costs, topology, d) if d in pipes else job_partition
@@ -104,6 +114,7 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
     def piece(d: int, shares: list[float], finer: int) -> float:
         return _piece_size(shares[d], microbatches, finer, least(len(held_stages(partitions[d]))))
 
+    built_ops: PipelineOps = {}
     for rank, (name, shares, finer) in enumerate(candidates):
         try:  # each re-formed stage's limit (the static-memory rule), with room for one of its pieces
             own = {d: times[d].with_memory_limit(moved_limit(layers, partitions[d], costs, job_partition,
@@ -112,7 +123,9 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
             refused = str(exc)
             continue
         order = _order(topology, microbatches, partitions, job_partition, shares, family,
-                       dict.fromkeys(pipes, finer))
+                       dict.fromkeys(pipes, finer), built_ops)
+        if rank < len(candidates) - 1 and _over_limit(order, costs, own):  # (the last one is lowered and
+            continue  # checked whatever it holds: when every variant is refused, `check` says why)
         plan = lower(order, costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce,
                      meta={"reform": {"pipelines": list(pipes), "shares": name, "finer": finer,
                                       "partitions": [list(p) for p in partitions]}})
@@ -127,7 +140,26 @@ def compile_reformed(topology: Topology, microbatches: int, costs: CostModel, la
     if not timed:
         raise MemoryLimitError(f"no re-formed plan fits the memory limit, even with {FINER[-1]}x finer pieces "
                                f"({refused}): raise memory_limit or re-route instead")
-    return min(timed, key=lambda t: (round(t[0], 9), t[1]))[2]
+    period, _, plan = min(timed, key=lambda t: (round(t[0], 9), t[1]))
+    return Timed(plan, period)
+
+
+def _over_limit(order: Order, costs: CostModel, own: dict[int, CostModel]) -> bool:
+    """Whether a worker of `order` holds more activation than its limit (`own`: a re-formed pipeline's costs):
+    `check`'s memory rule, summed as it sums the lowered plan (each worker's compute ops' deltas, times a
+    piece's size, in order: lowering keeps them), so a variant it would refuse is not lowered."""
+    cut = order.cut or None
+    for w, ops in order.ops.items():
+        c = own.get(w.pipeline, costs)
+        top = limit_top(c.limit_at(w.stage))
+        if top == math.inf:
+            continue
+        deltas, held = stage_deltas(c, w.stage), 0.0
+        for op in ops:
+            held += deltas[op.kind] * cut.size(op.pipeline, op.microbatch) if cut else deltas[op.kind]
+            if held > top:
+                return True
+    return False
 
 
 def _shares(partitions: Partitions, own: dict[int, CostModel], costs: CostModel, topology: Topology,
@@ -159,13 +191,21 @@ def _piece_size(share: float, microbatches: int, finer: int, least: int) -> floa
     return 1.0 if count is None else share / count
 
 
+PipelineOps = dict[tuple[int, int], dict[Worker, tuple[Op, ...]]]
+"""(pipeline, pieces) -> its workers' ops: what `_order` built for one variant, the same for the next variant
+that cuts that pipeline alike (a pipeline's held stages are the same in every variant)."""
+
+
 def _order(topology: Topology, microbatches: int, partitions: Partitions, job_partition: Partition,
-           shares: list[float], family: str, finer: dict[int, int]) -> Order:
+           shares: list[float], family: str, finer: dict[int, int], built_ops: PipelineOps | None = None) -> Order:
     """Each pipeline runs `family` over its held stages on its pieces of its share (`finer[d]` times as many
-    as it needs for pieces of at most a micro-batch)."""
+    as it needs for pieces of at most a micro-batch). `built_ops`: the pipelines' ops built for earlier
+    variants, which this one adds to."""
     fam = get_family(family)
     ops: dict[Worker, tuple[Op, ...]] = {}
     bounds: dict[int, tuple[float, ...]] = {}
+    built: dict[tuple[int, int], StageOrders] = {}  # (stages, pieces) -> the family's orders: most pipelines share one
+    built_ops = {} if built_ops is None else built_ops
     for d, (partition, share) in enumerate(zip(partitions, shares, strict=True)):
         held = held_stages(partition)
         cut = _piece_count(share, microbatches, finer.get(d, 1), fam.min_microbatches(len(held)))
@@ -175,9 +215,13 @@ def _order(topology: Topology, microbatches: int, partitions: Partitions, job_pa
         if pieces < fam.min_microbatches(len(held)):
             raise ScheduleError(f"{family} over {len(held)} stages needs at least {fam.min_microbatches(len(held))} "
                                 f"micro-batches, pipeline {d} runs {pieces}: use more micro-batches")
-        for i, stage_ops in enumerate(fam.orders(len(held), pieces, 1)):
-            s = held[i]
-            ops[Worker(d, s)] = tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
+        if (d, pieces) not in built_ops:
+            shape = (len(held), pieces)
+            if shape not in built:
+                built[shape] = fam.orders(len(held), pieces, 1)
+            built_ops[d, pieces] = {Worker(d, s): tuple(Op(o.kind, d, o.microbatch, s) for o in stage_ops)
+                                    for s, stage_ops in zip(held, built[shape], strict=True)}
+        ops.update(built_ops[d, pieces])
     cut = Cut.of(bounds, shares=True) if bounds else NO_CUT
     return Order(topology, microbatches, ops, f"reformed-{family}", cut=cut, partition=job_partition,
                  partitions=partitions)

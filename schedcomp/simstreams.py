@@ -44,6 +44,14 @@ def _code(kind: object) -> int:
     return LOAD if role == ROLE_INERT else role
 
 
+class _Codes(dict):  # type: ignore[type-arg]
+    """kind -> `_code(kind)`, each kind looked up once."""
+
+    def __missing__(self, kind: object) -> int:
+        code = self[kind] = _code(kind)
+        return code
+
+
 @dataclass
 class Stream:
     """One worker's stream. Its blocking instructions (compute, ALLREDUCE, STEP), k = 0..nb-1, are
@@ -184,7 +192,8 @@ def _stream(plan: Plan, wi: int, w: Worker, index_of_worker: dict[Worker, int],
             segs: list[tuple[int, float]] | None = None) -> Stream:
     costs = plan.costs_of(w.pipeline)  # (a re-formed pipeline's workers: its own stage costs)
     instrs = tuple(plan.streams[w])
-    codes = [_code(i.kind) for i in instrs]
+    code_of = _Codes()  # (per kind, not per instruction: the semantics lookup was a tenth of a re-formed plan's run)
+    codes = [code_of[i.kind] for i in instrs]
     speed = costs.speed.get(w, 1.0)
     times = {k: costs.compute_time(k.value, w) for k in COMPUTE_KINDS}
     held = plan.topology.chunks_of(w.stage)  # its chunks: one ALLREDUCE and one STEP cover them all

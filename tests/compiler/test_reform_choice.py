@@ -11,15 +11,17 @@ import pytest
 from schedcomp import compile
 from schedcomp.baselines import compare
 from schedcomp.cache import PlanCache, precompile
-from schedcomp.check import is_checked
-from schedcomp.choice import fastest
+from schedcomp.check import check, is_checked
+from schedcomp.choice import Timed, fastest, timed
 from schedcomp.cli import main
 from schedcomp.costs import CostModel
 from schedcomp.errors import MemoryLimitError, RecoveryError, SchedcompTypeError, ScheduleError
 from schedcomp.ir import Plan
-from schedcomp.layers import LayerCosts
+from schedcomp.layers import LayerCosts, stage_costs
+from schedcomp.memory import resolve_limit
+from schedcomp.reform import timed_reformed
 from schedcomp.simulator import simulate
-from schedcomp.topology import Worker
+from schedcomp.topology import Topology, Worker
 
 JOB = {"pp": 3, "dp": 2, "microbatches": 4, "layers": 2, "solver": "greedy", "time_limit": 1.0}
 """A small job (6 layers) whose tests run in seconds."""
@@ -108,16 +110,19 @@ def test_when_no_candidate_compiles_the_error_is_re_routings() -> None:
 def test_fastest_keeps_the_first_of_equal_periods_and_raises_the_first_error() -> None:
     plan = compile(pp=2, dp=2, microbatches=2)
     other = dataclasses.replace(plan, meta={"other": True})
-    kept = fastest((("a", lambda: plan), ("b", lambda: other)))
+    kept = fastest((("a", lambda: timed(plan)), ("b", lambda: timed(other))))
     assert kept.meta == {"choice": {"kept": "a", "periods": {"a": _period(plan), "b": _period(plan)}}}
+    # `fastest` compares the periods the candidates hand over (it simulates nothing itself).
+    slower = fastest((("a", lambda: Timed(plan, 2.0)), ("b", lambda: Timed(other, 1.0))))
+    assert slower.meta == {"other": True, "choice": {"kept": "b", "periods": {"a": 2.0, "b": 1.0}}}
 
-    def refused() -> Plan:
+    def refused() -> Timed:
         raise ScheduleError("first")
 
-    def also_refused() -> Plan:
+    def also_refused() -> Timed:
         raise MemoryLimitError("second")
 
-    assert fastest((("a", refused), ("b", lambda: other))).meta["choice"]["kept"] == "b"
+    assert fastest((("a", refused), ("b", lambda: timed(other)))).meta["choice"]["kept"] == "b"
     with pytest.raises(ScheduleError, match="first"):
         fastest((("a", refused), ("b", also_refused)))
 
@@ -230,3 +235,48 @@ def test_a_repair_does_not_carry_its_sources_choice() -> None:
                       "memory_limit": None})
     assert plan.meta["choice"]["kept"] == "re-route"
     assert "choice" not in repair(plan, Worker(0, 2), memory_limit=None).meta
+
+
+@pytest.mark.parametrize("job", [
+    {**JOB, "failed": ["1:1"]},  # re-forming kept
+    {**JOB, "pp": 4, "microbatches": 8, "layers": 4, "failed": ["1:1"], "memory_limit": None},  # re-routing kept
+    {**JOB, "failed": ["1:1"], "recut": True},  # re-routing's re-cut pieces (the general simulator path)
+    {**JOB, "dp": 3, "failed": ["0:2", "2:0"]},  # two pipelines re-formed
+])
+def test_the_periods_handed_to_the_choice_are_the_plans_simulated_periods(job: dict[str, object]) -> None:
+    # `fastest` simulates no plan: each candidate hands over the period it timed. Read back from JSON (nothing
+    # remembered, so `simulate` checks the plan first), the kept plan passes `check` and has the period kept,
+    # and the other candidate's period is its own compile's.
+    auto = compile(**job)
+    choice = auto.meta["choice"]
+    fresh = Plan.from_json(auto.to_json())
+    assert not is_checked(fresh)
+    check(fresh)
+    assert _period(fresh) == choice["periods"][choice["kept"]]
+    other = "re-form" if choice["kept"] == "re-route" else "re-route"
+    if other == "re-route":
+        alone = compile(**job, reform="never")
+    else:  # (forced re-forming refuses recut: the re-formed candidate ignores it)
+        lost = sorted({w.pipeline for w in auto.topology.failed})
+        alone = compile(**{k: v for k, v in job.items() if k != "recut"}, reform=lost)
+    assert _period(Plan.from_json(alone.to_json())) == choice["periods"][other]
+
+
+def test_timed_reformed_hands_over_its_plans_period() -> None:
+    topology = Topology.of(3, 2, ["1:1"])
+    layers = LayerCosts.even(CostModel.uniform(3), 2)
+    costs = resolve_limit("fault-free", topology, 4, stage_costs(layers, (2, 2, 2)))
+    timed = timed_reformed(topology, 4, costs, layers, (2, 2, 2), (1,), "adaptive")
+    assert timed.period == _period(Plan.from_json(timed.plan.to_json()))
+
+
+def test_finer_pieces_can_win_where_coarser_ones_fit_so_no_finer_level_is_skipped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Why `compile_reformed` times every FINER level that fits: pieces 4x finer shorten the re-formed pipelines'
+    # fill and drain, so they beat 2x finer pieces that fit the limit too (31.4375 against 32.875).
+    job = {**JOB, "pp": 8, "dp": 4, "microbatches": 8, "layers": 4, "failed": ["0:3", "1:3"], "reform": (0, 1)}
+    finest = compile(**job)
+    assert finest.meta["reform"]["finer"] == 4
+    monkeypatch.setattr("schedcomp.reform.FINER", (1, 2))
+    coarser = compile(**job)
+    assert coarser.meta["reform"]["finer"] == 2
+    assert _period(finest) < _period(coarser)

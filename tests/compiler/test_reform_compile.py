@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from schedcomp import compile
 from schedcomp.check import check
 from schedcomp.costs import CostModel
-from schedcomp.errors import MemoryLimitError, ScheduleError
+from schedcomp.errors import MemoryLimitError, ScheduleError, ValidationError
 from schedcomp.graph import critical_path
 from schedcomp.ir import InstrKind, Op, OpKind, Order, Plan
 from schedcomp.layers import LayerCosts, stage_costs
@@ -132,3 +132,44 @@ def test_random_re_formed_jobs_compile_to_plans_that_check_round_trip_and_time_a
     assert again == plan
     check(again)
     assert simulate(again, validate=False).iteration_ends == simulate(plan).iteration_ends
+
+
+MEMORY_JOBS = [  # re-formed jobs under the default limit, and whether the pre-test refuses a variant of theirs
+    ({"pp": 4, "dp": 2, "microbatches": 8, "failed": ["1:0", "1:1", "1:3"], "layers": 2, "reform": (1,)}, False),
+    ({"pp": 4, "dp": 8, "microbatches": 8, "failed": ["3:1"], "layers": 4, "reform": (3,)}, True),
+    ({"pp": 8, "dp": 4, "microbatches": 8, "failed": ["0:3", "1:3"], "layers": 4, "reform": (0, 1)}, True),
+    ({"pp": 3, "dp": 3, "microbatches": 4, "failed": ["0:2", "2:0"], "layers": 2, "reform": (0, 2)}, True),
+    ({"pp": 4, "dp": 2, "microbatches": 8, "failed": ["1:1"], "layers": 3, "reform": (1,)}, True),
+]
+"""(The first one's whole pieces have no room by the static-memory rule: refused before the pre-test.)"""
+
+
+@pytest.mark.parametrize(("job", "fires"), MEMORY_JOBS)
+def test_the_memory_pre_test_refuses_exactly_the_variants_check_refuses(  # type: ignore[no-untyped-def]
+        job: dict[str, object], fires: bool, monkeypatch) -> None:
+    # `compile_reformed` refuses a variant over the limit before lowering it (`_over_limit`): each verdict is
+    # `check`'s on the lowered variant, and the kept plan is the one compiled without the pre-test.
+    import schedcomp.reform as reform
+
+    verdicts: list[tuple[Order, dict[int, CostModel], bool]] = []
+    pre_test = reform._over_limit
+
+    def spy(order: Order, costs: CostModel, own: dict[int, CostModel]) -> bool:
+        verdicts.append((order, own, pre_test(order, costs, own)))
+        return verdicts[-1][2]
+
+    monkeypatch.setattr(reform, "_over_limit", spy)
+    plan = compile(**job)  # type: ignore[arg-type]
+    layers = LayerCosts.even(CostModel.uniform(job["pp"]), job["layers"])  # type: ignore[arg-type]
+    for order, own, over in verdicts:
+        lowered = lower(order, plan.costs, pipeline_costs=own, layer_allreduce=layers.costs.allreduce)
+        try:
+            check(lowered)
+            refused = False
+        except ValidationError as exc:
+            assert "memory_limit" in str(exc)
+            refused = True
+        assert over == refused
+    monkeypatch.setattr(reform, "_over_limit", lambda *args: False)
+    assert compile(**job).to_json() == plan.to_json()  # type: ignore[arg-type]
+    assert any(over for _, _, over in verdicts) == fires  # (where it fires, this test is not vacuous)
