@@ -3,13 +3,13 @@
 The job of `tests/fault/test_fault_reformed.py` (pp = 3, dp = 2, M = 3, 6 processes on CPU/gloo, a 6-layer
 float64 `nn.Sequential` of Linear(8, 8) + Tanh blocks, Adam, 2 rows per micro-batch): worker 1:1 SIGKILLs itself
 in the middle of iteration 1 and the survivors roll back and switch. Two plan caches, the same but for that
-failure's plan: `re-routed` (what `precompile(layers=2)` compiles: one partition for every pipeline, 1:1's work
-on its peer) and `re-formed` (`compile(..., reform=(1,))`: pipeline 1 over its places 0 and 2, layers 2 and 3
-moved there from 0:1, shares 3.6 / 2.4, one collective per segment). Per run: `recovered`, seconds from the
-death to the re-run iteration completed on every survivor (detection, agreement, regroup, layer moves, re-run);
-`ready`, the median survivor's seconds from noticing the failure to running the new plan (`Recovery.ready`);
-`iteration`, the median wall seconds per iteration after the recovery (every survivor done, consecutive
-iterations). The model is tiny, so these are the runtime's overheads, not compute; `period` is the simulated
+failure's plan: `re-routed` (what `precompile(layers=2, reform="never")` compiles: one partition for every
+pipeline, 1:1's work on its peer) and `re-formed` (`compile(..., reform=(1,))`: pipeline 1 over its places 0
+and 2, layers 2 and 3 moved there from 0:1, shares 3.6 / 2.4, one collective per segment). Per run: `recovered`,
+seconds from the death to the re-run iteration completed on every survivor (detection, agreement, regroup, layer
+moves, re-run); `ready`, the median survivor's seconds from noticing the failure to running the new plan
+(`Recovery.ready`); `iteration`, the median wall seconds per iteration after the recovery (every survivor done,
+consecutive iterations). The model is tiny, so these are the runtime's overheads, not compute; `period` is the simulated
 period of the failure plan over the fault-free one (the cost model's, what the compiler optimises).
 
 Reproduce (about 30 s per run on a 2-core machine):
@@ -65,7 +65,7 @@ def main() -> None:
     os.environ["CHAOS_MOVES"] = "6"  # the workers' model: the 6-layer nn.Sequential, Adam
     with tempfile.TemporaryDirectory(prefix="schedcomp-bench-") as tmp:
         caches = {"re-routed": Path(tmp) / "rerouted", "re-formed": Path(tmp) / "reformed"}
-        precompile(3, 2, 3, 1, time_limit=1.0, layers=2, directory=caches["re-routed"])
+        precompile(3, 2, 3, 1, time_limit=1.0, layers=2, reform="never", directory=caches["re-routed"])
         reformed_cache(caches["re-formed"])
         from schedcomp.cache import PlanCache
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from schedcomp import cachefiles, fileio, limits
 from schedcomp.check import check
-from schedcomp.choice import NEVER, reform_mode
+from schedcomp.choice import AUTO, reform_mode
 from schedcomp.costs import CostModel
 from schedcomp.cut import NO_CUT, Cut
 from schedcomp.errors import (
@@ -312,7 +312,7 @@ def precompile(
     layers: LayerCosts | int | None = None,
     partition: Sequence[int] | None = None,
     recut: bool = False,
-    reform: Literal["auto", "never"] = NEVER,
+    reform: Literal["auto", "never"] = AUTO,
 ) -> PlanCache:
     """Compile a plan for every distinct scenario with at most `max_failures` failures; write them to
     `directory` when given (each plan as soon as it is compiled, then the index). `progress(done,
@@ -323,9 +323,10 @@ def precompile(
     virtual stage (default: the unit model, each chunk 1/chunks of a stage). `layers` and `partition` are
     `compile`'s: each scenario's plan may then move layer boundaries, and carries its partition. `recut` is
     `compile`'s too: a failure plan may cut the failed workers' micro-batches into pieces (`schedcomp.recut`),
-    and the index says so. `reform` is `compile`'s "auto" or "never" (the default), with layer costs: with
-    "auto" a failure plan may re-form pipelines (the index records their partitions; rollback and restart
-    jobs run them, lossy and logging recovery refuse the cache)."""
+    and the index says so. `reform` is `compile`'s "auto" (the default, as `compile`'s) or "never", with layer
+    costs: with "auto" a failure plan re-forms the pipelines that lost workers where that is faster (the index
+    records their partitions; rollback and restart jobs run them; lossy and logging-based recovery refuse such
+    a cache in one line: precompile theirs with "never"). Without layer costs it changes nothing."""
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0:
         raise SchedcompError(f"max_failures must be an integer of at least 0, got {max_failures!r}")
     topology = Topology(pp, dp, chunks=chunks, placement=placement)  # types and limits, before enumerating
@@ -365,14 +366,14 @@ def precompile(
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for i, (key, plan, digest, cut) in enumerate(pool.imap(_compile_one, args)):
-                _record(cache, key, plan, root, digest, cut)
+            for i, (key, plan, digest, cut, partitions) in enumerate(pool.imap(_compile_one, args)):
+                _record(cache, key, plan, root, digest, cut, partitions)
                 if progress:
                     progress(i + 1, len(todo), key_name(key))
     else:
         for i, a in enumerate(args):
-            key, plan, digest, cut = _compile_one(a, keep=True)
-            _record(cache, key, plan, root, digest, cut)
+            key, plan, digest, cut, partitions = _compile_one(a, keep=True)
+            _record(cache, key, plan, root, digest, cut, partitions)
             if progress:
                 progress(i + 1, len(todo), key_name(key))
     log.info("precompiled %d scenarios in %.1f s", len(todo), time.perf_counter() - began)
@@ -381,9 +382,12 @@ def precompile(
     return cache
 
 
-def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None, cut: Cut) -> None:
+def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, digest: str | None, cut: Cut,
+            partitions: Partitions | None) -> None:
     if cut:
         cache.cuts[key] = cut
+    if partitions is not None:  # (the index must say so: a plan written by a worker process is not held here)
+        cache.partitions[key] = partitions
     if plan is not None:
         cache.plans[key] = plan
     if root is not None:
@@ -392,9 +396,11 @@ def _record(cache: PlanCache, key: Key, plan: Plan | None, root: Path | None, di
         cache.digests[key] = digest
 
 
-def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan | None, str | None, Cut]:
+def _compile_one(args: tuple[Any, ...], keep: bool = False
+                 ) -> tuple[Key, Plan | None, str | None, Cut, Partitions | None]:
     """Compile one scenario; write it to its file when there is one, and return the plan only when it is
-    not written (or `keep`), so worker processes send back just the key, digest and cut (for the index)."""
+    not written (or `keep`), so worker processes send back just the key, digest, cut and per-pipeline
+    partitions (for the index)."""
     from schedcomp.compiler import compile
 
     pp, dp, microbatches, failed, costs, solver, time_limit, memory_limit, key, path, chunks, placement, layers, \
@@ -404,9 +410,9 @@ def _compile_one(args: tuple[Any, ...], keep: bool = False) -> tuple[Key, Plan |
                    memory_limit=memory_limit, chunks=chunks, placement=placement, recut=recut, reform=reform,
                    **layered)
     if path is None:
-        return key, plan, None, plan.cut
+        return key, plan, None, plan.cut, plan.partitions
     digest = cachefiles.write_plan(Path(path), plan)
-    return key, plan if keep else None, digest, plan.cut
+    return key, plan if keep else None, digest, plan.cut, plan.partitions
 
 
 def _scenario_layers(layers: LayerCosts | None, perm: tuple[int, ...]) -> LayerCosts | None:

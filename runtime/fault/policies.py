@@ -95,7 +95,8 @@ def refuse_reformed(policy: RecoveryPolicy | None, reformed: bool, model: Any) -
     if reformed and policy is not None and not runs_pieces(policy):
         raise RuntimeSetupError(f"the {policy.name} policy keeps each stage's layers and whole micro-batches, but this "
                                 "plan source serves plans with re-formed pipelines: use policy='rollback' (the "
-                                "default), or plans compiled without reform")
+                                "default), or plans compiled with reform='never' (schedcomp precompile --reform "
+                                "never)")
 
 
 def may_reform(plans: Any) -> bool:

@@ -36,10 +36,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recut", action="store_true",
                    help="failure plans may split the failed workers' micro-batches into pieces sized for the peers "
                    "that take them (as compile --recut); the index records it")
-    p.add_argument("--reform", choices=("auto", "never"), default="never",
-                   help="with --layers or --layer-costs: auto lets a failure plan re-form the pipelines that lost "
-                   "workers where that is faster (as compile --reform auto; rollback and restart jobs run them, "
-                   "lossy and logging recovery refuse them); never (default) only re-routes")
+    p.add_argument("--reform", choices=("auto", "never"), default="auto",
+                   help="with --layers or --layer-costs: auto (default, as compile's) lets a failure plan re-form "
+                   "the pipelines that lost workers where that is faster (rollback and restart jobs run them); "
+                   "never only re-routes, for lossy and logging-based recovery, which refuse re-formed plans")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for the cache")
     p.add_argument("--jobs", "-j", type=positive_int, default=min(4, os.cpu_count() or 1),
                    help="compile in this many processes (default: CPUs, at most 4)")
@@ -72,4 +72,7 @@ def run(args: argparse.Namespace) -> int:
     headroom = [r["memory_headroom"] for r in report if "memory_headroom" in r]
     least = f", least headroom {min(headroom):.4g}" if headroom else ""
     print(f"peak memory within the limit in {within}/{len(report)} plans{least}")
+    if cache.partitions:  # said now, not first when a lossy or logging job refuses the cache
+        print(f"{len(cache.partitions)} plans re-form pipelines: rollback and restart run them; for lossy or "
+              "logging-based recovery precompile with --reform never")
     return 0

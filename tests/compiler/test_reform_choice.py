@@ -189,29 +189,46 @@ def test_compare_counts_re_forming_in_adaptive_and_reports_it_alone() -> None:
     assert spread["adaptive"].reformed == () and spread["adaptive"].period < spread["adaptive-reformed"].period
 
 
-def test_precompile_re_routes_by_default_and_re_forms_when_asked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_precompile_re_forms_by_default_and_re_routes_with_never(tmp_path) -> None:  # type: ignore[no-untyped-def]
     job = {"pp": 2, "dp": 2, "microbatches": 4, "max_failures": 1, "layers": 2, "solver": "greedy",
            "time_limit": 1.0}
-    default = precompile(**job)  # type: ignore[arg-type]
-    assert all(p.partitions is None and "choice" not in p.meta for p in default.plans.values())
-    precompile(**job, reform="auto", directory=tmp_path)  # type: ignore[arg-type]
+    precompile(**job, directory=tmp_path)  # type: ignore[arg-type]
     loaded = PlanCache.load(tmp_path)  # (the index gives each re-formed plan's shares of the batch)
     # One live worker holds all 4 layers: 16.89 against re-routing's 19 and 23.
     for failed, partitions in ((["0:1"], ((4, 0), (2, 2))), (["1:0"], ((2, 2), (0, 4)))):
         plan = loaded.lookup(failed)
         assert plan.meta["choice"]["kept"] == "re-form" and plan.partitions == partitions
         assert plan.cut.shares and plan.meta["reform"]["pipelines"] == [int(failed[0][0])]
+    never = precompile(**job, reform="never")  # type: ignore[arg-type]
+    assert all(p.partitions is None and "choice" not in p.meta for p in never.plans.values()) and not never.partitions
     with pytest.raises(SchedcompTypeError, match="'auto' or 'never'"):
         precompile(**job, reform=(1,))  # type: ignore[arg-type]
+    # without layer costs the default changes nothing: the plans of before, byte for byte
+    plain = {"pp": 2, "dp": 2, "microbatches": 4, "max_failures": 1, "solver": "greedy", "time_limit": 1.0}
+    default, before = precompile(**plain), precompile(**plain, reform="never")  # type: ignore[arg-type]
+    assert len(default) == 3 and not default.partitions
+    assert {k: p.to_json() for k, p in default.plans.items()} == {k: p.to_json() for k, p in before.plans.items()}
 
 
-def test_the_precompile_cli_defaults_to_never(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_precompile_cli_defaults_to_auto_and_indexes_plans_its_worker_processes_re_formed(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     from schedcomp.cli import build_parser
 
     args = build_parser().parse_args(["precompile", "--pp", "2", "-m", "4", "-k", "1", "-o", "x"])
-    assert args.reform == "never"
+    assert args.reform == "auto"
     status, out, err = _cli(capsys, "precompile", "--pp", "2", "-m", "4", "-k", "1", "-o", "x", "--reform", "1")
     assert status == 2 and out == "" and "--reform" in err
+    # -j 2: the plans are written by worker processes, which must still tell the index which ones re-form
+    # (before, saving such a cache failed: their cuts have shares, read as re-cut ones without the partitions)
+    job = ("precompile", "--pp", "2", "--dp", "2", "-m", "4", "-k", "1", "--layers", "2", "--time-limit", "1", "-q")
+    status, out, _ = _cli(capsys, *job, "-j", "2", "-o", str(tmp_path / "auto"))
+    assert status == 0 and out.splitlines()[-1] == ("2 plans re-form pipelines: rollback and restart run them; for "
+                                                    "lossy or logging-based recovery precompile with --reform never")
+    loaded = PlanCache.load(tmp_path / "auto")
+    assert sorted(loaded.partitions.values()) == [((2, 2), (0, 4)), ((2, 2), (4, 0))]
+    assert loaded.lookup(["1:0"]).partitions == ((2, 2), (0, 4))
+    status, out, _ = _cli(capsys, *job, "--reform", "never", "-o", str(tmp_path / "never"))
+    assert status == 0 and "re-form" not in out and not PlanCache.load(tmp_path / "never").partitions
 
 
 def test_a_mistyped_solver_option_is_refused_not_dropped_as_a_candidate() -> None:

@@ -66,10 +66,11 @@ def test_layers_move_back_when_a_replacement_rejoins(cache_dir: str, monkeypatch
 @pytest.mark.timeout(600)
 def test_a_compiled_cache_moves_layers_where_its_failure_plan_cuts(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # End to end: `precompile(layers=2)` (8 layers, 2 per stage) re-partitions each failure plan; for 0:1
-    # failed it moves layer 3 from stage 1 to stage 2 (2, 1, 3, 2). The survivors switch to it and move
-    # layer 3 to 0:2 and 1:2 from 1:1, the only live holder.
-    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP)
+    # End to end: `precompile(layers=2, reform="never")` (8 layers, 2 per stage) re-partitions each failure
+    # plan; for 0:1 failed it moves layer 3 from stage 1 to stage 2 (2, 1, 3, 2). The survivors switch to it
+    # and move layer 3 to 0:2 and 1:2 from 1:1, the only live holder. (The default, "auto", re-forms pipeline
+    # 0 here instead: test_fault_reformed runs such plans.)
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP, reform="never")
     cut = cache.lookup([VICTIM]).partition
     assert cut is not None and cut[1] < 2 and sum(cut) == LAYERS
     cache.save(tmp_path)
@@ -84,7 +85,8 @@ def test_a_compiled_cache_moves_layers_where_its_failure_plan_cuts(tmp_path: Pat
 @pytest.mark.timeout(600)
 def test_a_moved_cut_keeps_checkpointing_and_a_restart_restores_into_its_own_cut(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # The job's own cut is (3, 1, 2, 2), the healthy plan's (not the runtime's even split). 1:0 (no checkpoint
+    # The job's own cut is (3, 1, 2, 2), the healthy plan's (not the runtime's even split); its failure plans
+    # re-route (reform="never": one cut for every pipeline, which this test moves). 1:0 (no checkpoint
     # writer: pipeline 0 writes) dies in iteration 1; its failure plan moves a layer, (2, 1, 3, 2), and the
     # survivors go on checkpointing under that cut, per layer (before, checkpoints stopped while the cut was
     # moved: iteration 0's was the last complete one). A second run of the job starts without 0:3 (dead
@@ -95,7 +97,7 @@ def test_a_moved_cut_keeps_checkpointing_and_a_restart_restores_into_its_own_cut
     from schedcomp.runtime.fault.checkpoint import MANIFEST, checkpoint_dir, latest_complete
 
     victim, absent = Worker(1, 0), Worker(0, 3)
-    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP, partition=MOVED)
+    cache = precompile(PP, DP, MICROBATCHES, 1, time_limit=1.0, layers=LAYERS // PP, partition=MOVED, reform="never")
     moved, later = cache.lookup([victim]).partition, cache.lookup([absent]).partition
     assert cache.lookup([]).partition == MOVED and len({MOVED, moved, later}) == 3, (moved, later)
     cache.save(tmp_path / "plans")

@@ -123,7 +123,8 @@ def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line
     options = ({"policy": "lossy"} if policy == "lossy" else
                {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
     with pytest.raises(RuntimeSetupError, match=r"^the \w+ policy keeps each stage's layers and whole micro-batches, "
-                                                r"but this plan source serves plans with re-formed pipelines"):
+                                                r"but this plan source serves plans with re-formed pipelines.*"
+                                                r"precompile --reform never\)$"):
         ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, **options)
     assert not cache.plans  # known from the index alone
     from schedcomp.runtime.fault.policies import may_cut_elsewhere
@@ -137,6 +138,41 @@ def test_policies_that_keep_stages_in_place_refuse_a_re_formed_cache_in_one_line
     ResilientTrainer(cache, chaos_sequential(LAYERS), lambda y, t: y, adam, lambda i: None, session=object())
     with pytest.raises(RuntimeSetupError, match=r"pass the model as an nn\.Sequential"):
         ResilientTrainer(cache, lambda s: None, lambda y, t: y, adam, lambda i: None, session=object())
+
+
+@pytest.fixture(scope="module")
+def one_layer_caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """pp 2, dp 2, M 4, one layer per stage, one failure at most: precompiled by default (re-forming) and with
+    reform="never" (re-routing cannot move a layer here, so every plan cuts the model (1, 1))."""
+    from schedcomp.cache import precompile
+
+    root = tmp_path_factory.mktemp("one-layer")
+    for reform in ("auto", "never"):
+        precompile(2, 2, 4, 1, time_limit=1.0, layers=1, reform=reform, directory=root / reform)  # type: ignore[arg-type]
+    return {"auto": root / "auto", "never": root / "never"}
+
+
+@pytest.mark.parametrize("policy", ["lossy", "logging"])
+def test_a_default_precompiled_cache_is_refused_by_lossy_and_logging_naming_reform_never(
+        one_layer_caches: dict[str, Path], tmp_path: Path, policy: str) -> None:
+    # precompile re-forms by default (as compile): the pipeline that lost a worker runs on its live one, which
+    # lossy and logging-based recovery cannot run. They say so before training, in one line naming the way out,
+    # and run the cache precompiled with --reform never, whose plans all keep each stage's layer in place.
+    from schedcomp.runtime.fault.boundary_log import LoggingPolicy
+    from schedcomp.runtime.fault.restart import CheckpointPolicy
+    from schedcomp.runtime.resilient import ResilientTrainer
+
+    options = ({"policy": "lossy"} if policy == "lossy" else
+               {"logging": LoggingPolicy(), "checkpoint": CheckpointPolicy(tmp_path / "ck", 1)})
+    default, never = PlanCache.load(one_layer_caches["auto"]), PlanCache.load(one_layer_caches["never"])
+    assert sorted(default.partitions.values()) == [((1, 1), (0, 2)), ((1, 1), (2, 0))] and not never.partitions
+    with pytest.raises(RuntimeSetupError, match=r"^the \w+ policy .* re-formed pipelines: use "
+                                                r"policy='rollback' \(the default\), or plans compiled with "
+                                                r"reform='never' \(schedcomp precompile --reform never\)$"):
+        ResilientTrainer(default, chaos_sequential(2), lambda y, t: y, adam, lambda i: None, **options)
+    ResilientTrainer(never, chaos_sequential(2), lambda y, t: y, adam, lambda i: None, session=object(), **options)
+    # the default policy runs the default cache
+    ResilientTrainer(default, chaos_sequential(2), lambda y, t: y, adam, lambda i: None, session=object())
 
 
 def test_a_replacements_donor_holds_its_layers_where_pipelines_hold_different_ones() -> None:

@@ -18,8 +18,10 @@ REFORMED = ((2, 2, 2), (3, 0, 3))
 
 def reformed_cache(directory: Path | None = None) -> PlanCache:
     """The job's cache (one failure at most) whose plan for VICTIM failed re-forms its pipeline (shares by
-    throughput, 3.6 and 2.4 micro-batches, in pieces); saved in `directory` when given."""
-    cache = precompile(PP, DP, M, 1, time_limit=1.0, layers=LAYERS // PP)
+    throughput, 3.6 and 2.4 micro-batches, in pieces) and whose other failure plans re-route; saved in
+    `directory` when given. (precompile's default, reform="auto", would re-form every one: the tests read a
+    cache holding both kinds, a re-formed scenario the only one with partitions in the index.)"""
+    cache = precompile(PP, DP, M, 1, time_limit=1.0, layers=LAYERS // PP, reform="never")
     plan = compile(PP, DP, M, failed=[str(VICTIM)], layers=LAYERS // PP, reform=(VICTIM.pipeline,))
     key = canonical(plan.topology, plan.costs).key
     assert key in cache.plans and plan.partitions == REFORMED
