@@ -42,7 +42,7 @@ import numpy as np
 
 from schedcomp.errors import ScheduleError
 from schedcomp.memory import stage_deltas
-from schedcomp.solvers.greedy_loop import _EPS, LoopInputs, python_loop
+from schedcomp.solvers.greedy_loop import TOLERANCE, LoopInputs, python_loop
 from schedcomp.solvers.greedy_native import engine, native_loop
 from schedcomp.solvers.greedy_tables import boundary_room, interned, per_worker, slot_tables
 from schedcomp.solvers.problem import Problem
@@ -105,7 +105,7 @@ def list_schedule_steps(
     limits = [0.0] * n_workers
     for w in problem.topology.live_workers:
         lim = problem.limit_of(problem.worker_id(w))
-        limits[problem.worker_id(w)] = lim + _EPS * max(1.0, lim if math.isfinite(lim) else 1.0)
+        limits[problem.worker_id(w)] = lim + TOLERANCE * max(1.0, lim if math.isfinite(lim) else 1.0)
     limits = interned(limits)
     # What each op kind (position in `problem.kinds`) adds to held memory at each stage: the one model.
     delta = [[d[k] for k in problem.kinds] for d in (stage_deltas(costs, s) for s in range(stages))]
@@ -161,7 +161,7 @@ def list_schedule_steps(
     tables = LoopInputs(
         n_workers=n_workers, pp=pp, stages=stages, nk=nk, n_slots=slots.n_slots, n_ops=problem.n_present * nk,
         split=split, eager=eager, idle=params.w_policy == "idle", use_pool=use_pool, capped=capped, fill=fill,
-        ahead=ahead, cut=cut, p2p=p2p, limits=limits, window_open=interned([win - _EPS for win in window]),
+        ahead=ahead, cut=cut, p2p=p2p, limits=limits, window_open=interned([win - TOLERANCE for win in window]),
         admit=interned([unit[wid % pp] * big for wid in range(n_workers)]), dur=dur, cap=cap, left_f=left_f,
         live=live, first=first, d_f=d_f,
         reserve=[unit[place[st]] - d_f[st] for st in range(stages)],  # admitted at a first chunk: the later ones

@@ -13,7 +13,7 @@ import numpy as np
 
 from schedcomp.solvers.greedy_tables import queues
 
-_EPS = 1e-9
+TOLERANCE = 1e-9
 """The tolerance of the loop's comparisons of times and memory (the compiled loop is handed it)."""
 
 
@@ -205,7 +205,7 @@ def python_loop(tables: LoopInputs) -> tuple[np.ndarray, np.ndarray, list[int]]:
                     if piece is not None and ahead and fqw and fqw[0][0] > t:
                         ps = piece[1] % stages
                         took = dur[w][ps * nk] + (dur[w][ps * nk + 1] if ps == last_stage else 0.0)
-                        piece = piece if t + took * size[piece[1]] <= fqw[0][0] + _EPS else None
+                        piece = piece if t + took * size[piece[1]] <= fqw[0][0] + TOLERANCE else None
                     if piece is not None and own is None and other is None and later is None:
                         slot = heappop(xqw)[1]
                         kind = 0
@@ -246,7 +246,7 @@ def python_loop(tables: LoopInputs) -> tuple[np.ndarray, np.ndarray, list[int]]:
                     if wqw and not hold and (
                         nxt == inf
                         or t + dur[w][(wqw[0] % stages) * nk + 2] * (1.0 if size is None else size[wqw[0]])
-                        <= nxt + _EPS
+                        <= nxt + TOLERANCE
                     ):
                         slot = wqw.pop(0)
                         kind = 2

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schedcomp.solvers.greedy_loop import _EPS, LoopInputs
+from schedcomp.solvers.greedy_loop import TOLERANCE, LoopInputs
 
 try:
     from schedcomp.solvers import _listloop
@@ -112,7 +112,7 @@ class LoopTables:
         return cls(
             n_workers=t.n_workers, pp=t.pp, stages=t.stages, nk=t.nk, n_slots=t.n_slots, split=t.split,
             eager=t.eager, idle=t.idle, use_pool=t.use_pool, capped=t.capped, fill=t.fill, ahead=t.ahead, cut=t.cut,
-            p2p=float(t.p2p), eps=_EPS, limits=_floats(t.limits), window_open=_floats(t.window_open),
+            p2p=float(t.p2p), eps=TOLERANCE, limits=_floats(t.limits), window_open=_floats(t.window_open),
             admit=_floats(t.admit), dur_row=_ints(dur_row), cap=_ints(t.cap), left_f=_ints(t.left_f),
             live=_ints(t.live), first=_ints(t.first), reserve=_floats(t.reserve), d_f=_floats(t.d_f),
             d_b=_floats(t.d_b), d_w=_floats(t.d_w), place=_ints(t.place), unit=_floats(t.unit),
