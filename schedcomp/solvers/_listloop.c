@@ -370,8 +370,10 @@ static void free_heaps(Heap *h, Py_ssize_t n) {
     free(h);
 }
 
-static PyObject *listloop_run(PyObject *self, PyObject *tables) {
+static PyObject *listloop_run(PyObject *self, PyObject *args) {
     (void)self;
+    PyObject *inputs, *tables; /* the sizes and switches (LoopInputs); the columns (LoopTables) */
+    if (!PyArg_ParseTuple(args, "OO:run", &inputs, &tables)) return NULL;
     static const char *names[N_COLUMNS] = {
         "limits", "window_open", "admit", "dur_row", "cap", "left_f", "live",
         "first", "reserve", "d_f", "d_b", "d_w", "place",
@@ -387,20 +389,20 @@ static PyObject *listloop_run(PyObject *self, PyObject *tables) {
     Loop L;
     memset(&L, 0, sizeof L);
     int failed = 0;
-    L.n_workers = get_int(tables, "n_workers", &failed);
-    L.pp = get_int(tables, "pp", &failed);
-    L.stages = get_int(tables, "stages", &failed);
-    L.nk = get_int(tables, "nk", &failed);
-    L.n_slots = get_int(tables, "n_slots", &failed);
-    L.split = (int)get_int(tables, "split", &failed);
-    L.eager = (int)get_int(tables, "eager", &failed);
-    L.idle = (int)get_int(tables, "idle", &failed);
-    L.use_pool = (int)get_int(tables, "use_pool", &failed);
-    L.capped = (int)get_int(tables, "capped", &failed);
-    L.fill = (int)get_int(tables, "fill", &failed);
-    L.ahead = (int)get_int(tables, "ahead", &failed);
-    L.cut = (int)get_int(tables, "cut", &failed);
-    L.p2p = get_float(tables, "p2p", &failed);
+    L.n_workers = get_int(inputs, "n_workers", &failed);
+    L.pp = get_int(inputs, "pp", &failed);
+    L.stages = get_int(inputs, "stages", &failed);
+    L.nk = get_int(inputs, "nk", &failed);
+    L.n_slots = get_int(inputs, "n_slots", &failed);
+    L.split = (int)get_int(inputs, "split", &failed);
+    L.eager = (int)get_int(inputs, "eager", &failed);
+    L.idle = (int)get_int(inputs, "idle", &failed);
+    L.use_pool = (int)get_int(inputs, "use_pool", &failed);
+    L.capped = (int)get_int(inputs, "capped", &failed);
+    L.fill = (int)get_int(inputs, "fill", &failed);
+    L.ahead = (int)get_int(inputs, "ahead", &failed);
+    L.cut = (int)get_int(inputs, "cut", &failed);
+    L.p2p = get_float(inputs, "p2p", &failed);
     L.eps = get_float(tables, "eps", &failed);
     if (failed) return NULL;
     if (L.n_workers <= 0 || L.pp <= 0 || L.stages <= 0 || L.nk < 2 || L.nk > 3 || L.n_slots < 0) {
@@ -555,8 +557,9 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"run", listloop_run, METH_O,
-     "run(tables) -> (ops logged, steps as int64 bytes): the list scheduler's loop over the prepared tables "
+    {"run", listloop_run, METH_VARARGS,
+     "run(inputs, tables) -> (ops logged, steps as int64 bytes): the list scheduler's loop over the sizes and "
+     "switches of `inputs` (schedcomp.solvers.greedy_loop.LoopInputs) and the columns of `tables` "
      "(schedcomp.solvers.greedy_native.LoopTables); writes the op log and the runners of pool-routed slots."},
     {NULL, NULL, 0, NULL},
 };

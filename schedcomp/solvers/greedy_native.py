@@ -52,24 +52,11 @@ def _csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class LoopTables:
-    """`LoopInputs` as the compiled loop reads them: flat int64 and float64 columns, lists of lists as one
-    column with where each begins (`held_ptr`, `peers_ptr`), the op-time rows workers share once each (`dur`,
-    `dur_row`: -1 for a dead worker); `runner` and `log` are written."""
+    """The columns of `LoopInputs` as the compiled loop reads them (its sizes and switches it reads from the
+    inputs themselves): flat int64 and float64 columns, lists of lists as one column with where each begins
+    (`held_ptr`, `peers_ptr`), the op-time rows workers share once each (`dur`, `dur_row`: -1 for a dead
+    worker); `runner` and `log` are written."""
 
-    n_workers: int
-    pp: int
-    stages: int
-    nk: int
-    n_slots: int
-    split: bool
-    eager: bool
-    idle: bool
-    use_pool: bool
-    capped: bool
-    fill: bool
-    ahead: bool
-    cut: bool
-    p2p: float
     eps: float
     limits: np.ndarray
     window_open: np.ndarray
@@ -110,9 +97,7 @@ class LoopTables:
         held_ptr, held = _csr(t.held)
         peers_ptr, peers = _csr(t.peers)
         return cls(
-            n_workers=t.n_workers, pp=t.pp, stages=t.stages, nk=t.nk, n_slots=t.n_slots, split=t.split,
-            eager=t.eager, idle=t.idle, use_pool=t.use_pool, capped=t.capped, fill=t.fill, ahead=t.ahead, cut=t.cut,
-            p2p=float(t.p2p), eps=TOLERANCE, limits=_floats(t.limits), window_open=_floats(t.window_open),
+            eps=TOLERANCE, limits=_floats(t.limits), window_open=_floats(t.window_open),
             admit=_floats(t.admit), dur_row=_ints(dur_row), cap=_ints(t.cap), left_f=_ints(t.left_f),
             live=_ints(t.live), first=_ints(t.first), reserve=_floats(t.reserve), d_f=_floats(t.d_f),
             d_b=_floats(t.d_b), d_w=_floats(t.d_w), place=_ints(t.place), unit=_floats(t.unit),
@@ -124,12 +109,13 @@ class LoopTables:
 
 def native_loop(inputs: LoopInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`greedy_loop.python_loop`, compiled: the op log, the steps and every slot's runner after the loop."""
-    return run_tables(LoopTables.of(inputs))
+    return run_tables(inputs, LoopTables.of(inputs))
 
 
-def run_tables(tables: LoopTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The compiled loop over `tables` (it checks every index it follows first: a ValueError, not a crash)."""
+def run_tables(inputs: LoopInputs, tables: LoopTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled loop over `inputs`' sizes and `tables` (it checks every index it follows first: a
+    ValueError, not a crash)."""
     if _listloop is None:
         raise ImportError("the compiled list loop (schedcomp.solvers._listloop) was not built")
-    logged, steps = _listloop.run(tables)
+    logged, steps = _listloop.run(inputs, tables)
     return tables.log[:logged], np.frombuffer(steps, dtype=np.int64), tables.runner

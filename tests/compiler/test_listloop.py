@@ -153,4 +153,4 @@ def test_wrong_tables_are_an_error_not_a_crash() -> None:
         greedy_native.native_loop(replace(good, starts=[0, 0, 4, 2, 6]))
     big_endian = replace(greedy_native.LoopTables.of(good), limits=np.full(4, np.inf, dtype=">f8"))
     with pytest.raises(ValueError, match="table limits"):
-        greedy_native.run_tables(big_endian)
+        greedy_native.run_tables(good, big_endian)
