@@ -46,7 +46,7 @@ from schedcomp.costs import CostModel
 from schedcomp.errors import RecoveryError, SchedcompTypeError, ScheduleError, TopologyError, ValidationError
 from schedcomp.ir import COMPUTE_KINDS, Instruction, Op, OpKind, Plan
 from schedcomp.lower import _stream
-from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, resolve_limit, stage_peak_memory
+from schedcomp.memory import FAULT_FREE, MemoryLimit, is_fault_free, limit_top, resolve_limit, stage_peak_memory
 from schedcomp.optimes import op_times, remember, retimed
 from schedcomp.repair_place import compute_ops, pipelines_last, place, slots_of
 from schedcomp.semantics import InstrKind
@@ -92,7 +92,7 @@ def repair(plan: Plan, failed: Worker | tuple[int, int] | str, *, validate: bool
     if not is_fault_free(memory_limit) and costs.memory_limit is not None:
         # (A re-route keeps every other worker as it is: a limit below what they hold now cannot be met.)
         peaks = stage_peak_memory(peak_memory(plan), topo.pp)
-        over = next((s for s in range(topo.pp) if peaks[s] > costs.limit_at(s) * (1 + 1e-9)), None)
+        over = next((s for s in range(topo.pp) if peaks[s] > limit_top(costs.limit_at(s))), None)  # (check's test)
         if over is not None:
             raise RecoveryError(f"the plan in use already holds {peaks[over]:g} at stage {over}, above the memory "
                                 f"limit {costs.limit_at(over):g} asked for: give at least the plan's own peaks, or "

@@ -133,6 +133,11 @@ class _Peer:
         return dict(zip(slot.ops, (f_time, *back_times), strict=True))
 
 
+def _top(limit: float) -> float:
+    """The most a peer may hold under `limit` in a repair (a tolerance for float sums; inf: no limit)."""
+    return limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
+
+
 def _inside(gap: tuple[float, float]) -> float:
     a, b = gap
     if math.isinf(b):
@@ -162,7 +167,7 @@ def place(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, Sequence[
     the times are not a timeline of the result: `repair` times it)."""
     deltas = stage_deltas(costs, worker.stage)
     limit = costs.limit_at(worker.stage)
-    top = limit * (1 + 1e-9) + 1e-9 if math.isfinite(limit) else math.inf
+    top = _top(limit)
     need = deltas[OpKind.F]  # the most one slot adds (F holds it; B and W only free)
     speed = costs.speed
     wid = {g: g.pipeline * pp + g.stage for g in candidates}
@@ -225,7 +230,7 @@ def pipelines_last(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, 
     moving = np.zeros(after.dp, dtype=bool)
     moving[pipelines] = True
     lanes = {w for d in pipelines for w in (Worker(d, s) for s in range(pp)) if w not in after.failed}
-    for s in {w.stage for w in after.failed if w.pipeline in moving.nonzero()[0]}:
+    for s in {w.stage for w in after.failed if moving[w.pipeline]}:
         lanes.update(after.stage_group(s))
     orders: dict[Worker, list[Op]] = {}
     for w in sorted(lanes):
@@ -237,7 +242,7 @@ def pipelines_last(worker: Worker, slots: list[_Slot], streams: Mapping[Worker, 
         orders[w] = [op for op in ops if not moving[op.pipeline]] + later
         if w in extra:
             deltas, limit = stage_deltas(costs, w.stage), costs.limit_at(w.stage)
-            if max(accumulate(deltas[op.kind] for op in orders[w])) > limit * (1 + 1e-9) + 1e-9:
+            if max(accumulate(deltas[op.kind] for op in orders[w])) > _top(limit):
                 raise RecoveryError(
                     f"no live peer of {worker} at stage {worker.stage} has the memory to take its micro-batches "
                     "after its own in a local re-route: compile the plan for the new failure set instead")
